@@ -9,7 +9,7 @@ namespace deltaserve::kernels::cpu {
 //   logit_i = Σ_d proj_w[d] · norm_w[d] · v_i[d] · rsqrt(mean(v_i²) + eps)
 //   out     = Σ_i softmax(logit)_i · v_i
 // With n == 1, out = v_0 exactly. out: [T, dim], must not alias a source.
-void attn_res_mix(const float* const* sources, int64_t num_sources, const float* norm_weight,
-                  const float* proj_weight, float* out, int64_t num_tokens, int64_t dim, float eps);
+void attn_res_mix(const float* const* sources, int64_t num_sources, const float* norm_weight, const float* proj_weight,
+                  float* out, int64_t num_tokens, int64_t dim, float eps);
 
 }  // namespace deltaserve::kernels::cpu

@@ -14,7 +14,6 @@ void set_num_threads(int num_threads);
 int num_threads();
 
 // Calls fn(range_begin, range_end) for disjoint ranges covering [begin, end). Returns when all are done.
-void parallel_for(int64_t begin, int64_t end, int64_t grain,
-                  const std::function<void(int64_t, int64_t)>& fn);
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
 
 }  // namespace deltaserve::kernels::cpu
