@@ -6,13 +6,18 @@
 
 namespace deltaserve::kernels::cpu {
 
-// y[r, :] = x[r, :] * rsqrt(mean(x[r, :]^2) + eps) * weight.   x, y: [rows, dim]; weight: [dim] or nullptr (= 1).
-// x == y is allowed.
+// y[r, :] = x[r, :] * rsqrt(mean(x[r, :]^2) + eps) * weight (sum of squares in fp64).   x, y: [rows, dim]; weight:
+// [dim] or nullptr (= 1). x == y is allowed.
 void rms_norm(const float* x, const float* weight, float* y, int64_t rows, int64_t dim, float eps);
 
 // y[rows, out] = x[rows, in] · weight[out, in]^T, or y += ... when accumulate. x and y must not alias.
+// Parallel over output features when rows is small (decode), over row tiles otherwise. Each output is
+// a fp32 sum in a fixed order (independent of the thread count), so results are reproducible.
 void linear(const float* x, const float* weight, float* y, int64_t rows, int64_t in, int64_t out,
             bool accumulate = false);
+
+// sum_i a[i] * b[i] in fp32 (eight partial sums, then the tail).
+float dot(const float* a, const float* b, int64_t n);
 
 // Elementwise, in place over n values.
 void silu_inplace(float* x, int64_t n);
