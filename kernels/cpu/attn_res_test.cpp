@@ -1,12 +1,12 @@
 #include "kernels/cpu/attn_res.hpp"
 
-#include <gtest/gtest.h>
-
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <random>
 #include <vector>
+
+#include <gtest/gtest.h>
 
 namespace deltaserve::kernels::cpu {
 namespace {
@@ -105,8 +105,8 @@ TEST(AttnResMix, InvariantToConstantLogitShift) {
   for (auto& v : shifted) v[6] = v[7] = u;
   std::vector<float> shifted_proj = proj_weight;
   for (float& w : shifted_proj) w *= 3.0f;
-  const double shift = (double(proj_weight[6]) * norm_weight[6] + double(proj_weight[7]) * norm_weight[7]) * u /
-                       std::sqrt(4.0 / dim);
+  const double shift =
+      (double(proj_weight[6]) * norm_weight[6] + double(proj_weight[7]) * norm_weight[7]) * u / std::sqrt(4.0 / dim);
   ASSERT_GT(shift, 1000.0);
 
   const std::vector<float> out = mix(shifted, norm_weight, shifted_proj, 1, dim, eps);

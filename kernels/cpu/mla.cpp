@@ -42,8 +42,7 @@ float exp_shifted_inplace(float* scores, int64_t n) {
 }  // namespace
 
 void mla_attention_naive(const MlaDims& dims, const float* q, int64_t num_tokens, int64_t first_position,
-                         const float* cache, int64_t cache_stride, int64_t context_len, const float* kv_b,
-                         float* out) {
+                         const float* cache, int64_t cache_stride, int64_t context_len, const float* kv_b, float* out) {
   check_contract(dims, num_tokens, first_position, cache_stride, context_len);
   if (num_tokens == 0) return;
   const int64_t rank = dims.kv_lora_rank;
@@ -56,7 +55,7 @@ void mla_attention_naive(const MlaDims& dims, const float* q, int64_t num_tokens
   const int64_t visible = first_position + num_tokens;
 
   parallel_for(0, num_heads, 1, [&](int64_t head_begin, int64_t head_end) {
-    std::vector<float> k_nope(static_cast<size_t>(visible * nope));  // [visible, qk_nope]
+    std::vector<float> k_nope(static_cast<size_t>(visible * nope));    // [visible, qk_nope]
     std::vector<float> values(static_cast<size_t>(visible * v_head));  // [visible, v_head]
     std::vector<float> scores(static_cast<size_t>(visible));
     for (int64_t h = head_begin; h < head_end; ++h) {
@@ -72,8 +71,8 @@ void mla_attention_naive(const MlaDims& dims, const float* q, int64_t num_tokens
         const int64_t seen = first_position + t + 1;
         for (int64_t j = 0; j < seen; ++j) {
           const float* k_rot = cache + j * cache_stride + rank;
-          scores[j] = (dot_f32(q_head, &k_nope[j * nope], nope) + dot_f32(q_head + nope, k_rot, rope)) *
-                      dims.softmax_scale;
+          scores[j] =
+              (dot_f32(q_head, &k_nope[j * nope], nope) + dot_f32(q_head + nope, k_rot, rope)) * dims.softmax_scale;
         }
         const float inv_sum = exp_shifted_inplace(scores.data(), seen);
         float* o = out + (t * num_heads + h) * v_head;

@@ -23,6 +23,9 @@ struct MlaDims {
 //   Query t sits at absolute position first_position + t and sees rows 0..first_position + t (causal);
 //   requires first_position + T <= context_len.
 //   out:      [T, H, v_head]
+// Reads only the first kv_lora_rank + qk_rope values of rows 0..first_position + T - 1 (padding and later rows
+// may hold anything). Softmax subtracts the max (sum in fp64); dot products in fp32. Parallel over heads
+// (naive) or tokens × heads (absorbed); results do not depend on the thread count.
 // Naive form: materialise k_nope = W_UK c and v = W_UV c per head and row, then softmax attention.
 void mla_attention_naive(const MlaDims& dims, const float* q, int64_t num_tokens, int64_t first_position,
                          const float* cache, int64_t cache_stride, int64_t context_len, const float* kv_b, float* out);

@@ -1,13 +1,13 @@
 #include "kernels/cpu/mla.hpp"
 
-#include <gtest/gtest.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <random>
 #include <vector>
+
+#include <gtest/gtest.h>
 
 namespace deltaserve::kernels::cpu {
 namespace {
@@ -103,8 +103,8 @@ enum class Form { kNaive, kAbsorbed };
 std::vector<float> run(const MlaCase& c, Form form) {
   std::vector<float> out(static_cast<size_t>(c.num_tokens * c.dims.num_heads * c.dims.v_head), kNaN);
   auto* fn = form == Form::kNaive ? &mla_attention_naive : &mla_attention_absorbed;
-  fn(c.dims, c.q.data(), c.num_tokens, c.first_position, c.cache.data(), c.cache_stride, c.context_len,
-     c.kv_b.data(), out.data());
+  fn(c.dims, c.q.data(), c.num_tokens, c.first_position, c.cache.data(), c.cache_stride, c.context_len, c.kv_b.data(),
+     out.data());
   return out;
 }
 

@@ -1,18 +1,20 @@
 #include "kernels/cpu/moe.hpp"
 
-#include <gtest/gtest.h>
-
 #include <algorithm>
 #include <cmath>
 #include <numeric>
 #include <random>
 #include <vector>
 
+#include <gtest/gtest.h>
+
 namespace deltaserve::kernels::cpu {
 namespace {
 
 // logit whose sigmoid is exactly p (up to fp32 rounding): sigmoid(log(p / (1 - p))) = p.
-float logit_of(double p) { return static_cast<float>(std::log(p / (1.0 - p))); }
+float logit_of(double p) {
+  return static_cast<float>(std::log(p / (1.0 - p)));
+}
 
 struct Routed {
   std::vector<int32_t> ids;
