@@ -5,7 +5,10 @@
 // Contract: strict RFC 8259 (no comments, no trailing commas, no NaN), UTF-8 validated in strings,
 // \uXXXX escapes incl. surrogate pairs, nesting depth limited to kMaxDepth. Objects keep insertion
 // order; duplicate keys are an error (a checkpoint header with two entries for one tensor is corrupt).
-// Numbers keep whether they were written as integers, so 64-bit offsets survive exactly.
+// Numbers keep whether they were written as integers, so 64-bit offsets survive exactly; an integer outside
+// int64 becomes a double, and a number outside double range (overflow or underflow) is an error.
+// Number parsing is locale-independent. Duplicate detection is O(1) per key, so a safetensors index with
+// 10^5 entries parses in linear time (lookup with find() stays linear: build a map for repeated lookups).
 #pragma once
 
 #include <charconv>
@@ -15,6 +18,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <unordered_set>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -22,6 +26,9 @@
 #include "common/status.hpp"
 
 namespace deltaserve::json {
+
+// Maximum nesting of arrays/objects in a document: "[[1]]" has depth 2.
+inline constexpr int kMaxDepth = 256;
 
 class Value;
 using Array = std::vector<Value>;
@@ -64,7 +71,14 @@ class Value {
 
   // Accessors: callers check the kind first; on a wrong kind they return a neutral value.
   bool as_bool() const { return kind_ == Kind::kBool && bool_; }
-  int64_t as_int() const { return kind_ == Kind::kInt ? int_ : static_cast<int64_t>(double_); }
+  // A double converts by truncation toward zero, saturating at the int64 range (no UB for 1e300).
+  int64_t as_int() const {
+    if (kind_ == Kind::kInt) return int_;
+    if (kind_ != Kind::kDouble || std::isnan(double_)) return 0;
+    if (double_ >= 9223372036854775807.0) return INT64_MAX;
+    if (double_ <= -9223372036854775808.0) return INT64_MIN;
+    return static_cast<int64_t>(double_);
+  }
   double as_double() const { return kind_ == Kind::kInt ? static_cast<double>(int_) : double_; }
   const std::string& as_string() const { return string_; }
   const Array& as_array() const { return array_; }
@@ -211,7 +225,7 @@ namespace detail {
 
 class Parser {
  public:
-  static constexpr int kMaxDepth = 256;
+  static constexpr int kMaxDepth = json::kMaxDepth;
   explicit Parser(std::string_view text) : text_(text) {}
 
   Result<Value> parse_document() {
@@ -241,10 +255,11 @@ class Parser {
     return false;
   }
 
+  // `depth` = number of arrays/objects enclosing this value.
   Status parse_value(Value& out, int depth) {
-    if (depth > kMaxDepth) return error("nesting deeper than " + std::to_string(kMaxDepth));
     if (pos_ >= text_.size()) return error("unexpected end of input");
     char c = text_[pos_];
+    if ((c == '{' || c == '[') && depth >= kMaxDepth) return error("nesting deeper than " + std::to_string(kMaxDepth));
     if (c == '{') return parse_object(out, depth);
     if (c == '[') return parse_array(out, depth);
     if (c == '"') {
@@ -277,12 +292,20 @@ class Parser {
       ++pos_;
       return Status::ok();
     }
+    // Small objects check duplicates by scanning; past kScanLimit keys a hash set takes over, so an
+    // object with n keys costs O(n), not O(n^2) (a K3 index.json maps ~250k tensor names).
+    constexpr size_t kScanLimit = 16;
+    std::unordered_set<std::string> seen;
     while (true) {
       skip_ws();
       if (pos_ >= text_.size() || text_[pos_] != '"') return error("expected object key string");
       std::string key;
       DS_RETURN_IF_ERROR(parse_string(key));
-      if (out.find(key) != nullptr) return error("duplicate key \"" + key + "\"");
+      Object& members = out.as_object();
+      if (members.size() == kScanLimit)
+        for (const auto& member : members) seen.insert(member.first);
+      const bool duplicate = members.size() < kScanLimit ? out.find(key) != nullptr : !seen.insert(key).second;
+      if (duplicate) return error("duplicate key \"" + key + "\"");
       skip_ws();
       if (pos_ >= text_.size() || text_[pos_] != ':') return error("expected ':' after key");
       ++pos_;
@@ -495,11 +518,11 @@ class Parser {
       }
       // Out of int64 range: fall through to double.
     }
-    std::string copy(num);  // strtod needs a terminator
-    char* end = nullptr;
-    double d = std::strtod(copy.c_str(), &end);
-    if (end != copy.c_str() + copy.size()) return error("bad number");
-    if (!std::isfinite(d)) return error("number out of range");
+    // from_chars, not strtod: strtod follows the C locale (LC_NUMERIC "de_DE" reads "1.5" as 1).
+    double d = 0.0;
+    auto [end, ec] = std::from_chars(num.data(), num.data() + num.size(), d);
+    if (ec == std::errc::result_out_of_range) return error("number out of double range");
+    if (ec != std::errc() || end != num.data() + num.size()) return error("bad number");
     out = Value(d);
     return Status::ok();
   }

@@ -1,0 +1,49 @@
+// The subcommands of the `deltaserve` binary, apart from their flag parsing (cli/main.cpp), so tests
+// can call them in-process. Each returns the process exit code and writes errors to stderr.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <iosfwd>
+#include <optional>
+#include <string>
+
+#include "common/status.hpp"
+
+namespace deltaserve::cli {
+
+// Directory of the built-in tiny model (`preset`), created deterministically on first use under
+// $DELTASERVE_HOME (default: $XDG_CACHE_HOME/deltaserve, else ~/.cache/deltaserve). Concurrent
+// first uses are safe: the model is written to a temporary directory and renamed into place.
+Result<std::filesystem::path> builtin_model_dir(const std::string& preset = "tiny-linear");
+
+// `--model DIR` if given, else the built-in tiny model.
+Result<std::filesystem::path> resolve_model_dir(const std::optional<std::string>& model);
+
+struct GenerateOptions {
+  std::optional<std::string> model;
+  std::string prompt;
+  bool chat = false;
+  int64_t max_tokens = 64;
+  float temperature = 0.0f;
+  float top_p = 1.0f;
+  int32_t top_k = 0;
+  uint64_t seed = 0;
+  int32_t logprobs = -1;  // < 0: plain text; >= 0: one JSON line per token with its logprob and top-K alternatives
+  int64_t prefill_chunk = 512;
+  bool ignore_eos = false;
+};
+int run_generate(const GenerateOptions& options, std::ostream& out, std::ostream& err);
+
+int run_inspect_model(const std::string& path, std::ostream& out, std::ostream& err);
+
+struct MakeModelCommandOptions {
+  std::string preset = "tiny-linear";  // a preset name, or a config.json path / inline JSON object
+  std::string out_dir;
+  uint64_t seed = 0;
+  std::string dtype = "bf16";  // f32 | bf16 | f16 | fp8
+  uint64_t shard_bytes = 0;
+};
+int run_make_model(const MakeModelCommandOptions& options, std::ostream& out, std::ostream& err);
+
+}  // namespace deltaserve::cli

@@ -1,0 +1,68 @@
+// The hybrid model's forward pass on the CPU (fp32 math), over a batch of sequences of any lengths:
+// a prefill chunk of one request and single decode tokens of others go through one call. Dense work
+// (projections, FFN, MoE, LM head) runs over all rows of the batch at once; sequence mixing (short
+// conv, KDA recurrence, MLA attention) runs per sequence against that sequence's RequestState.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "common/status.hpp"
+#include "engine/model_config.hpp"
+#include "engine/model_weights.hpp"
+#include "engine/request_state.hpp"
+
+namespace deltaserve::engine {
+
+struct SequenceInput {
+  RequestState* state = nullptr;    // advanced by tokens.size() on success
+  std::span<const int32_t> tokens;  // new tokens, in order; at least one
+  bool all_logits = false;          // logits for every new token, not only the last
+};
+
+struct ForwardOptions {
+  int64_t kda_chunk_size = 64;  // chunk of the WY/UT prefill form; decode (1 token) uses the recurrence
+};
+
+class Model {
+ public:
+  Model(ModelConfig config, ModelWeights weights);
+
+  // Reads config.json and the safetensors checkpoint in `directory`. Errors name the file and field/tensor.
+  static Result<std::unique_ptr<Model>> load(const std::filesystem::path& directory);
+
+  const ModelConfig& config() const { return config_; }
+  RequestState new_state() const { return RequestState(config_); }
+
+  // Runs one step for every sequence of the batch. On success logits[i] holds, for sequence i,
+  // [vocab] (last token) or [T_i, vocab] (all_logits). Checks token ids and the context limit
+  // first; on an error no state has been modified.
+  Status forward(std::span<SequenceInput> batch, std::vector<std::vector<float>>& logits,
+                 const ForwardOptions& options = {}) const;
+
+  // Convenience: prefill `tokens` into `state` in pieces of at most `chunk_tokens`, returning the
+  // logits of the last token.
+  Result<std::vector<float>> prefill(RequestState& state, std::span<const int32_t> tokens,
+                                     int64_t chunk_tokens = 512) const;
+
+  // Ordinal of `layer` among the layers of its kind: its index into RequestState::kda or ::mla.
+  int64_t layer_slot(int64_t layer) const { return layer_slot_[static_cast<size_t>(layer)]; }
+
+ private:
+  struct Batch;
+  void run_kda(const LayerWeights& layer, int64_t slot, const float* x, float* out, Batch& batch,
+               const ForwardOptions& options) const;
+  void run_mla(const LayerWeights& layer, int64_t slot, const float* x, float* out, Batch& batch) const;
+  void run_ffn(const LayerWeights& layer, const float* x, float* out, int64_t rows) const;
+  void run_moe(const MoeWeights& moe, const float* x, float* out, int64_t rows) const;
+  void run_dense_ffn(const FfnWeights& ffn, const float* x, float* out, int64_t rows) const;
+
+  ModelConfig config_;
+  ModelWeights weights_;
+  std::vector<int64_t> layer_slot_;
+};
+
+}  // namespace deltaserve::engine

@@ -1,0 +1,54 @@
+#include "engine/request_state.hpp"
+
+#include <algorithm>
+
+namespace deltaserve::engine {
+
+RequestState::RequestState(const ModelConfig& config) {
+  const int64_t channels = config.kda.num_heads * config.kda.head_dim;
+  const auto tail = static_cast<size_t>(channels * (config.kda.conv_kernel_size - 1));
+  const auto state = static_cast<size_t>(config.kda.num_heads * config.kda.head_dim * config.kda.head_dim);
+  kda.resize(static_cast<size_t>(config.num_layers_of(LayerKind::kKda)));
+  for (KdaLayerState& layer : kda) {
+    layer.conv_q.assign(tail, 0.0f);
+    layer.conv_k.assign(tail, 0.0f);
+    layer.conv_v.assign(tail, 0.0f);
+    layer.recurrent.assign(state, 0.0f);
+  }
+  mla.assign(static_cast<size_t>(config.num_layers_of(LayerKind::kMla)), MlaLayerCache(config.mla.cache_width()));
+}
+
+int64_t RequestState::kda_state_bytes() const {
+  size_t values = 0;
+  for (const KdaLayerState& layer : kda) {
+    values += layer.conv_q.size() + layer.conv_k.size() + layer.conv_v.size() + layer.recurrent.size();
+  }
+  return static_cast<int64_t>(values * sizeof(float));
+}
+
+int64_t RequestState::mla_cache_bytes() const {
+  size_t values = 0;
+  for (const MlaLayerCache& layer : mla) values += layer.data().size();
+  return static_cast<int64_t>(values * sizeof(float));
+}
+
+bool RequestState::same_contents(const RequestState& other) const {
+  if (num_tokens_ != other.num_tokens_ || kda.size() != other.kda.size() || mla.size() != other.mla.size()) {
+    return false;
+  }
+  for (size_t i = 0; i < kda.size(); ++i) {
+    const KdaLayerState& a = kda[i];
+    const KdaLayerState& b = other.kda[i];
+    if (a.conv_q != b.conv_q || a.conv_k != b.conv_k || a.conv_v != b.conv_v || a.recurrent != b.recurrent) {
+      return false;
+    }
+  }
+  for (size_t i = 0; i < mla.size(); ++i) {
+    const auto x = mla[i].data();
+    const auto y = other.mla[i].data();
+    if (x.size() != y.size() || !std::equal(x.begin(), x.end(), y.begin())) return false;
+  }
+  return true;
+}
+
+}  // namespace deltaserve::engine
