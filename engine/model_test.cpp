@@ -197,7 +197,9 @@ void write_edited_checkpoint(const std::filesystem::path& dir, const std::string
     ASSERT_TRUE(
         writer.add(spec.name, spec.shape, std::vector<float>(static_cast<size_t>(n), 0.5f), DType::kF32).is_ok());
   }
-  if (!extra.empty()) ASSERT_TRUE(writer.add(extra, {4}, std::vector<float>(4, 1.0f), DType::kF32).is_ok());
+  if (!extra.empty()) {
+    ASSERT_TRUE(writer.add(extra, {4}, std::vector<float>(4, 1.0f), DType::kF32).is_ok());
+  }
   ASSERT_TRUE(writer.write(dir).is_ok());
   std::ofstream(dir / "config.json") << model_config_to_json(*config).dump();
 }
