@@ -145,4 +145,20 @@ TEST_F(CliTest, GenerateRejectsBadFlagsAndBadModels) {
   EXPECT_NE(r.err.find("config.json"), std::string::npos) << r.err;
 }
 
+TEST_F(CliTest, TokenizeMatchesTheLibraryAndRoundTrips) {
+  const std::string text = "Hello, мир! 你好 <|im_end|>";
+  RunResult plain = run("tokenize '" + text + "'");
+  ASSERT_EQ(plain.exit_code, 0) << plain.err;
+  RunResult specials = run("tokenize --specials '" + text + "'");
+  ASSERT_EQ(specials.exit_code, 0) << specials.err;
+  auto dir = deltaserve::tokenizer::Tokenizer::load(dir_ / "home" / "models" / "tiny-linear-v1");
+  ASSERT_TRUE(dir.is_ok()) << dir.status().to_string();
+  const auto ids = nlohmann::json::parse(plain.out).get<std::vector<int32_t>>();
+  EXPECT_EQ(ids, dir->encode(text, deltaserve::tokenizer::SpecialTokens::kNone));
+  EXPECT_EQ(dir->decode(ids), text);
+  const auto special_ids = nlohmann::json::parse(specials.out).get<std::vector<int32_t>>();
+  EXPECT_EQ(special_ids.back(), *dir->special_token_id("<|im_end|>"));
+  EXPECT_LT(special_ids.size(), ids.size());
+}
+
 }  // namespace

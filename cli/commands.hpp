@@ -35,6 +35,15 @@ struct GenerateOptions {
 };
 int run_generate(const GenerateOptions& options, std::ostream& out, std::ostream& err);
 
+// Prints the token ids of `text` as a JSON list (no BOS is added).
+struct TokenizeOptions {
+  std::optional<std::string> model;
+  std::string text;
+  bool chat = false;      // wrap as a user message in the chat format (specials parsed)
+  bool specials = false;  // parse special-token text in `text` as special ids
+};
+int run_tokenize(const TokenizeOptions& options, std::ostream& out, std::ostream& err);
+
 int run_inspect_model(const std::string& path, std::ostream& out, std::ostream& err);
 
 struct MakeModelCommandOptions {

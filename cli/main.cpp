@@ -32,6 +32,14 @@ int main(int argc, char** argv) {
   generate->add_option("--prefill-chunk", gen.prefill_chunk, "Prefill chunk in tokens")->capture_default_str();
   generate->add_flag("--ignore-eos", gen.ignore_eos, "Do not stop at the end-of-sequence token");
 
+  TokenizeOptions tok;
+  auto* tokenize = app.add_subcommand("tokenize", "Print the token ids of a text as a JSON list");
+  tokenize->add_option("--model", tok.model, "Checkpoint directory (default: the built-in tiny model)")
+      ->envname("DELTASERVE_MODEL");
+  tokenize->add_option("text", tok.text, "Text to encode")->required();
+  tokenize->add_flag("--chat", tok.chat, "Wrap the text as a user message in the chat format");
+  tokenize->add_flag("--specials", tok.specials, "Parse special-token text as special tokens");
+
   std::string inspect_path;
   auto* inspect = app.add_subcommand("inspect-model", "Print a model's architecture, parameters and cache sizes");
   inspect->add_option("path", inspect_path, "Checkpoint directory or config.json")->required();
@@ -50,6 +58,7 @@ int main(int argc, char** argv) {
   deltaserve::kernels::cpu::set_num_threads(threads);
 
   if (generate->parsed()) return run_generate(gen, std::cout, std::cerr);
+  if (tokenize->parsed()) return run_tokenize(tok, std::cout, std::cerr);
   if (inspect->parsed()) return run_inspect_model(inspect_path, std::cout, std::cerr);
   if (make_model->parsed()) return run_make_model(make, std::cout, std::cerr);
   return 2;
