@@ -11,6 +11,8 @@
 
 #include "engine/make_model.hpp"
 #include "engine/model.hpp"
+#include "engine/model_inspect.hpp"
+#include "kernels/cpu/basic_ops.hpp"
 #include "kernels/cpu/thread_pool.hpp"
 
 namespace {
@@ -39,6 +41,24 @@ std::vector<int32_t> tokens(int64_t n, int64_t vocab) {
   return t;
 }
 
+// Matmul FLOPs per token ≈ 2 × parameters a token touches (attention over the context is extra and
+// small at these lengths); the report divides throughput by the ceiling measured below.
+double flops_per_token(const Model& model) {
+  return 2.0 * static_cast<double>(deltaserve::engine::count_parameters(model.config()).active_per_token);
+}
+
+// The ceiling: fp32 FLOP/s of the engine's own matmul at a size where it is compute-bound.
+void BM_LinearCeiling(benchmark::State& state) {
+  const int64_t n = state.range(0);
+  std::vector<float> x(static_cast<size_t>(n * n), 0.5f), w(x.size(), 0.25f), y(x.size());
+  for (auto _ : state) {
+    deltaserve::kernels::cpu::linear(x.data(), w.data(), y.data(), n, n, n);
+    benchmark::DoNotOptimize(y.data());
+  }
+  state.counters["flops_per_s"] = benchmark::Counter(
+      2.0 * static_cast<double>(n * n * n) * static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
+}
+
 void BM_Prefill(benchmark::State& state, const std::string& preset) {
   Model& model = model_for(preset);
   const auto prompt = tokens(state.range(0), model.config().vocab_size);
@@ -49,6 +69,7 @@ void BM_Prefill(benchmark::State& state, const std::string& preset) {
   }
   state.counters["tokens_per_s"] =
       benchmark::Counter(static_cast<double>(state.iterations() * state.range(0)), benchmark::Counter::kIsRate);
+  state.counters["flops_per_token"] = flops_per_token(model);
 }
 
 void BM_Decode(benchmark::State& state, const std::string& preset) {
@@ -76,6 +97,7 @@ void BM_Decode(benchmark::State& state, const std::string& preset) {
 
 }  // namespace
 
+BENCHMARK(BM_LinearCeiling)->Arg(512)->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_Prefill, tiny_linear, std::string("tiny-linear"))
     ->Arg(512)
     ->Arg(2048)
