@@ -93,6 +93,7 @@ void BM_Decode(benchmark::State& state, const std::string& preset) {
     ++steps;
   }
   state.counters["tokens_per_s"] = benchmark::Counter(static_cast<double>(steps * batch), benchmark::Counter::kIsRate);
+  state.counters["flops_per_token"] = flops_per_token(model);
 }
 
 }  // namespace
