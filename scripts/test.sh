@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Sets up a fresh Debian 12 machine, builds everything and runs every CPU test:
-#   1. RelWithDebInfo build, all ctest suites except the GPU label;
+#   0. formatting check (clang-format, root .clang-format);
+#   1. RelWithDebInfo build, all ctest suites except the GPU label, incl. the Python reference
+#      checks (NumPy model, tiktoken) from a venv in build/pyenv;
 #   2. the unit tests again under AddressSanitizer + UndefinedBehaviorSanitizer.
 # GPU suites (ctest label `gpu`) run on the device machine only; see README "Building for a GPU".
 set -euo pipefail
@@ -9,6 +11,8 @@ jobs=${DELTASERVE_JOBS:-$(nproc)}
 start=$(date +%s)
 
 scripts/setup-debian.sh
+scripts/setup-python.sh
+scripts/check-format.sh
 
 echo "== release build and tests"
 cmake --preset release

@@ -56,8 +56,8 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
     with open(path, "rb") as f:
         blob = f.read()
     (header_len,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8 : 8 + header_len])
-    data = memoryview(blob)[8 + header_len :]
+    header = json.loads(blob[8:8 + header_len])
+    data = memoryview(blob)[8 + header_len:]
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -247,7 +247,7 @@ class KimiReference:
             padded = np.concatenate([np.zeros((K - 1, y.shape[1])), y], axis=0)  # zero initial tail
             out = np.zeros_like(y)
             for j in range(K):
-                out += padded[j : j + T] * w[:, j]
+                out += padded[j:j + T] * w[:, j]
             return silu(out)
 
         q = l2_normalize(conv_silu("q").reshape(T, H, d)) * d**-0.5
@@ -337,6 +337,9 @@ class KimiReference:
         p /= p.sum(axis=0, keepdims=True)
         return np.sum(p[:, :, None] * v, axis=0)
 
+    def mix_named(self, blocks: list[np.ndarray], prefix: np.ndarray, name: str) -> np.ndarray:
+        return self.mix(blocks + [prefix], self.w(name + "_norm.weight"), self.w(name + "_proj.weight"))
+
     def logits(self, token_ids) -> np.ndarray:
         ids = np.asarray(token_ids, dtype=np.int64)
         emb = self.w("embed_tokens.weight")[ids]
@@ -346,15 +349,16 @@ class KimiReference:
             prefix = emb
             for layer in range(self.num_layers):
                 p = f"layers.{layer}."
-                x_in = self.mix(blocks + [prefix], self.w(p + "self_attention_res_norm.weight"),
-                                self.w(p + "self_attention_res_proj.weight")) if blocks else prefix
-                if layer % B == 0:
+                x_in = self.mix_named(blocks, prefix, p + "self_attention_res") if blocks else prefix
+                if layer % B == 0:  # seal the running sum as a new block
                     blocks.append(prefix)
                     prefix = np.zeros_like(prefix)
-                prefix = prefix + self.attention(layer, rms_norm(x_in, self.w(p + "input_layernorm.weight"), self.eps))
-                m_in = self.mix(blocks + [prefix], self.w(p + "mlp_res_norm.weight"), self.w(p + "mlp_res_proj.weight"))
-                prefix = prefix + self.ffn(layer, rms_norm(m_in, self.w(p + "post_attention_layernorm.weight"), self.eps))
-            h = self.mix(blocks + [prefix], self.w("output_attn_res_norm.weight"), self.w("output_attn_res_proj.weight"))
+                x = rms_norm(x_in, self.w(p + "input_layernorm.weight"), self.eps)
+                prefix = prefix + self.attention(layer, x)
+                m_in = self.mix_named(blocks, prefix, p + "mlp_res")
+                x = rms_norm(m_in, self.w(p + "post_attention_layernorm.weight"), self.eps)
+                prefix = prefix + self.ffn(layer, x)
+            h = self.mix_named(blocks, prefix, "output_attn_res")
         else:
             h = emb
             for layer in range(self.num_layers):
@@ -383,16 +387,19 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 # Tokenizer (tiktoken with the Kimi pre-split pattern, as tokenization_kimi.py builds it)
 # ---------------------------------------------------------------------------------------------
 
-# Copied verbatim from tokenizer/pretokenizer.hpp kKimiPattern.
+# The same string as tokenizer/pretokenizer.hpp kKimiPattern (tokenization_kimi.py's pattern).
+_LETTERS_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+_LETTERS_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
 KIMI_PATTERN = "|".join([
-    r"""[\p{Han}]+""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",  # noqa: E501
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",  # noqa: E501
-    r"""\p{N}{1,3}""",
-    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
-    r"""\s*[\r\n]+""",
-    r"""\s+(?!\S)""",
-    r"""\s+""",
+    r"[\p{Han}]+",
+    r"[^\r\n\p{L}\p{N}]?" + _LETTERS_UPPER + "*" + _LETTERS_LOWER + "+" + _CONTRACTIONS,
+    r"[^\r\n\p{L}\p{N}]?" + _LETTERS_UPPER + "+" + _LETTERS_LOWER + "*" + _CONTRACTIONS,
+    r"\p{N}{1,3}",
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+    r"\s*[\r\n]+",
+    r"\s+(?!\S)",
+    r"\s+",
 ])
 
 NUM_RESERVED_SPECIAL_TOKENS = 256
@@ -432,7 +439,7 @@ def split_encode_chunks(text: str) -> list[str]:
     MAX_CONSECUTIVE_RUN_CHARS characters."""
     out = []
     for i in range(0, len(text), MAX_ENCODE_CHARS):
-        s = text[i : i + MAX_ENCODE_CHARS]
+        s = text[i:i + MAX_ENCODE_CHARS]
         if not s:
             continue
         run_len, run_space, start = 0, s[0].isspace(), 0

@@ -89,7 +89,7 @@ def test_generate_matches_reference(case, tmp_path):
 
     generated = [int(line["token_id"]) for line in lines]
     logp = ref.log_softmax(ref.logits(model, prompt_ids + generated[:-1]))
-    logp = logp[len(prompt_ids) - 1 :]
+    logp = logp[len(prompt_ids) - 1:]
     by_bytes = token_bytes_to_id(enc)
 
     max_err = 0.0
