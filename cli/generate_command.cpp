@@ -98,7 +98,8 @@ int run_generate(const GenerateOptions& options, std::ostream& out, std::ostream
       for (const engine::TokenLogprob& alt : sampled.top) top.push_back(token_entry(*tok, alt.token, alt.logprob));
       line["top_logprobs"] = top;
       out << line.dump() << "\n" << std::flush;
-    } else if (!stop) {
+    } else if (!stop && !tok->is_special(sampled.token)) {
+      // Special tokens are control tokens, not text (as OpenAI-compatible servers skip them).
       out << decoder.push(sampled.token) << std::flush;
     }
     if (stop) {
