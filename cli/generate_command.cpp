@@ -69,9 +69,17 @@ int run_generate(const GenerateOptions& options, std::ostream& out, std::ostream
   if (prompt.empty()) return fail(invalid_argument("the prompt encodes to no tokens"));
 
   engine::RequestState state = (*model)->new_state();
+  // The cluster's split (engine/decode_batcher.hpp, "N−1 prefill"): prefill prompt[0, N−1) in chunks,
+  // then one decode step on the last prompt token gives the first logits. Same math as serving.
   const auto prefill_start = Clock::now();
-  auto logits = (*model)->prefill(state, prompt, options.prefill_chunk);
-  if (!logits.is_ok()) return fail(logits.status());
+  const std::span<const int32_t> all(prompt);
+  if (prompt.size() > 1) {
+    auto prefilled = (*model)->prefill(state, all.first(prompt.size() - 1), options.prefill_chunk);
+    if (!prefilled.is_ok()) return fail(prefilled.status());
+  }
+  std::vector<std::vector<float>> first;
+  engine::SequenceInput last{&state, all.last(1), false};
+  if (Status s = (*model)->forward({&last, 1}, first); !s.is_ok()) return fail(s);
   const double prefill_seconds = seconds_since(prefill_start);
 
   // Stop on the model's eos and on <|im_end|> (the chat turn end), unless told to ignore them.
@@ -81,7 +89,7 @@ int run_generate(const GenerateOptions& options, std::ostream& out, std::ostream
 
   engine::Sampler sampler(params);
   tokenizer::IncrementalDecoder decoder(*tok);
-  std::vector<float> current = std::move(logits).value();
+  std::vector<float> current = std::move(first[0]);
   int64_t generated = 0;
   std::string finish_reason = "length";
   const auto decode_start = Clock::now();
