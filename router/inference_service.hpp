@@ -16,15 +16,16 @@
 namespace deltaserve::router {
 
 struct GenerationRequest {
-  std::string request_id;       // unique per choice, e.g. "chatcmpl-<id>-<index>"; used by cancel()
-  std::string tenant;           // authenticated tenant (cache namespace); "default" without API keys
-  std::vector<int32_t> prompt;  // token ids, >= 1, already checked against the context limit
-  engine::SamplingParams sampling;  // validated; seed fixed by the HTTP layer when the client gave none
-  bool logprobs = false;            // report the chosen token's logprob (+ sampling.top_logprobs alternatives)
-  int64_t max_tokens = 16;          // >= 1 generated tokens at most
-  std::vector<std::string> stop;    // stop strings (<= 4); matched on the detokenized text, excluded from it
-  bool ignore_eos = false;          // do not stop at the model's end-of-sequence tokens
-  int64_t arrival_ns = 0;           // steady-clock time the HTTP request was accepted (for queue/TTFT metrics)
+  std::string request_id;               // unique per choice, e.g. "chatcmpl-<id>-<index>"; used by cancel()
+  std::string tenant;                   // authenticated tenant (cache namespace); "default" without API keys
+  std::vector<int32_t> prompt;          // token ids, >= 1, already checked against the context limit
+  engine::SamplingParams sampling;      // validated; seed fixed by the HTTP layer when the client gave none
+  bool logprobs = false;                // report the chosen token's logprob (+ sampling.top_logprobs alternatives)
+  int64_t max_tokens = 16;              // >= 1 generated tokens at most
+  std::vector<std::string> stop;        // stop strings (<= 4); matched on the detokenized text, excluded from it
+  bool ignore_eos = false;              // do not stop at the model's end-of-sequence tokens
+  std::vector<int32_t> stop_token_ids;  // end-of-sequence ids from the HTTP layer; empty = the service's own
+  int64_t arrival_ns = 0;               // steady-clock time the HTTP request was accepted (for queue/TTFT metrics)
 };
 
 struct TokenLogprobs {
@@ -37,15 +38,15 @@ struct TokenLogprobs {
 // chunk per request is final (finish_reason set, or error non-OK), and nothing follows it.
 struct GenerationChunk {
   std::string request_id;
-  std::vector<int32_t> tokens;           // new token ids (stop-string tokens included; their text is not)
-  std::string text;                      // new text: valid UTF-8, never splits a code point
-  std::vector<TokenLogprobs> logprobs;   // one per token when requested
+  std::vector<int32_t> tokens;               // new token ids (stop-string tokens included; their text is not)
+  std::string text;                          // new text: valid UTF-8, never splits a code point
+  std::vector<TokenLogprobs> logprobs;       // one per token when requested
   std::optional<std::string> finish_reason;  // "stop" | "length" | "abort"
-  Status error;                          // non-OK: the request failed (e.g. kResourceExhausted, kUnavailable)
+  Status error;                              // non-OK: the request failed (e.g. kResourceExhausted, kUnavailable)
   // Valid on the final chunk:
   int64_t prompt_tokens = 0;
   int64_t completion_tokens = 0;
-  int64_t cached_tokens = 0;             // prompt tokens served from the prefix cache
+  int64_t cached_tokens = 0;  // prompt tokens served from the prefix cache
 
   bool is_final() const { return finish_reason.has_value() || !error.is_ok(); }
 };
@@ -58,10 +59,10 @@ class GenerationSink {
 };
 
 struct ServiceStatus {
-  bool ready = false;        // can serve (model loaded, >= 1 prefill and decode worker reachable)
-  std::string reason;        // why not, when !ready
-  int64_t running = 0;       // requests admitted and not finished
-  int64_t waiting = 0;       // requests queued before prefill
+  bool ready = false;   // can serve (model loaded, >= 1 prefill and decode worker reachable)
+  std::string reason;   // why not, when !ready
+  int64_t running = 0;  // requests admitted and not finished
+  int64_t waiting = 0;  // requests queued before prefill
 };
 
 class InferenceService {

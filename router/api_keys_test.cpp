@@ -1,0 +1,79 @@
+#include "router/api_keys.hpp"
+
+#include <filesystem>
+#include <fstream>
+
+#include <gtest/gtest.h>
+
+namespace deltaserve::router {
+namespace {
+
+std::string keys_json() {
+  return R"({"tenants": [{"name": "acme", "api_key_sha256": ")" + sha256_hex("sk-acme") +
+         R"("}, {"name": "globex", "api_key_sha256": ")" + sha256_hex("sk-globex") + R"("}]})";
+}
+
+TEST(ApiKeysTest, OpenAcceptsEveryoneAsDefault) {
+  const ApiKeys keys = ApiKeys::open();
+  EXPECT_FALSE(keys.enabled());
+  EXPECT_EQ(keys.tenant_for(""), "default");
+  EXPECT_EQ(keys.tenant_for("anything"), "default");
+}
+
+TEST(ApiKeysTest, MapsKeysToTenantsAndRejectsOthers) {
+  auto keys = ApiKeys::parse(keys_json(), "keys.json");
+  ASSERT_TRUE(keys.is_ok()) << keys.status().to_string();
+  EXPECT_TRUE(keys->enabled());
+  EXPECT_EQ(keys->tenant_for("sk-acme"), "acme");
+  EXPECT_EQ(keys->tenant_for("sk-globex"), "globex");
+  EXPECT_EQ(keys->tenant_for("sk-acme "), std::nullopt);
+  EXPECT_EQ(keys->tenant_for(""), std::nullopt);
+  EXPECT_EQ(keys->tenant_for(sha256_hex("sk-acme")), std::nullopt);  // the digest is not the key
+}
+
+TEST(ApiKeysTest, LoadReadsFileAndErrorsNameFileAndField) {
+  const auto dir = std::filesystem::temp_directory_path() / ("ds_keys_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const auto file = dir / "keys.json";
+  std::ofstream(file) << keys_json();
+  auto loaded = ApiKeys::load(file);
+  ASSERT_TRUE(loaded.is_ok()) << loaded.status().to_string();
+  EXPECT_EQ(loaded->size(), 2u);
+
+  struct Case {
+    std::string text;
+    std::string field;
+  };
+  const Case cases[] = {
+      {"not json", "not valid JSON"},
+      {"{}", "tenants"},
+      {R"({"tenants": 3})", "tenants"},
+      {R"({"tenants": []})", "tenants"},
+      {R"({"tenants": [{"api_key_sha256": "00"}]})", "tenants[0].name"},
+      {R"({"tenants": [{"name": "a", "api_key_sha256": "zz"}]})", "tenants[0].api_key_sha256"},
+      {R"({"tenants": [{"name": "a", "api_key_sha256": ")" + sha256_hex("k") +
+           R"("}, {"name": "b", "api_key_sha256": ")" + sha256_hex("k") + R"("}]})",
+       "tenants[1].api_key_sha256"},
+  };
+  for (const Case& c : cases) {
+    std::ofstream(file, std::ios::trunc) << c.text;
+    auto bad = ApiKeys::load(file);
+    ASSERT_FALSE(bad.is_ok()) << c.text;
+    EXPECT_NE(bad.status().message().find(file.string()), std::string::npos) << bad.status().message();
+    EXPECT_NE(bad.status().message().find(c.field), std::string::npos) << bad.status().message();
+  }
+  EXPECT_EQ(ApiKeys::load(dir / "missing.json").status().code(), StatusCode::kIoError);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(ApiKeysTest, ParseBearer) {
+  EXPECT_EQ(parse_bearer("Bearer sk-1"), "sk-1");
+  EXPECT_EQ(parse_bearer("bearer   sk-1  "), "sk-1");
+  EXPECT_EQ(parse_bearer("Basic abc"), std::nullopt);
+  EXPECT_EQ(parse_bearer("Bearer "), std::nullopt);
+  EXPECT_EQ(parse_bearer("Bearer"), std::nullopt);
+  EXPECT_EQ(parse_bearer(""), std::nullopt);
+}
+
+}  // namespace
+}  // namespace deltaserve::router

@@ -1,0 +1,83 @@
+// The OpenAI-compatible HTTP/1.1 front: Boost.Beast on an Asio thread pool, one strand per connection.
+//
+// Endpoints:
+//   POST /v1/completions, POST /v1/chat/completions   stream (SSE, chunked) and not (application/json)
+//   GET  /v1/models                                   the one served model
+//   GET  /health                                      200 while the process runs (no auth)
+//   GET  /ready                                       200 when service.status().ready and not draining, else 503 (no
+//   auth)
+// Unknown path 404, wrong method 405 (+ Allow). Errors are OpenAI error objects (errors.hpp).
+//
+// Limits (HttpServerConfig): a body over max_body_bytes is answered 413 from its Content-Length before any
+// of it is read (or as soon as a chunked body passes the limit); headers over max_header_bytes 431; a
+// header not complete within header_timeout (slowloris) closes the connection; a keep-alive connection
+// idle for idle_timeout is closed; a response write not done within write_timeout (slow reader) closes
+// the connection and cancels the request's choices. Every failure of input is a 4xx decided before any
+// model work; 503 + Retry-After: 1 when the service is full (kResourceExhausted) or the server drains.
+//
+// Streaming: the response head is sent with the first chunk, so a service failure before any token
+// (e.g. queue full) is a real HTTP error; later failures are one SSE error event and the connection is
+// closed. A client that goes away (socket closed while waiting for tokens, or a failed write) cancels
+// every choice of its request (InferenceService::cancel). Chunks from the service (any thread) are queued
+// per request and handed to the connection's strand; the queue is unbounded but fills only at model speed.
+//
+// Thread safety: start/begin_drain/wait_idle/stop/in_flight may be called from any thread.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/status.hpp"
+#include "router/api_keys.hpp"
+#include "router/inference_service.hpp"
+#include "router/openai_response.hpp"
+#include "tokenizer/tiktoken_tokenizer.hpp"
+
+namespace deltaserve::router {
+
+struct HttpServerConfig {
+  std::string host = "127.0.0.1";
+  uint16_t port = 8000;                             // 0 = an ephemeral port (start() returns it)
+  size_t max_body_bytes = 32u << 20;                // 413 above this, decided before reading the body
+  size_t max_header_bytes = 16u << 10;              // 431 above this
+  std::chrono::milliseconds header_timeout{10000};  // the request line + headers must arrive within this
+  std::chrono::milliseconds idle_timeout{60000};    // keep-alive idle, and the whole-body read deadline
+  std::chrono::milliseconds write_timeout{30000};   // one response write (header or SSE chunk)
+  int threads = 2;                                  // Asio threads (>= 1)
+};
+
+class HttpServer {
+ public:
+  // `tokenizer` and `service` must outlive the server. `eos_token_ids` travel in every
+  // GenerationRequest::stop_token_ids.
+  HttpServer(HttpServerConfig config, const tokenizer::Tokenizer& tokenizer, ModelInfo model,
+             std::vector<int32_t> eos_token_ids, InferenceService& service, ApiKeys keys);
+  ~HttpServer();  // stops
+  HttpServer(const HttpServer&) = delete;
+  HttpServer& operator=(const HttpServer&) = delete;
+
+  // Binds and listens; returns the bound port. IoError naming host:port when binding fails.
+  // Call once.
+  Result<uint16_t> start();
+
+  // /ready → 503 at once; new generation requests → 503; in-flight requests continue. Not undone.
+  void begin_drain();
+
+  // True when no request is in flight (waits up to `timeout`).
+  bool wait_idle(std::chrono::milliseconds timeout);
+
+  // Closes the listener and every connection (their requests are cancelled), joins the threads. Idempotent.
+  void stop();
+
+  // Requests whose head has been read and whose response is not finished.
+  int64_t in_flight() const;
+
+ private:
+  class Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace deltaserve::router

@@ -1,0 +1,611 @@
+// Drives a real HttpServer on 127.0.0.1:0 with a real HTTP client (Beast, and raw sockets for the limit
+// tests) against a scripted InferenceService double.
+#include "router/http_server.hpp"
+
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <utility>  // before Asio (stack.md §6.9)
+
+#include <boost/asio/connect.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/read.hpp>
+#include <boost/asio/write.hpp>
+#include <boost/beast/core.hpp>
+#include <boost/beast/http.hpp>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "router/fake_inference_service.hpp"
+#include "router/prompt_encoding.hpp"
+#include "router/router_test_util.hpp"
+#include "tokenizer/utf8.hpp"
+
+namespace deltaserve::router {
+namespace {
+
+using testing::FakeService;
+using testing::ScriptStep;
+
+namespace net = boost::asio;
+namespace beast = boost::beast;
+namespace http = beast::http;
+using tcp = net::ip::tcp;
+using nlohmann::json;
+using namespace std::chrono_literals;
+
+// ---- the client --------------------------------------------------------------------------------------
+
+struct Reply {
+  unsigned status = 0;
+  std::map<std::string, std::string> headers;  // lower-case names
+  std::string body;                            // de-chunked
+  std::vector<std::string> chunks;             // each chunk's body as it came on the wire
+  std::string header(const std::string& name) const {
+    const auto it = headers.find(name);
+    return it == headers.end() ? "" : it->second;
+  }
+  json json_body() const { return json::parse(body); }
+};
+
+std::string lower(std::string_view s) {
+  std::string out(s);
+  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return out;
+}
+
+Reply read_reply(tcp::socket& socket, beast::flat_buffer& buffer) {
+  http::response_parser<http::string_body> parser;
+  parser.body_limit(boost::none);
+  Reply reply;
+  std::string current, joined;  // the chunk callback consumes the body: string_body stays empty
+  auto on_body = [&](std::uint64_t remain, std::string_view body, beast::error_code&) -> std::size_t {
+    current.append(body);
+    joined.append(body);
+    if (remain == body.size()) reply.chunks.push_back(std::exchange(current, {}));
+    return body.size();
+  };
+  parser.on_chunk_body(on_body);
+  http::read(socket, buffer, parser);
+  reply.status = parser.get().result_int();
+  for (const auto& field : parser.get()) reply.headers[lower(field.name_string())] = std::string(field.value());
+  reply.body = parser.get().chunked() ? joined : parser.get().body();
+  return reply;
+}
+
+class Client {
+ public:
+  explicit Client(uint16_t port) : socket_(ioc_) {
+    socket_.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), port));
+  }
+
+  Reply send(http::verb method, const std::string& target, const std::string& body = "",
+             const std::map<std::string, std::string>& headers = {}) {
+    http::request<http::string_body> request{method, target, 11};
+    request.set(http::field::host, "127.0.0.1");
+    for (const auto& [name, value] : headers) request.set(name, value);
+    if (method == http::verb::post) request.set(http::field::content_type, "application/json");
+    request.body() = body;
+    request.prepare_payload();
+    http::write(socket_, request);
+    return read_reply(socket_, buffer_);
+  }
+  tcp::socket& socket() { return socket_; }
+
+ private:
+  net::io_context ioc_;
+  tcp::socket socket_;
+  beast::flat_buffer buffer_;
+};
+
+// Writes raw bytes, then reads whatever comes until the server closes (or `timeout`).
+std::string raw_exchange(uint16_t port, const std::string& bytes, std::chrono::milliseconds timeout = 3000ms) {
+  net::io_context ioc;
+  tcp::socket socket(ioc);
+  socket.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), port));
+  net::write(socket, net::buffer(bytes));
+  timeval tv{static_cast<time_t>(timeout.count() / 1000), static_cast<suseconds_t>((timeout.count() % 1000) * 1000)};
+  ::setsockopt(socket.native_handle(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  std::string out;
+  char buffer[4096];
+  for (;;) {
+    const ssize_t n = ::recv(socket.native_handle(), buffer, sizeof(buffer), 0);
+    if (n <= 0) break;
+    out.append(buffer, static_cast<size_t>(n));
+  }
+  return out;
+}
+
+// Data fields of an SSE body, in order.
+std::vector<std::string> sse_data(const std::string& body) {
+  std::vector<std::string> out;
+  size_t at = 0;
+  while (at < body.size()) {
+    const size_t end = body.find("\n\n", at);
+    if (end == std::string::npos) break;
+    const std::string event = body.substr(at, end - at);
+    EXPECT_EQ(event.rfind("data: ", 0), 0u) << event;
+    out.push_back(event.substr(6));
+    at = end + 2;
+  }
+  EXPECT_EQ(at, body.size()) << "trailing bytes after the last event";
+  return out;
+}
+
+// ---- fixture -----------------------------------------------------------------------------------------
+
+constexpr int64_t kContext = 256;
+const std::vector<int32_t> kEos = {1026};
+
+class HttpServerTest : public ::testing::Test {
+ protected:
+  void start(ApiKeys keys = ApiKeys::open(), HttpServerConfig config = {}) {
+    config.port = 0;
+    config.host = "127.0.0.1";
+    server_ = std::make_unique<HttpServer>(config, testing::tiny_tokenizer(), ModelInfo{"tiny", kContext, 1700000000},
+                                           kEos, service_, std::move(keys));
+    auto port = server_->start();
+    ASSERT_TRUE(port.is_ok()) << port.status().to_string();
+    port_ = *port;
+  }
+  void TearDown() override {
+    service_.release();
+    if (server_) server_->stop();
+  }
+  Reply post(const std::string& target, const json& body, const std::map<std::string, std::string>& headers = {}) {
+    Client client(port_);
+    return client.send(http::verb::post, target, body.dump(), headers);
+  }
+  Reply get(const std::string& target) {
+    Client client(port_);
+    return client.send(http::verb::get, target);
+  }
+  static json chat_body(bool stream = false) {
+    return {{"model", "tiny"}, {"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"stream", stream}};
+  }
+
+  FakeService service_{testing::tiny_tokenizer()};
+  std::unique_ptr<HttpServer> server_;
+  uint16_t port_ = 0;
+};
+
+TEST_F(HttpServerTest, HealthReadyAndModels) {
+  start();
+  EXPECT_EQ(get("/health").status, 200u);
+  const Reply ready = get("/ready");
+  EXPECT_EQ(ready.status, 200u);
+  service_.set_ready(false);
+  const Reply not_ready = get("/ready");
+  EXPECT_EQ(not_ready.status, 503u);
+  EXPECT_EQ(not_ready.json_body()["reason"], "no decode worker");
+  EXPECT_EQ(get("/health").status, 200u);
+  const Reply models = get("/v1/models");
+  EXPECT_EQ(models.status, 200u);
+  EXPECT_EQ(models.header("content-type"), "application/json");
+  EXPECT_EQ(models.json_body()["data"][0]["id"], "tiny");
+  EXPECT_EQ(models.json_body()["data"][0]["max_model_len"], kContext);
+}
+
+TEST_F(HttpServerTest, UnknownPathAndWrongMethod) {
+  start();
+  const Reply missing = get("/v2/nothing");
+  EXPECT_EQ(missing.status, 404u);
+  EXPECT_EQ(missing.json_body()["error"]["code"], "not_found");
+  const Reply wrong = get("/v1/chat/completions");
+  EXPECT_EQ(wrong.status, 405u);
+  EXPECT_EQ(wrong.header("allow"), "POST");
+  EXPECT_EQ(wrong.json_body()["error"]["type"], "invalid_request_error");
+}
+
+TEST_F(HttpServerTest, ChatNonStreaming) {
+  start();
+  const Reply reply = post("/v1/chat/completions", chat_body());
+  ASSERT_EQ(reply.status, 200u) << reply.body;
+  EXPECT_EQ(reply.header("content-type"), "application/json");
+  const json body = reply.json_body();
+  EXPECT_EQ(body["id"].get<std::string>().rfind("chatcmpl-", 0), 0u);
+  EXPECT_EQ(body["object"], "chat.completion");
+  EXPECT_EQ(body["model"], "tiny");
+  EXPECT_TRUE(body["created"].is_number_integer());
+  EXPECT_EQ(body["choices"][0]["index"], 0);
+  EXPECT_EQ(body["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(body["choices"][0]["message"]["content"], "Hello world");
+  EXPECT_EQ(body["choices"][0]["finish_reason"], "stop");
+  EXPECT_TRUE(body["choices"][0]["logprobs"].is_null());
+
+  const auto submitted = service_.submitted();
+  ASSERT_EQ(submitted.size(), 1u);
+  const GenerationRequest& request = submitted[0];
+  EXPECT_EQ(request.request_id, body["id"].get<std::string>() + "-0");
+  EXPECT_EQ(request.tenant, "default");
+  const auto expected_prompt =
+      encode_chat_prompt(testing::tiny_tokenizer(), std::vector<tokenizer::ChatMessage>{{"user", "hi", {}}}, true);
+  EXPECT_EQ(request.prompt, *expected_prompt);
+  EXPECT_EQ(request.max_tokens, kContext - static_cast<int64_t>(request.prompt.size()));
+  EXPECT_EQ(request.stop_token_ids, kEos);
+  EXPECT_GT(request.arrival_ns, 0);
+
+  const int64_t completion =
+      static_cast<int64_t>(testing::tiny_tokenizer().encode("Hel", tokenizer::SpecialTokens::kNone).size() +
+                           testing::tiny_tokenizer().encode("lo wor", tokenizer::SpecialTokens::kNone).size() +
+                           testing::tiny_tokenizer().encode("ld", tokenizer::SpecialTokens::kNone).size());
+  EXPECT_EQ(body["usage"]["prompt_tokens"], request.prompt.size());
+  EXPECT_EQ(body["usage"]["completion_tokens"], completion);
+  EXPECT_EQ(body["usage"]["total_tokens"], static_cast<int64_t>(request.prompt.size()) + completion);
+  EXPECT_EQ(body["usage"]["prompt_tokens_details"]["cached_tokens"], 3);
+}
+
+TEST_F(HttpServerTest, CompletionsNonStreamingDefaultsAndKeepAlive) {
+  start();
+  Client client(port_);
+  for (int i = 0; i < 2; ++i) {  // two requests on one connection
+    const Reply reply = client.send(http::verb::post, "/v1/completions", R"({"model": "tiny", "prompt": "Once"})");
+    ASSERT_EQ(reply.status, 200u) << reply.body;
+    const json body = reply.json_body();
+    EXPECT_EQ(body["id"].get<std::string>().rfind("cmpl-", 0), 0u);
+    EXPECT_EQ(body["object"], "text_completion");
+    EXPECT_EQ(body["choices"][0]["text"], "Hello world");
+  }
+  const auto submitted = service_.submitted();
+  ASSERT_EQ(submitted.size(), 2u);
+  EXPECT_EQ(submitted[0].max_tokens, 16);
+  EXPECT_EQ(submitted[0].prompt.front(), *testing::tiny_tokenizer().bos_id());
+  EXPECT_NE(submitted[0].sampling.seed, submitted[1].sampling.seed);  // random per request
+}
+
+TEST_F(HttpServerTest, ChatStreamingExactBytes) {
+  start();
+  const Reply reply = post("/v1/chat/completions", chat_body(true));
+  ASSERT_EQ(reply.status, 200u) << reply.body;
+  EXPECT_EQ(reply.header("content-type"), "text/event-stream");
+  EXPECT_EQ(reply.header("transfer-encoding"), "chunked");
+  const auto events = sse_data(reply.body);
+  ASSERT_FALSE(events.empty());
+  const json first = json::parse(events[0]);
+  const std::string id = first["id"];
+  const std::string created = std::to_string(first["created"].get<int64_t>());
+  const std::string prefix = "data: {\"id\":\"" + id +
+                             "\",\"object\":\"chat.completion.chunk\",\"created\":" + created +
+                             ",\"model\":\"tiny\",\"choices\":[{\"index\":0,";
+  const std::string expected =
+      prefix +
+      "\"delta\":{\"role\":\"assistant\",\"content\":\"Hel\"},\"logprobs\":null,\"finish_reason\":null}]}\n\n" +
+      prefix + "\"delta\":{\"content\":\"lo wor\"},\"logprobs\":null,\"finish_reason\":null}]}\n\n" + prefix +
+      "\"delta\":{\"content\":\"ld\"},\"logprobs\":null,\"finish_reason\":\"stop\"}]}\n\n" + "data: [DONE]\n\n";
+  EXPECT_EQ(reply.body, expected);
+}
+
+TEST_F(HttpServerTest, StreamingTwoChoicesInterleaved) {
+  start();
+  json body = chat_body(true);
+  body["n"] = 2;
+  body["seed"] = 41;
+  const Reply reply = post("/v1/chat/completions", body);
+  ASSERT_EQ(reply.status, 200u) << reply.body;
+  const auto events = sse_data(reply.body);
+  ASSERT_EQ(events.back(), "[DONE]");
+  std::map<int, std::string> text;
+  std::map<int, int> finished, roles;
+  for (size_t i = 0; i + 1 < events.size(); ++i) {
+    const json event = json::parse(events[i]);
+    const json& choice = event["choices"][0];
+    const int index = choice["index"];
+    if (choice["delta"].contains("role")) {
+      EXPECT_EQ(roles[index], 0) << "role only on the first chunk of a choice";
+      ++roles[index];
+    } else {
+      EXPECT_EQ(roles[index], 1) << "the first chunk of a choice carries the role";
+    }
+    if (choice["delta"].contains("content")) text[index] += choice["delta"]["content"].get<std::string>();
+    if (!choice["finish_reason"].is_null()) ++finished[index];
+  }
+  EXPECT_EQ(text[0], "Hello world");
+  EXPECT_EQ(text[1], "Hello world");
+  EXPECT_EQ(finished[0], 1);
+  EXPECT_EQ(finished[1], 1);
+  const auto submitted = service_.submitted();
+  ASSERT_EQ(submitted.size(), 2u);
+  std::set<uint64_t> seeds = {submitted[0].sampling.seed, submitted[1].sampling.seed};
+  EXPECT_EQ(seeds, (std::set<uint64_t>{41, 42}));
+  std::set<std::string> ids = {submitted[0].request_id, submitted[1].request_id};
+  const std::string id = json::parse(events[0])["id"];
+  EXPECT_EQ(ids, (std::set<std::string>{id + "-0", id + "-1"}));
+}
+
+TEST_F(HttpServerTest, NonStreamingTwoChoices) {
+  start();
+  json body = chat_body();
+  body["n"] = 2;
+  const Reply reply = post("/v1/chat/completions", body);
+  ASSERT_EQ(reply.status, 200u) << reply.body;
+  const json parsed = reply.json_body();
+  ASSERT_EQ(parsed["choices"].size(), 2u);
+  EXPECT_EQ(parsed["choices"][1]["index"], 1);
+  EXPECT_EQ(parsed["choices"][1]["message"]["content"], "Hello world");
+  const int64_t prompt = parsed["usage"]["prompt_tokens"];
+  EXPECT_EQ(prompt, static_cast<int64_t>(service_.submitted()[0].prompt.size()));  // counted once
+}
+
+TEST_F(HttpServerTest, IncludeUsageChunk) {
+  start();
+  json body = chat_body(true);
+  body["stream_options"] = {{"include_usage", true}};
+  const Reply reply = post("/v1/chat/completions", body);
+  const auto events = sse_data(reply.body);
+  ASSERT_GE(events.size(), 3u);
+  EXPECT_EQ(events.back(), "[DONE]");
+  const json usage = json::parse(events[events.size() - 2]);
+  EXPECT_TRUE(usage["choices"].empty());
+  EXPECT_GT(usage["usage"]["completion_tokens"].get<int64_t>(), 0);
+  EXPECT_EQ(usage["usage"]["prompt_tokens_details"]["cached_tokens"], 3);
+  for (size_t i = 0; i + 2 < events.size(); ++i) EXPECT_TRUE(json::parse(events[i])["usage"].is_null());
+}
+
+TEST_F(HttpServerTest, LogprobShapesOverHttp) {
+  start();
+  json chat = chat_body(true);
+  chat["logprobs"] = true;
+  chat["top_logprobs"] = 2;
+  const auto events = sse_data(post("/v1/chat/completions", chat).body);
+  const json first = json::parse(events[0]);
+  const json& content = first["choices"][0]["logprobs"]["content"];
+  ASSERT_FALSE(content.empty());
+  for (const char* key : {"token", "logprob", "bytes", "top_logprobs"}) EXPECT_TRUE(content[0].contains(key)) << key;
+  EXPECT_EQ(content[0]["top_logprobs"].size(), 2u);
+  EXPECT_EQ(service_.submitted()[0].sampling.top_logprobs, 2);
+
+  const Reply completion =
+      post("/v1/completions", {{"model", "tiny"}, {"prompt", "x"}, {"logprobs", 3}, {"max_tokens", 5}});
+  ASSERT_EQ(completion.status, 200u) << completion.body;
+  const json completion_body = completion.json_body();
+  const json& logprobs = completion_body["choices"][0]["logprobs"];
+  const size_t count = logprobs["tokens"].size();
+  EXPECT_GT(count, 0u);
+  EXPECT_EQ(logprobs["token_logprobs"].size(), count);
+  EXPECT_EQ(logprobs["top_logprobs"].size(), count);
+  EXPECT_EQ(logprobs["text_offset"].size(), count);
+  EXPECT_EQ(logprobs["text_offset"][0], 0);
+}
+
+TEST_F(HttpServerTest, Utf8NeverSplitOnTheWire) {
+  start();
+  service_.set_script({{"При", {}}, {"вет, ", {}}, {"мир 🌍", {}}, {"!", "stop"}});
+  const Reply reply = post("/v1/chat/completions", chat_body(true));
+  ASSERT_GE(reply.chunks.size(), 1u);  // chunks that arrive together share one wire chunk
+  std::string text;
+  for (const std::string& chunk : reply.chunks) EXPECT_TRUE(tokenizer::is_valid_utf8(chunk)) << chunk;
+  for (const auto& event : sse_data(reply.body)) {
+    if (event == "[DONE]") continue;
+    const json parsed = json::parse(event);
+    if (parsed["choices"][0]["delta"].contains("content")) text += parsed["choices"][0]["delta"]["content"];
+  }
+  EXPECT_EQ(text, "Привет, мир 🌍!");
+}
+
+TEST_F(HttpServerTest, ValidationErrorsOverHttp) {
+  start();
+  struct Case {
+    std::string target, body;
+    unsigned status;
+    std::string param, code;
+  };
+  const std::string msgs = R"("messages": [{"role": "user", "content": "hi"}])";
+  const Case cases[] = {
+      {"/v1/chat/completions", "{bad", 400, "", "invalid_json"},
+      {"/v1/chat/completions", "{\"model\": \"tiny\xc3\"}", 400, "", "invalid_utf8"},
+      {"/v1/chat/completions", R"({"model": "tiny", "messages": 1})", 400, "messages", "invalid_type"},
+      {"/v1/chat/completions", R"({"model": "tiny", )" + msgs + R"(, "temperature": 3})", 400, "temperature",
+       "invalid_value"},
+      {"/v1/chat/completions", R"({"model": "tiny", )" + msgs + R"(, "top_p": 1.5})", 400, "top_p", "invalid_value"},
+      {"/v1/chat/completions", R"({"model": "other", )" + msgs + "}", 404, "model", "model_not_found"},
+      {"/v1/chat/completions", R"({"model": "tiny", )" + msgs + R"(, "max_tokens": 1000})", 400, "messages",
+       "context_length_exceeded"},
+      {"/v1/completions", R"({"model": "tiny", "prompt": "x", "max_tokens": 256})", 400, "prompt",
+       "context_length_exceeded"},
+      {"/v1/completions", R"({"model": "tiny", "prompt": [5, 99999]})", 400, "prompt", "invalid_value"},
+      {"/v1/completions", R"({"model": "tiny", "prompt": "x", "presence_penalty": 1})", 400, "presence_penalty",
+       "invalid_value"},
+  };
+  for (const Case& c : cases) {
+    Client client(port_);
+    const Reply reply = client.send(http::verb::post, c.target, c.body);
+    EXPECT_EQ(reply.status, c.status) << c.body << " → " << reply.body;
+    const json body = reply.json_body();
+    EXPECT_EQ(body["error"]["type"], "invalid_request_error") << reply.body;
+    if (c.param.empty()) {
+      EXPECT_TRUE(body["error"]["param"].is_null()) << reply.body;
+    } else {
+      EXPECT_EQ(body["error"]["param"], c.param) << reply.body;
+    }
+    EXPECT_EQ(body["error"]["code"], c.code) << reply.body;
+  }
+  EXPECT_TRUE(service_.submitted().empty());  // no model work for bad input
+}
+
+TEST_F(HttpServerTest, BodyTooLargeDecidedFromContentLength) {
+  HttpServerConfig config;
+  config.max_body_bytes = 1024;
+  start(ApiKeys::open(), config);
+  // Only the head is sent; the answer must come without the body.
+  const std::string response = raw_exchange(port_,
+                                            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                                            "application/json\r\nContent-Length: 1000000000\r\n\r\n");
+  EXPECT_EQ(response.rfind("HTTP/1.1 413", 0), 0u) << response;
+  EXPECT_NE(response.find("request_too_large"), std::string::npos);
+  // A chunked body that grows past the limit.
+  const std::string chunk(800, 'x');
+  const std::string chunked = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n320\r\n" +
+                              chunk + "\r\n320\r\n" + chunk + "\r\n0\r\n\r\n";
+  EXPECT_EQ(raw_exchange(port_, chunked).rfind("HTTP/1.1 413", 0), 0u);
+}
+
+TEST_F(HttpServerTest, HeadersTooLarge) {
+  HttpServerConfig config;
+  config.max_header_bytes = 2048;
+  start(ApiKeys::open(), config);
+  const std::string response =
+      raw_exchange(port_, "GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + std::string(4096, 'a') + "\r\n\r\n");
+  EXPECT_EQ(response.rfind("HTTP/1.1 431", 0), 0u) << response.substr(0, 200);
+}
+
+TEST_F(HttpServerTest, SlowlorisClosedAtHeaderTimeout) {
+  HttpServerConfig config;
+  config.header_timeout = 200ms;
+  start(ApiKeys::open(), config);
+  const auto begin = std::chrono::steady_clock::now();
+  const std::string response = raw_exchange(port_, "GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: a", 5000ms);
+  EXPECT_EQ(response, "");
+  EXPECT_LT(std::chrono::steady_clock::now() - begin, 3000ms);
+}
+
+TEST_F(HttpServerTest, ApiKeysRequired) {
+  auto keys =
+      ApiKeys::parse(R"({"tenants": [{"name": "acme", "api_key_sha256": ")" + sha256_hex("sk-acme") + "\"}]}", "keys");
+  ASSERT_TRUE(keys.is_ok());
+  start(std::move(keys).value());
+  for (const auto& headers : std::vector<std::map<std::string, std::string>>{
+           {}, {{"Authorization", "Bearer sk-wrong"}}, {{"Authorization", "Basic sk-acme"}}}) {
+    const Reply reply = post("/v1/chat/completions", chat_body(), headers);
+    EXPECT_EQ(reply.status, 401u);
+    EXPECT_EQ(reply.header("www-authenticate"), "Bearer");
+    EXPECT_EQ(reply.json_body()["error"]["code"], "invalid_api_key");
+    EXPECT_EQ(reply.json_body()["error"]["type"], "invalid_request_error");
+    EXPECT_EQ(reply.body.find("sk-"), std::string::npos);  // the key is never echoed
+  }
+  EXPECT_EQ(get("/health").status, 200u);  // probes need no key
+  EXPECT_EQ(get("/v1/models").status, 401u);
+  const Reply ok = post("/v1/chat/completions", chat_body(), {{"Authorization", "Bearer sk-acme"}});
+  EXPECT_EQ(ok.status, 200u) << ok.body;
+  ASSERT_EQ(service_.submitted().size(), 1u);
+  EXPECT_EQ(service_.submitted()[0].tenant, "acme");
+}
+
+TEST_F(HttpServerTest, QueueFullIs503WithRetryAfter) {
+  start();
+  service_.set_mode(FakeService::Mode::kReject);
+  for (const bool stream : {false, true}) {
+    const Reply reply = post("/v1/chat/completions", chat_body(stream));
+    EXPECT_EQ(reply.status, 503u) << reply.body;
+    EXPECT_EQ(reply.header("retry-after"), "1");
+    EXPECT_EQ(reply.header("content-type"), "application/json");
+    EXPECT_EQ(reply.json_body()["error"]["type"], "server_error");
+  }
+}
+
+TEST_F(HttpServerTest, FailureAfterFirstByteIsAnSseErrorEvent) {
+  start();
+  service_.set_mode(FakeService::Mode::kFailLater);
+  Client client(port_);
+  http::request<http::string_body> request{http::verb::post, "/v1/chat/completions", 11};
+  request.set(http::field::host, "x");
+  request.body() = chat_body(true).dump();
+  request.prepare_payload();
+  http::write(client.socket(), request);
+  beast::flat_buffer buffer;
+  http::response_parser<http::string_body> parser;
+  http::read_header(client.socket(), buffer, parser);  // the head goes out with the first event
+  EXPECT_EQ(parser.get().result_int(), 200u);
+  service_.release();  // now the service fails
+  std::string body;
+  auto on_body = [&](std::uint64_t, std::string_view data, beast::error_code&) -> std::size_t {
+    body.append(data);
+    return data.size();
+  };
+  parser.on_chunk_body(on_body);
+  http::read(client.socket(), buffer, parser);
+  const auto events = sse_data(body);
+  ASSERT_EQ(events.size(), 2u) << body;
+  const json error = json::parse(events[1]);
+  EXPECT_EQ(error["error"]["type"], "server_error");
+  EXPECT_EQ(error["error"]["message"], "decode worker lost");
+  ASSERT_EQ(service_.submitted().size(), 1u);
+}
+
+TEST_F(HttpServerTest, ClientDisconnectCancelsEveryChoice) {
+  start();
+  service_.set_mode(FakeService::Mode::kHang);
+  for (const bool stream : {true, false}) {
+    {
+      Client client(port_);
+      json body = chat_body(stream);
+      body["n"] = 2;
+      http::request<http::string_body> request{http::verb::post, "/v1/chat/completions", 11};
+      request.set(http::field::host, "x");
+      request.body() = body.dump();
+      request.prepare_payload();
+      http::write(client.socket(), request);
+      if (stream) {  // wait for the first bytes of the stream, then hang up
+        char byte;
+        net::read(client.socket(), net::buffer(&byte, 1));
+      } else {
+        std::this_thread::sleep_for(100ms);
+      }
+    }  // closes the socket
+    const auto submitted = service_.submitted();
+    ASSERT_GE(submitted.size(), 2u);
+    for (size_t i = submitted.size() - 2; i < submitted.size(); ++i) {
+      EXPECT_TRUE(service_.wait_cancelled(submitted[i].request_id, 5000ms)) << submitted[i].request_id;
+    }
+  }
+  const auto deadline = std::chrono::steady_clock::now() + 5s;
+  while (server_->in_flight() > 0 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(5ms);
+  EXPECT_EQ(server_->in_flight(), 0);
+}
+
+TEST_F(HttpServerTest, DrainFinishesInFlightAndRefusesNew) {
+  start();
+  service_.set_mode(FakeService::Mode::kHang);
+  Reply streamed;
+  std::thread in_flight([&] { streamed = post("/v1/chat/completions", chat_body(true)); });
+  const auto deadline = std::chrono::steady_clock::now() + 5s;
+  while (service_.submitted().empty() && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(2ms);
+  ASSERT_EQ(service_.submitted().size(), 1u);
+  server_->begin_drain();
+  const Reply ready = get("/ready");
+  EXPECT_EQ(ready.status, 503u);
+  EXPECT_EQ(ready.json_body()["reason"], "draining");
+  const Reply refused = post("/v1/chat/completions", chat_body());
+  EXPECT_EQ(refused.status, 503u);
+  EXPECT_EQ(refused.header("retry-after"), "1");
+  EXPECT_EQ(get("/health").status, 200u);
+  EXPECT_FALSE(server_->wait_idle(50ms));
+  service_.release();
+  in_flight.join();
+  EXPECT_EQ(streamed.status, 200u);
+  const auto events = sse_data(streamed.body);
+  ASSERT_FALSE(events.empty());
+  EXPECT_EQ(events.back(), "[DONE]");
+  EXPECT_TRUE(server_->wait_idle(5000ms));
+  EXPECT_EQ(service_.submitted().size(), 1u);
+}
+
+TEST_F(HttpServerTest, StopWithOpenStreamCancelsIt) {
+  start();
+  service_.set_mode(FakeService::Mode::kHang);
+  Client client(port_);
+  http::request<http::string_body> request{http::verb::post, "/v1/chat/completions", 11};
+  request.set(http::field::host, "x");
+  request.body() = chat_body(true).dump();
+  request.prepare_payload();
+  http::write(client.socket(), request);
+  char byte;
+  net::read(client.socket(), net::buffer(&byte, 1));
+  server_->stop();
+  ASSERT_EQ(service_.submitted().size(), 1u);
+  EXPECT_TRUE(service_.was_cancelled(service_.submitted()[0].request_id));
+}
+
+TEST_F(HttpServerTest, StartFailsOnBusyPort) {
+  start();
+  HttpServerConfig config;
+  config.port = port_;
+  HttpServer second(config, testing::tiny_tokenizer(), ModelInfo{"tiny", kContext, 0}, kEos, service_, ApiKeys::open());
+  const auto result = second.start();
+  ASSERT_FALSE(result.is_ok());
+  EXPECT_NE(result.status().message().find(std::to_string(port_)), std::string::npos);
+}
+
+}  // namespace
+}  // namespace deltaserve::router
