@@ -55,4 +55,45 @@ struct MakeModelCommandOptions {
 };
 int run_make_model(const MakeModelCommandOptions& options, std::ostream& out, std::ostream& err);
 
+// The cluster roles (cli/serve_command.cpp). Each runs until SIGTERM/SIGINT, then drains and returns 0;
+// fatal startup errors (bad model, port taken, registry unreachable) print "error: ..." and return 1.
+struct ServeOptions {  // deltaserve serve: registry + router + workers + HTTP in one process
+  std::optional<std::string> model;
+  std::string host = "127.0.0.1";
+  uint16_t port = 8000;
+  std::optional<std::string> api_keys;
+  std::optional<std::string> served_model_name;
+  int64_t prefill_workers = 1;
+  int64_t decode_workers = 1;
+  int64_t max_batch = 32;
+  int64_t prefill_chunk = 512;
+  int64_t max_queue = 256;
+  int64_t drain_timeout_ms = 30000;
+};
+int run_serve(const ServeOptions& options, std::ostream& out, std::ostream& err);
+
+struct RouterOptions {  // deltaserve router: registry + router + HTTP; workers join over the network
+  std::optional<std::string> model;
+  std::string host = "127.0.0.1";
+  uint16_t port = 8000;
+  std::string cluster_host = "127.0.0.1";
+  uint16_t cluster_port = 7000;
+  std::optional<std::string> api_keys;
+  std::optional<std::string> served_model_name;
+  int64_t max_queue = 256;
+  int64_t drain_timeout_ms = 30000;
+};
+int run_router(const RouterOptions& options, std::ostream& out, std::ostream& err);
+
+struct WorkerOptions {  // deltaserve prefill | decode
+  bool decode = false;
+  std::optional<std::string> model;
+  std::string join;  // HOST:PORT of the router's cluster listener
+  int64_t prefill_chunk = 512;
+  int64_t max_batch = 32;
+  int64_t join_timeout_ms = 30000;
+  int64_t drain_timeout_ms = 30000;
+};
+int run_worker(const WorkerOptions& options, std::ostream& out, std::ostream& err);
+
 }  // namespace deltaserve::cli

@@ -1,10 +1,65 @@
 // deltaserve: one binary for every role and tool. Flags are documented by `deltaserve <command> --help`.
+#include <cctype>
+#include <fstream>
 #include <iostream>
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include "cli/commands.hpp"
 #include "kernels/cpu/thread_pool.hpp"
+
+namespace {
+
+// "max-batch" -> "DELTASERVE_MAX_BATCH"
+std::string env_name(const std::string& flag) {
+  std::string out = "DELTASERVE_";
+  for (char c : flag) out += c == '-' ? '_' : static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  return out;
+}
+
+// A cluster-role flag: --NAME, overridable by DELTASERVE_<NAME> and by the --config file.
+template <class T>
+CLI::Option* role_option(CLI::App* app, const std::string& name, T& value, const std::string& help) {
+  auto* opt = app->add_option("--" + name, value, help)->envname(env_name(name));
+  if constexpr (!std::is_same_v<T, std::optional<std::string>>) opt->capture_default_str();
+  return opt;
+}
+
+// --config FILE: a JSON object keyed by long flag names without dashes ({"port": 8000, "max_batch": 16}).
+// Applied after parsing to options given neither on the command line nor through the environment, so the
+// order of precedence is flag > environment > file > default. Returns an error message or "".
+std::string apply_config_file(CLI::App* app, const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return "cannot read config file " + path;
+  nlohmann::json doc = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (!doc.is_object()) return path + ": not a JSON object";
+  for (const auto& [key, value] : doc.items()) {
+    if (key == "config") continue;
+    std::string flag = key;
+    for (char& c : flag) c = c == '_' ? '-' : c;
+    CLI::Option* opt = app->get_option_no_throw("--" + flag);
+    if (!opt) return path + ": unknown key '" + key + "' for '" + app->get_name() + "'";
+    if (opt->count() != 0) continue;
+    std::string text;
+    if (value.is_string()) {
+      text = value.get<std::string>();
+    } else if (value.is_number() || value.is_boolean()) {
+      text = value.dump();
+    } else {
+      return path + ": key '" + key + "' must be a string, number or boolean";
+    }
+    try {
+      opt->add_result(text);
+      opt->run_callback();
+    } catch (const CLI::Error& e) {
+      return path + ": key '" + key + "': " + e.what();
+    }
+  }
+  return "";
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   using namespace deltaserve::cli;
@@ -54,8 +109,89 @@ int main(int argc, char** argv) {
   make_model->add_option("--shard-bytes", make.shard_bytes, "Shard size in bytes (0 = one file)")
       ->capture_default_str();
 
+  // ---- cluster roles ----
+  std::string config_file;
+  auto add_config = [&](CLI::App* sub) {
+    sub->add_option("--config", config_file, "JSON file of flag values (keys: long flag names without dashes)")
+        ->envname("DELTASERVE_CONFIG");
+  };
+  const std::string model_help = "Checkpoint directory (default: the built-in tiny model)";
+  const std::string drain_help = "On SIGTERM/SIGINT: wait this long for in-flight requests";
+
+  ServeOptions serve_opts;
+  auto* serve = app.add_subcommand("serve", "Serve the OpenAI API with every role in this process");
+  add_config(serve);
+  role_option(serve, "model", serve_opts.model, model_help);
+  role_option(serve, "host", serve_opts.host, "HTTP listen address");
+  role_option(serve, "port", serve_opts.port, "HTTP port (0 = ephemeral)");
+  role_option(serve, "api-keys", serve_opts.api_keys, "API keys file (default: no authentication)");
+  role_option(serve, "served-model-name", serve_opts.served_model_name, "Model id in the API");
+  role_option(serve, "prefill-workers", serve_opts.prefill_workers, "Prefill worker actors")
+      ->check(CLI::PositiveNumber);
+  role_option(serve, "decode-workers", serve_opts.decode_workers, "Decode worker actors")->check(CLI::PositiveNumber);
+  role_option(serve, "max-batch", serve_opts.max_batch, "Requests decoding at once per decode worker")
+      ->check(CLI::PositiveNumber);
+  role_option(serve, "prefill-chunk", serve_opts.prefill_chunk, "Prefill chunk in tokens")->check(CLI::PositiveNumber);
+  role_option(serve, "max-queue", serve_opts.max_queue, "Requests waiting for a worker at most (then 503)")
+      ->check(CLI::NonNegativeNumber);
+  role_option(serve, "drain-timeout-ms", serve_opts.drain_timeout_ms, drain_help)->check(CLI::NonNegativeNumber);
+
+  RouterOptions router_opts;
+  auto* router = app.add_subcommand("router", "Serve the OpenAI API; prefill/decode workers join over the network");
+  add_config(router);
+  role_option(router, "model", router_opts.model, model_help + " (config and tokenizer only)");
+  role_option(router, "host", router_opts.host, "HTTP listen address");
+  role_option(router, "port", router_opts.port, "HTTP port (0 = ephemeral)");
+  role_option(router, "cluster-host", router_opts.cluster_host, "Address workers join");
+  role_option(router, "cluster-port", router_opts.cluster_port, "Port workers join (0 = ephemeral)");
+  role_option(router, "api-keys", router_opts.api_keys, "API keys file (default: no authentication)");
+  role_option(router, "served-model-name", router_opts.served_model_name, "Model id in the API");
+  role_option(router, "max-queue", router_opts.max_queue, "Requests waiting for a worker at most (then 503)")
+      ->check(CLI::NonNegativeNumber);
+  role_option(router, "drain-timeout-ms", router_opts.drain_timeout_ms, drain_help)->check(CLI::NonNegativeNumber);
+
+  WorkerOptions prefill_opts;
+  auto* prefill = app.add_subcommand("prefill", "Run a prefill worker that joins a router");
+  add_config(prefill);
+  role_option(prefill, "model", prefill_opts.model, model_help);
+  role_option(prefill, "join", prefill_opts.join, "HOST:PORT of the router's cluster listener");
+  role_option(prefill, "prefill-chunk", prefill_opts.prefill_chunk, "Prefill chunk in tokens")
+      ->check(CLI::PositiveNumber);
+  role_option(prefill, "join-timeout-ms", prefill_opts.join_timeout_ms, "Keep trying to join this long")
+      ->check(CLI::NonNegativeNumber);
+  role_option(prefill, "drain-timeout-ms", prefill_opts.drain_timeout_ms, drain_help)->check(CLI::NonNegativeNumber);
+
+  WorkerOptions decode_opts;
+  decode_opts.decode = true;
+  auto* decode = app.add_subcommand("decode", "Run a decode worker that joins a router");
+  add_config(decode);
+  role_option(decode, "model", decode_opts.model, model_help);
+  role_option(decode, "join", decode_opts.join, "HOST:PORT of the router's cluster listener");
+  role_option(decode, "max-batch", decode_opts.max_batch, "Requests decoding at once")->check(CLI::PositiveNumber);
+  role_option(decode, "join-timeout-ms", decode_opts.join_timeout_ms, "Keep trying to join this long")
+      ->check(CLI::NonNegativeNumber);
+  role_option(decode, "drain-timeout-ms", decode_opts.drain_timeout_ms, drain_help)->check(CLI::NonNegativeNumber);
+
   CLI11_PARSE(app, argc, argv);
   deltaserve::kernels::cpu::set_num_threads(threads);
+
+  for (CLI::App* role : {serve, router, prefill, decode}) {
+    if (!role->parsed() || config_file.empty()) continue;
+    if (std::string error = apply_config_file(role, config_file); !error.empty()) {
+      std::cerr << "error: " << error << "\n";
+      return 2;
+    }
+  }
+  for (auto [role, opts] : {std::pair{prefill, &prefill_opts}, std::pair{decode, &decode_opts}}) {
+    if (role->parsed() && opts->join.empty()) {
+      std::cerr << "error: --join HOST:PORT is required (flag, DELTASERVE_JOIN or the config file)\n";
+      return 2;
+    }
+  }
+  if (serve->parsed()) return run_serve(serve_opts, std::cout, std::cerr);
+  if (router->parsed()) return run_router(router_opts, std::cout, std::cerr);
+  if (prefill->parsed()) return run_worker(prefill_opts, std::cout, std::cerr);
+  if (decode->parsed()) return run_worker(decode_opts, std::cout, std::cerr);
 
   if (generate->parsed()) return run_generate(gen, std::cout, std::cerr);
   if (tokenize->parsed()) return run_tokenize(tok, std::cout, std::cerr);

@@ -1,0 +1,79 @@
+#include "actors/cluster_service.hpp"
+
+#include "actors/cluster_service_impl.hpp"
+
+namespace deltaserve::actors {
+namespace {
+
+struct SinkState {
+  std::shared_ptr<router::GenerationSink> sink;
+  std::string request_id;
+  std::shared_ptr<bool> done;  // shared with the exit functor, which outlives the state
+};
+
+using SinkPointer = sink_actor::stateful_pointer<SinkState>;
+
+sink_actor::behavior_type sink_impl(SinkPointer self, std::shared_ptr<router::GenerationSink> sink,
+                                    std::string request_id, router_actor router) {
+  auto done = std::make_shared<bool>(false);
+  self->state.sink = sink;
+  self->state.request_id = request_id;
+  self->state.done = done;
+  // Exactly one final chunk, whatever happens: a shutdown or crash before the final chunk ends the stream.
+  self->attach_functor([sink, request_id, done](const caf::error&) {
+    if (*done) return;
+    *done = true;
+    sink->on_chunk(error_chunk(request_id, Status(StatusCode::kUnavailable, "service shut down")));
+  });
+  self->monitor(router);
+  self->set_down_handler([self](const caf::down_msg&) {
+    if (!*self->state.done) {
+      *self->state.done = true;
+      self->state.sink->on_chunk(
+          error_chunk(self->state.request_id, Status(StatusCode::kUnavailable, "router went down")));
+    }
+    self->quit();
+  });
+  return {
+      [self](chunk_atom, router::GenerationChunk& chunk) {
+        auto& s = self->state;
+        if (*s.done) return;
+        const bool final = chunk.is_final();
+        if (final) *s.done = true;
+        s.sink->on_chunk(std::move(chunk));
+        if (final) self->quit();
+      },
+  };
+}
+
+}  // namespace
+
+ClusterService::ClusterService(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+ClusterService::~ClusterService() = default;
+
+void ClusterService::submit(router::GenerationRequest request, std::shared_ptr<router::GenerationSink> sink) {
+  if (!sink) return;
+  const std::string id = request.request_id;
+  auto actor = impl_->system.spawn(sink_impl, sink, id, impl_->router);
+  caf::anon_send(impl_->router, submit_atom::value, std::move(request), caf::actor_cast<caf::actor>(actor));
+}
+
+void ClusterService::cancel(const std::string& request_id) {
+  caf::anon_send(impl_->router, cancel_atom::value, request_id);
+}
+
+router::ServiceStatus ClusterService::status() const {
+  router::ServiceStatus out;
+  const RouterGauges& g = *impl_->gauges;
+  out.running = g.running.load();
+  out.waiting = g.waiting.load();
+  const int64_t prefill = g.prefill_workers.load(), decode = g.decode_workers.load();
+  out.ready = prefill >= 1 && decode >= 1;
+  if (!out.ready) {
+    out.reason = "workers alive: " + std::to_string(prefill) + " prefill, " + std::to_string(decode) +
+                 " decode (need >= 1 of each)";
+  }
+  return out;
+}
+
+}  // namespace deltaserve::actors

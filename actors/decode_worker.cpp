@@ -1,0 +1,302 @@
+#include "actors/decode_worker.hpp"
+
+#include <deque>
+#include <map>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "engine/decode_batcher.hpp"
+#include "engine/state_codec.hpp"
+#include "tokenizer/text_stream.hpp"
+
+namespace deltaserve::actors {
+namespace {
+
+constexpr size_t kMaxTombstones = 4096;  // cancelled ids whose handoff may still be in flight
+
+struct Active {
+  caf::actor sink;
+  std::unique_ptr<tokenizer::TextStream> text;
+  int64_t prompt_tokens = 0;
+  bool logprobs = false;
+};
+
+struct Pending {  // a decoded handoff waiting for a free slot
+  HandoffEnvelope envelope;
+  engine::RequestState state;
+};
+
+struct DecodeState {
+  std::shared_ptr<const engine::Model> model;
+  std::shared_ptr<const tokenizer::Tokenizer> tokenizer;
+  registry_actor registry;
+  DecodeWorkerConfig config;
+  std::unique_ptr<engine::DecodeBatcher> batcher;
+  std::vector<int32_t> stop_token_ids;  // model eos + <|im_end|>
+  int64_t slot_bytes = 0;               // KDA state bytes of one slot (for free_cache_bytes)
+  std::unordered_map<std::string, Active> active;
+  std::map<caf::actor_addr, std::string> by_sink;
+  std::deque<Pending> pending;
+  std::unordered_set<std::string> tombstones;
+  std::deque<std::string> tombstone_order;
+  bool step_pending = false;
+  bool draining = false;
+  WorkerStats stats;
+  WorkerLoad last_reported{-1, -1, -1, -1};
+};
+
+using DecodePointer = decode_actor::stateful_pointer<DecodeState>;
+
+WorkerLoad current_load(const DecodeState& s) {
+  WorkerLoad load;
+  load.queue_length = static_cast<int64_t>(s.pending.size());
+  load.free_slots = s.batcher->free_slots();
+  load.free_cache_bytes = load.free_slots * s.slot_bytes;
+  load.active = s.batcher->active();
+  return load;
+}
+
+void report_load(DecodePointer self, bool force) {
+  auto& s = self->state;
+  if (!s.registry || s.draining) return;
+  const WorkerLoad load = current_load(s);
+  if (!force && load.queue_length == s.last_reported.queue_length && load.free_slots == s.last_reported.free_slots) {
+    return;
+  }
+  s.last_reported = load;
+  self->send(s.registry, heartbeat_atom::value, s.config.name, load);
+}
+
+void send_chunk(DecodePointer self, const caf::actor& sink, router::GenerationChunk chunk) {
+  self->send(caf::actor_cast<sink_actor>(sink), chunk_atom::value, std::move(chunk));
+}
+
+void schedule_step(DecodePointer self) {
+  auto& s = self->state;
+  if (!s.config.self_step || s.step_pending || s.batcher->active() == 0) return;
+  s.step_pending = true;
+  self->send(self, step_atom::value);
+}
+
+void forget(DecodePointer self, const std::string& id) {
+  auto& s = self->state;
+  auto it = s.active.find(id);
+  if (it == s.active.end()) return;
+  s.by_sink.erase(it->second.sink.address());
+  self->demonitor(it->second.sink);
+  s.active.erase(it);
+}
+
+// Moves a decoded state into the batcher; on failure the sink gets the error.
+void admit(DecodePointer self, HandoffEnvelope envelope, engine::RequestState state) {
+  auto& s = self->state;
+  const router::GenerationRequest& request = envelope.request;
+  engine::DecodeParams params;
+  params.sampling = request.sampling;
+  params.logprobs = request.logprobs;
+  params.max_tokens = request.max_tokens;
+  if (!request.ignore_eos) params.stop_token_ids = s.stop_token_ids;
+  Status added = s.batcher->add(request.request_id, std::move(state), envelope.next_token, params);
+  if (!added.is_ok()) {
+    ++s.stats.rejected;
+    send_chunk(self, envelope.sink, error_chunk(request.request_id, added.with_context("decode admit")));
+    return;
+  }
+  Active a;
+  a.sink = envelope.sink;
+  a.text = std::make_unique<tokenizer::TextStream>(*s.tokenizer, request.stop);
+  a.prompt_tokens = static_cast<int64_t>(request.prompt.size());
+  a.logprobs = request.logprobs;
+  self->monitor(a.sink);
+  s.by_sink[a.sink.address()] = request.request_id;
+  s.active.emplace(request.request_id, std::move(a));
+  schedule_step(self);
+}
+
+void admit_pending(DecodePointer self) {
+  auto& s = self->state;
+  while (!s.pending.empty() && s.batcher->free_slots() > 0) {
+    Pending p = std::move(s.pending.front());
+    s.pending.pop_front();
+    admit(self, std::move(p.envelope), std::move(p.state));
+  }
+}
+
+router::GenerationChunk abort_chunk(const std::string& id, int64_t prompt_tokens) {
+  router::GenerationChunk chunk;
+  chunk.request_id = id;
+  chunk.finish_reason = "abort";
+  chunk.prompt_tokens = prompt_tokens;
+  return chunk;
+}
+
+void run_step(DecodePointer self) {
+  auto& s = self->state;
+  s.step_pending = false;
+  if (s.batcher->active() == 0) return;
+  auto outputs = s.batcher->step();
+  ++s.stats.steps;
+  if (!outputs.is_ok()) {
+    // An engine error: no request advanced; fail them all rather than loop on the same error.
+    std::vector<std::string> ids;
+    for (const auto& [id, a] : s.active) ids.push_back(id);
+    for (const std::string& id : ids) {
+      s.batcher->remove(id);
+      send_chunk(self, s.active[id].sink, error_chunk(id, outputs.status().with_context("decode step")));
+      forget(self, id);
+    }
+  } else {
+    for (engine::DecodeStepOutput& out : *outputs) {
+      auto it = s.active.find(out.request_id);
+      if (it == s.active.end()) continue;
+      Active& a = it->second;
+      router::GenerationChunk chunk;
+      chunk.request_id = out.request_id;
+      chunk.tokens.push_back(out.sampled.token);
+      if (a.logprobs) {
+        chunk.logprobs.push_back(router::TokenLogprobs{out.sampled.token, out.sampled.logprob, out.sampled.top});
+      }
+      bool final = out.finished;
+      std::string finish = out.finish_reason;
+      if (out.finished && out.finish_reason == "stop") {
+        chunk.text = a.text->finish();  // a stop token has no text; flush what was held back
+      } else {
+        tokenizer::TextStream::Output text = a.text->push(out.sampled.token);
+        chunk.text = std::move(text.text);
+        if (text.stopped) {
+          if (!out.finished) s.batcher->remove(out.request_id);
+          final = true;
+          finish = "stop";
+        } else if (out.finished) {
+          chunk.text += a.text->finish();
+        }
+      }
+      if (final) {
+        chunk.finish_reason = finish;
+        chunk.prompt_tokens = a.prompt_tokens;
+        chunk.completion_tokens = out.completion_tokens;
+      }
+      send_chunk(self, a.sink, std::move(chunk));
+      if (final) forget(self, out.request_id);
+    }
+  }
+  admit_pending(self);
+  schedule_step(self);
+  report_load(self, false);
+}
+
+decode_actor::behavior_type decode_impl(DecodePointer self, std::shared_ptr<const engine::Model> model,
+                                        std::shared_ptr<const tokenizer::Tokenizer> tokenizer, registry_actor registry,
+                                        DecodeWorkerConfig config) {
+  auto& s = self->state;
+  s.model = std::move(model);
+  s.tokenizer = std::move(tokenizer);
+  s.registry = std::move(registry);
+  s.config = std::move(config);
+  if (s.config.max_batch <= 0) s.config.max_batch = 1;
+  s.batcher = std::make_unique<engine::DecodeBatcher>(*s.model, s.config.max_batch);
+  if (s.model->config().eos_token_id >= 0) s.stop_token_ids.push_back(s.model->config().eos_token_id);
+  if (auto im_end = s.tokenizer->special_token_id("<|im_end|>")) s.stop_token_ids.push_back(*im_end);
+  s.slot_bytes = s.model->new_state().kda_state_bytes();
+  if (s.registry && s.config.heartbeat_interval.count() > 0) {
+    self->delayed_send(self, s.config.heartbeat_interval, tick_atom::value);
+  }
+  // A sink that went away (client gone, router process lost) is a cancel without a reply.
+  self->set_down_handler([self](const caf::down_msg& down) {
+    auto& s = self->state;
+    auto it = s.by_sink.find(down.source);
+    if (it == s.by_sink.end()) return;
+    const std::string id = it->second;
+    s.batcher->remove(id);
+    forget(self, id);
+    admit_pending(self);
+    report_load(self, false);
+  });
+  return {
+      [self](handoff_atom, Handoff& handoff) {
+        auto& s = self->state;
+        HandoffEnvelope& envelope = handoff.envelope;
+        const std::string id = envelope.request.request_id;
+        if (s.tombstones.erase(id) != 0) {  // cancelled while in transfer
+          send_chunk(self, envelope.sink, abort_chunk(id, static_cast<int64_t>(envelope.request.prompt.size())));
+          return;
+        }
+        if (s.active.count(id) != 0) {
+          ++s.stats.rejected;
+          send_chunk(self, envelope.sink, error_chunk(id, invalid_argument("duplicate request id " + id)));
+          return;
+        }
+        auto state = engine::decode_state(
+            s.model->config(),
+            std::span<const std::byte>(reinterpret_cast<const std::byte*>(handoff.state.data()), handoff.state.size()));
+        if (!state.is_ok()) {
+          ++s.stats.rejected;
+          send_chunk(self, envelope.sink, error_chunk(id, state.status().with_context("handoff " + id)));
+          return;
+        }
+        ++s.stats.handoffs;
+        if (s.batcher->free_slots() > 0 && s.pending.empty()) {
+          admit(self, std::move(envelope), std::move(state).value());
+        } else {
+          s.pending.push_back(Pending{std::move(envelope), std::move(state).value()});
+        }
+        report_load(self, false);
+      },
+      [self](cancel_atom, const std::string& id) {
+        auto& s = self->state;
+        if (auto it = s.active.find(id); it != s.active.end()) {
+          s.batcher->remove(id);
+          send_chunk(self, it->second.sink, abort_chunk(id, it->second.prompt_tokens));
+          forget(self, id);
+          admit_pending(self);
+          report_load(self, false);
+          return;
+        }
+        for (auto it = s.pending.begin(); it != s.pending.end(); ++it) {
+          if (it->envelope.request.request_id != id) continue;
+          send_chunk(self, it->envelope.sink,
+                     abort_chunk(id, static_cast<int64_t>(it->envelope.request.prompt.size())));
+          s.pending.erase(it);
+          report_load(self, false);
+          return;
+        }
+        if (s.tombstones.insert(id).second) {
+          s.tombstone_order.push_back(id);
+          if (s.tombstone_order.size() > kMaxTombstones) {
+            s.tombstones.erase(s.tombstone_order.front());
+            s.tombstone_order.pop_front();
+          }
+        }
+      },
+      [self](step_atom) { run_step(self); },
+      [self](drain_atom) {
+        auto& s = self->state;
+        if (s.registry && !s.draining) self->send(s.registry, leave_atom::value, s.config.name);
+        s.draining = true;
+      },
+      [self](stats_atom) -> WorkerStats {
+        auto& s = self->state;
+        WorkerStats out = s.stats;
+        out.active = s.batcher->active();
+        out.queued = static_cast<int64_t>(s.pending.size());
+        out.free_slots = s.batcher->free_slots();
+        return out;
+      },
+      [self](tick_atom) {
+        auto& s = self->state;
+        if (s.draining) return;
+        report_load(self, true);
+        self->delayed_send(self, s.config.heartbeat_interval, tick_atom::value);
+      },
+  };
+}
+
+}  // namespace
+
+decode_actor spawn_decode_worker(caf::actor_system& system, std::shared_ptr<const engine::Model> model,
+                                 std::shared_ptr<const tokenizer::Tokenizer> tokenizer, registry_actor registry,
+                                 DecodeWorkerConfig config) {
+  return system.spawn(decode_impl, std::move(model), std::move(tokenizer), std::move(registry), std::move(config));
+}
+
+}  // namespace deltaserve::actors

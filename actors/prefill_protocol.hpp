@@ -1,0 +1,42 @@
+// Prefill worker actor: chunked prefill of prompt[0, N−1), then the handoff of the request's state to the
+// decode worker chosen by the router ("N−1 prefill", engine/decode_batcher.hpp).
+//
+// Protocol:
+//   prefill(PrefillJob)   queues the job (FIFO). One chunk of at most `prefill_chunk` tokens runs per
+//                         self-sent work() message, so cancels and new jobs are handled between chunks.
+//                         When prompt[0, N−1) is consumed: encode_state → Transport::send_state → decode
+//                         worker (handoff_atom, decode_protocol.hpp), then prefilled(id, bytes, us) to the
+//                         job's router. A 1-token prompt hands over the fresh state. An engine error
+//                         (bad token id, context limit) fails the request to its sink.
+//   cancel(request_id)    drops a queued or running job; the sink gets the final "abort" chunk. Unknown ids
+//                         (already handed off) are ignored: the router cancels at the decode worker too.
+//   drain()               leaves the registry; queued jobs still finish.
+//   stats()               -> WorkerStats.
+//   work(), tick()        internal (self-sent): next chunk; heartbeat timer.
+#pragma once
+
+#include "actors/router_protocol.hpp"
+
+namespace deltaserve::actors {
+
+using prefill_atom = caf::atom_constant<caf::atom("prefill")>;
+using work_atom = caf::atom_constant<caf::atom("work")>;
+
+struct PrefillJob {
+  router::GenerationRequest request;
+  caf::actor decode_worker;  // decode_actor
+  caf::actor sink;           // sink_actor: receives chunks (errors from here, tokens from the decode worker)
+  caf::actor router;         // router_actor: receives prefilled(); may be null (tests)
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, PrefillJob& x) {
+  return f(caf::meta::type_name("PrefillJob"), x.request, x.decode_worker, x.sink, x.router);
+}
+
+using prefill_actor =
+    caf::typed_actor<caf::reacts_to<prefill_atom, PrefillJob>, caf::reacts_to<cancel_atom, std::string>,
+                     caf::reacts_to<drain_atom>, caf::replies_to<stats_atom>::with<WorkerStats>,
+                     caf::reacts_to<work_atom>, caf::reacts_to<tick_atom>>;
+
+}  // namespace deltaserve::actors

@@ -1,0 +1,323 @@
+// Message-by-message tests of the actor protocols on CAF 0.17's deterministic test coordinator
+// (no threads: the test decides which actor runs next).
+#define CAF_SUITE actors_protocol
+#define FAIL(msg) CAF_FAIL(msg)  // dsl.hpp uses the short name
+#include <memory>
+#include <vector>
+
+#include <caf/test/dsl.hpp>
+#include <caf/test/unit_test_impl.hpp>
+
+#include "actors/decode_worker.hpp"
+#include "actors/prefill_worker.hpp"
+#include "actors/registry_actor.hpp"
+#include "actors/router_actor.hpp"
+#include "actors/test_model.hpp"
+#include "engine/state_codec.hpp"
+
+using namespace deltaserve;
+using namespace deltaserve::actors;
+
+namespace {
+
+using Chunks = std::vector<router::GenerationChunk>;
+
+// A sink that records every chunk into a vector the test owns (and keeps running after a final chunk,
+// so the tests can prove nothing follows it).
+caf::behavior recording_sink(caf::event_based_actor*, std::shared_ptr<Chunks> out) {
+  return {[out](chunk_atom, router::GenerationChunk& chunk) { out->push_back(std::move(chunk)); }};
+}
+
+// Stands in for a prefill worker: records the jobs it gets.
+caf::behavior fake_prefill(caf::event_based_actor*, std::shared_ptr<std::vector<PrefillJob>> jobs,
+                           std::shared_ptr<std::vector<std::string>> cancels) {
+  return {[jobs](prefill_atom, PrefillJob& job) { jobs->push_back(std::move(job)); },
+          [cancels](cancel_atom, std::string& id) { cancels->push_back(std::move(id)); }};
+}
+
+// The unused argument avoids CAF 0.17's no-argument spawn path (UB on a null shared_ptr<tuple<>>).
+caf::behavior idle_worker(caf::event_based_actor*, int /*unused*/) {
+  return {[](cancel_atom, std::string&) {}};
+}
+
+// Records registry notifications.
+struct SubscriberLog {
+  std::vector<std::vector<WorkerInfo>> lists;
+  std::vector<std::string> lost;
+};
+caf::behavior recording_subscriber(caf::event_based_actor*, std::shared_ptr<SubscriberLog> log) {
+  return {[log](workers_atom, std::vector<WorkerInfo>& list) { log->lists.push_back(std::move(list)); },
+          [log](lost_atom, std::string& name) { log->lost.push_back(std::move(name)); }};
+}
+
+router::GenerationRequest make_request(const std::string& id, std::vector<int32_t> prompt, int64_t max_tokens) {
+  router::GenerationRequest r;
+  r.request_id = id;
+  r.tenant = "default";
+  r.prompt = std::move(prompt);
+  r.sampling.temperature = 0.0f;
+  r.max_tokens = max_tokens;
+  r.ignore_eos = true;
+  return r;
+}
+
+// A handoff as a prefill worker would build it: prompt[0, N−1) prefilled, prompt[N−1] to feed.
+Handoff make_handoff(const engine::Model& model, const router::GenerationRequest& request, caf::actor sink) {
+  engine::RequestState state = model.new_state();
+  if (request.prompt.size() > 1) {
+    auto r = model.prefill(state, std::span<const int32_t>(request.prompt).first(request.prompt.size() - 1), 4);
+    CAF_REQUIRE(r.is_ok());
+  }
+  const std::vector<std::byte> bytes = engine::encode_state(model.config(), state);
+  Handoff h;
+  h.envelope.handoff_id = 1;
+  h.envelope.request = request;
+  h.envelope.next_token = request.prompt.back();
+  h.envelope.sink = std::move(sink);
+  h.state.resize(bytes.size());
+  std::memcpy(h.state.data(), bytes.data(), bytes.size());
+  return h;
+}
+
+// One message per scheduling of an actor, so a self-sent step does not run the whole generation at once.
+struct OneMessageConfig : caf::actor_system_config {
+  OneMessageConfig() { set("scheduler.max-throughput", size_t{1}); }
+};
+
+struct fixture : test_coordinator_fixture<OneMessageConfig> {
+  std::vector<caf::actor> to_kill;
+
+  template <class Handle>
+  void kill_at_end(const Handle& h) {
+    to_kill.push_back(caf::actor_cast<caf::actor>(h));
+  }
+
+  ~fixture() override {
+    for (auto& a : to_kill) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
+    run();
+  }
+};
+
+}  // namespace
+
+CAF_TEST_FIXTURE_SCOPE(actors_protocol_tests, fixture)
+
+CAF_TEST(router_admission_queue_bound) {
+  auto gauges = std::make_shared<RouterGauges>();
+  auto router = spawn_router(sys, RouterConfig{1}, registry_actor{}, gauges);
+  kill_at_end(router);
+  std::vector<std::shared_ptr<Chunks>> sinks_out;
+  std::vector<caf::actor> sinks;
+  for (int i = 0; i < 5; ++i) {
+    sinks_out.push_back(std::make_shared<Chunks>());
+    sinks.push_back(sys.spawn(recording_sink, sinks_out.back()));
+    kill_at_end(sinks.back());
+  }
+  // No workers yet: r0 waits (queue 1/1), r1 is over the bound and fails at once.
+  self->send(router, submit_atom::value, make_request("r0", {1, 2, 3}, 4), sinks[0]);
+  self->send(router, submit_atom::value, make_request("r1", {1, 2, 3}, 4), sinks[1]);
+  run();
+  CAF_CHECK(sinks_out[0]->empty());
+  CAF_REQUIRE_EQUAL(sinks_out[1]->size(), 1u);
+  CAF_CHECK(sinks_out[1]->at(0).error.code() == StatusCode::kResourceExhausted);
+  CAF_CHECK_EQUAL(gauges->waiting.load(), 1);
+
+  // A prefill worker and a decode worker with one slot join: r0 is dispatched with that decode worker.
+  auto jobs = std::make_shared<std::vector<PrefillJob>>();
+  auto cancels = std::make_shared<std::vector<std::string>>();
+  auto prefill = sys.spawn(fake_prefill, jobs, cancels);
+  auto decode = sys.spawn(idle_worker, 0);
+  kill_at_end(prefill);
+  kill_at_end(decode);
+  std::vector<WorkerInfo> workers{{"decode-0", kDecodeRole, decode, 1, {}},
+                                  {"prefill-0", kPrefillRole, prefill, 4, {}}};
+  self->send(router, workers_atom::value, workers);
+  run();
+  CAF_REQUIRE_EQUAL(jobs->size(), 1u);
+  CAF_CHECK_EQUAL(jobs->at(0).request.request_id, "r0");
+  CAF_CHECK(jobs->at(0).decode_worker == decode);
+  CAF_CHECK_EQUAL(gauges->waiting.load(), 0);
+  CAF_CHECK_EQUAL(gauges->running.load(), 1);
+
+  // The only slot is taken: r2 waits, r3 is rejected; cancelling r2 aborts it from the queue.
+  self->send(router, submit_atom::value, make_request("r2", {5}, 4), sinks[2]);
+  self->send(router, submit_atom::value, make_request("r3", {5}, 4), sinks[3]);
+  run();
+  CAF_CHECK(sinks_out[2]->empty());
+  CAF_REQUIRE_EQUAL(sinks_out[3]->size(), 1u);
+  CAF_CHECK(sinks_out[3]->at(0).error.code() == StatusCode::kResourceExhausted);
+  self->send(router, cancel_atom::value, std::string("r2"));
+  run();
+  CAF_REQUIRE_EQUAL(sinks_out[2]->size(), 1u);
+  CAF_CHECK_EQUAL(sinks_out[2]->at(0).finish_reason.value_or(""), "abort");
+
+  // Cancelling a dispatched request goes to its workers.
+  self->send(router, cancel_atom::value, std::string("r0"));
+  run();
+  CAF_REQUIRE_EQUAL(cancels->size(), 1u);
+  CAF_CHECK_EQUAL(cancels->at(0), "r0");
+
+  // r0's sink finishing frees the decode slot: r4 is dispatched.
+  caf::anon_send_exit(sinks[0], caf::exit_reason::kill);  // the sink goes down (as after its final chunk)
+  self->send(router, submit_atom::value, make_request("r4", {6, 7}, 4), sinks[4]);
+  run();
+  CAF_REQUIRE_EQUAL(jobs->size(), 2u);
+  CAF_CHECK_EQUAL(jobs->at(1).request.request_id, "r4");
+  auto stats = request<RouterStats>(router, stats_atom::value);
+  CAF_CHECK_EQUAL(stats.rejected, 2);
+  CAF_CHECK_EQUAL(stats.running, 1);
+}
+
+CAF_TEST(registry_join_leave_down) {
+  auto registry = spawn_registry(sys);
+  kill_at_end(registry);
+  auto log = std::make_shared<SubscriberLog>();
+  auto subscriber = sys.spawn(recording_subscriber, log);
+  kill_at_end(subscriber);
+  self->send(registry, subscribe_atom::value, subscriber);
+  run();
+  CAF_REQUIRE_EQUAL(log->lists.size(), 1u);
+  CAF_CHECK(log->lists.back().empty());
+
+  auto w1 = sys.spawn(idle_worker, 0);
+  auto w2 = sys.spawn(idle_worker, 0);
+  kill_at_end(w1);
+  CAF_CHECK_EQUAL(request<uint64_t>(registry, join_atom::value, WorkerInfo{"w2", kDecodeRole, w2, 8, {}}), 1u);
+  CAF_CHECK_EQUAL(request<uint64_t>(registry, join_atom::value, WorkerInfo{"w1", kPrefillRole, w1, 4, {}}), 2u);
+  auto list = request<std::vector<WorkerInfo>>(registry, list_atom::value);
+  CAF_REQUIRE_EQUAL(list.size(), 2u);
+  CAF_CHECK_EQUAL(list[0].name, "w1");  // sorted by name
+  CAF_CHECK_EQUAL(list[1].name, "w2");
+
+  WorkerLoad load;
+  load.free_slots = 3;
+  self->send(registry, heartbeat_atom::value, std::string("w2"), load);
+  run();
+  CAF_CHECK_EQUAL(log->lists.back().at(1).load.free_slots, 3);
+
+  self->send(registry, leave_atom::value, std::string("w1"));
+  run();
+  CAF_CHECK_EQUAL(log->lists.back().size(), 1u);
+  CAF_CHECK(log->lost.empty());  // leaving is not losing
+
+  // w2 dies without leaving: removed, and subscribers learn it was lost.
+  caf::anon_send_exit(w2, caf::exit_reason::kill);
+  run();
+  CAF_REQUIRE_EQUAL(log->lost.size(), 1u);
+  CAF_CHECK_EQUAL(log->lost[0], "w2");
+  CAF_CHECK(request<std::vector<WorkerInfo>>(registry, list_atom::value).empty());
+}
+
+CAF_TEST(decode_step_loop_join_and_cancel_between_steps) {
+  std::string error;
+  const auto& tiny = testing::tiny_model(&error);
+  CAF_REQUIRE(tiny.model != nullptr);
+  DecodeWorkerConfig config{"decode-0", 4, std::chrono::milliseconds(0), /*self_step=*/false};
+  auto decode = spawn_decode_worker(sys, tiny.model, tiny.tokenizer, registry_actor{}, config);
+  kill_at_end(decode);
+  auto out_a = std::make_shared<Chunks>(), out_b = std::make_shared<Chunks>();
+  auto sink_a = sys.spawn(recording_sink, out_a), sink_b = sys.spawn(recording_sink, out_b);
+  kill_at_end(sink_a);
+  kill_at_end(sink_b);
+  const auto req_a = make_request("a", {11, 12, 13, 14, 15}, 50);
+  const auto req_b = make_request("b", {21, 22, 23}, 6);
+
+  // Steps run only when the test sends step(), so the order of events is exact.
+  auto step = [&] {
+    self->send(decode, step_atom::value);
+    run();
+  };
+  // A joins and decodes two steps alone.
+  self->send(decode, handoff_atom::value, make_handoff(*tiny.model, req_a, sink_a));
+  run();
+  step();
+  step();
+  CAF_CHECK_EQUAL(out_a->size(), 2u);
+  // B joins between steps; both advance together.
+  self->send(decode, handoff_atom::value, make_handoff(*tiny.model, req_b, sink_b));
+  run();
+  step();
+  step();
+  CAF_CHECK_EQUAL(out_a->size(), 4u);
+  CAF_CHECK_EQUAL(out_b->size(), 2u);
+  CAF_CHECK(!out_a->back().is_final());
+  // A is cancelled between steps: one "abort" chunk, then nothing more for A; B runs to max_tokens.
+  self->send(decode, cancel_atom::value, std::string("a"));
+  run();
+  CAF_REQUIRE_EQUAL(out_a->size(), 5u);
+  CAF_CHECK_EQUAL(out_a->back().finish_reason.value_or(""), "abort");
+  CAF_CHECK(out_a->back().tokens.empty());
+  for (int i = 0; i < 10; ++i) step();  // more steps than B needs: extra steps are no-ops
+  CAF_CHECK_EQUAL(out_a->size(), 5u);
+  CAF_REQUIRE_EQUAL(out_b->size(), 6u);
+  CAF_CHECK_EQUAL(out_b->back().finish_reason.value_or(""), "length");
+  CAF_CHECK_EQUAL(out_b->back().completion_tokens, 6);
+  CAF_CHECK_EQUAL(out_b->back().prompt_tokens, 3);
+  std::vector<int32_t> tokens_b;
+  for (const auto& c : *out_b) tokens_b.insert(tokens_b.end(), c.tokens.begin(), c.tokens.end());
+  CAF_CHECK(tokens_b == testing::reference_greedy(*tiny.model, req_b.prompt, 6, 4));
+  auto stats = request<WorkerStats>(decode, stats_atom::value);
+  CAF_CHECK_EQUAL(stats.active, 0);
+  CAF_CHECK_EQUAL(stats.free_slots, 4);
+  CAF_CHECK_EQUAL(stats.handoffs, 2);
+}
+
+CAF_TEST(corrupted_handoff_is_rejected) {
+  std::string error;
+  const auto& tiny = testing::tiny_model(&error);
+  CAF_REQUIRE(tiny.model != nullptr);
+  auto decode = spawn_decode_worker(sys, tiny.model, tiny.tokenizer, registry_actor{},
+                                    DecodeWorkerConfig{"decode-0", 2, std::chrono::milliseconds(0)});
+  kill_at_end(decode);
+  auto out = std::make_shared<Chunks>();
+  auto sink = sys.spawn(recording_sink, out);
+  kill_at_end(sink);
+  Handoff h = make_handoff(*tiny.model, make_request("c", {3, 4, 5, 6}, 4), sink);
+  h.state[h.state.size() / 2] ^= 0x5a;  // one flipped byte in the payload
+  self->send(decode, handoff_atom::value, h);
+  Handoff truncated = make_handoff(*tiny.model, make_request("d", {3, 4, 5, 6}, 4), sink);
+  truncated.state.resize(truncated.state.size() / 3);
+  self->send(decode, handoff_atom::value, truncated);
+  run();
+  CAF_REQUIRE_EQUAL(out->size(), 2u);
+  CAF_CHECK(out->at(0).error.code() == StatusCode::kDataLoss);
+  CAF_CHECK(out->at(1).error.code() == StatusCode::kDataLoss);
+  auto stats = request<WorkerStats>(decode, stats_atom::value);
+  CAF_CHECK_EQUAL(stats.rejected, 2);
+  CAF_CHECK_EQUAL(stats.steps, 0);
+  CAF_CHECK_EQUAL(stats.free_slots, 2);
+}
+
+CAF_TEST(prefill_chunks_then_hands_off) {
+  std::string error;
+  const auto& tiny = testing::tiny_model(&error);
+  CAF_REQUIRE(tiny.model != nullptr);
+  auto decode = spawn_decode_worker(sys, tiny.model, tiny.tokenizer, registry_actor{},
+                                    DecodeWorkerConfig{"decode-0", 2, std::chrono::milliseconds(0)});
+  auto prefill = spawn_prefill_worker(sys, tiny.model, registry_actor{},
+                                      PrefillWorkerConfig{"prefill-0", 3, std::chrono::milliseconds(0)});
+  kill_at_end(decode);
+  kill_at_end(prefill);
+  auto out = std::make_shared<Chunks>(), out_one = std::make_shared<Chunks>();
+  auto sink = sys.spawn(recording_sink, out), sink_one = sys.spawn(recording_sink, out_one);
+  kill_at_end(sink);
+  kill_at_end(sink_one);
+  const auto req = make_request("p", {2, 3, 4, 5, 6, 7, 8, 9}, 5);  // 7 prefill tokens = 3 chunks of <= 3
+  self->send(prefill, prefill_atom::value, PrefillJob{req, caf::actor_cast<caf::actor>(decode), sink, caf::actor{}});
+  const auto one = make_request("one", {42}, 3);  // 1-token prompt: empty prefill, fresh state
+  self->send(prefill, prefill_atom::value,
+             PrefillJob{one, caf::actor_cast<caf::actor>(decode), sink_one, caf::actor{}});
+  run();
+  auto stats = request<WorkerStats>(prefill, stats_atom::value);
+  CAF_CHECK_EQUAL(stats.steps, 3);
+  CAF_CHECK_EQUAL(stats.handoffs, 2);
+  CAF_CHECK(stats.handoff_bytes > 0);
+  std::vector<int32_t> tokens;
+  for (const auto& c : *out) tokens.insert(tokens.end(), c.tokens.begin(), c.tokens.end());
+  CAF_CHECK(tokens == testing::reference_greedy(*tiny.model, req.prompt, 5, 3));
+  std::vector<int32_t> tokens_one;
+  for (const auto& c : *out_one) tokens_one.insert(tokens_one.end(), c.tokens.begin(), c.tokens.end());
+  CAF_CHECK(tokens_one == testing::reference_greedy(*tiny.model, one.prompt, 3, 3));
+}
+
+CAF_TEST_FIXTURE_SCOPE_END()

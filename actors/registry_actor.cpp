@@ -1,0 +1,97 @@
+#include "actors/registry_actor.hpp"
+
+#include <algorithm>
+#include <map>
+
+namespace deltaserve::actors {
+namespace {
+
+struct RegistryState {
+  std::map<std::string, WorkerInfo> workers;  // by name (sorted: list() and ties are by name)
+  std::vector<registry_subscriber> subscribers;
+  std::string label;
+};
+
+using RegistryPointer = registry_actor::stateful_pointer<RegistryState>;
+
+std::vector<WorkerInfo> snapshot(const RegistryState& state) {
+  std::vector<WorkerInfo> out;
+  out.reserve(state.workers.size());
+  for (const auto& [name, info] : state.workers) out.push_back(info);
+  return out;
+}
+
+void publish(RegistryPointer self) {
+  const std::vector<WorkerInfo> list = snapshot(self->state);
+  for (const registry_subscriber& subscriber : self->state.subscribers)
+    self->send(subscriber, workers_atom::value, list);
+}
+
+// `label` names the registry in errors; it also keeps CAF 0.17 off its no-argument spawn path, which binds a
+// reference to a null shared_ptr<tuple<>> (UBSan: init_fun_factory.hpp:85).
+registry_actor::behavior_type registry_impl(RegistryPointer self, const std::string& label) {
+  self->state.label = label;
+  self->set_down_handler([self](const caf::down_msg& down) {
+    auto& state = self->state;
+    // A subscriber went away.
+    state.subscribers.erase(std::remove_if(state.subscribers.begin(), state.subscribers.end(),
+                                           [&](const registry_subscriber& s) { return s.address() == down.source; }),
+                            state.subscribers.end());
+    // A worker went away without leaving: tell subscribers, which fail its in-flight requests.
+    std::vector<std::string> lost;
+    for (auto it = state.workers.begin(); it != state.workers.end();) {
+      if (it->second.handle.address() == down.source) {
+        lost.push_back(it->first);
+        it = state.workers.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    if (lost.empty()) return;
+    for (const std::string& name : lost) {
+      for (const registry_subscriber& subscriber : state.subscribers) self->send(subscriber, lost_atom::value, name);
+    }
+    publish(self);
+  });
+  return {
+      [self](join_atom, WorkerInfo info) -> uint64_t {
+        auto& workers = self->state.workers;
+        if (auto it = workers.find(info.name); it != workers.end() && it->second.handle != info.handle) {
+          self->demonitor(it->second.handle);
+        }
+        if (info.handle) self->monitor(info.handle);
+        workers[info.name] = std::move(info);
+        publish(self);
+        return workers.size();
+      },
+      [self](heartbeat_atom, const std::string& name, WorkerLoad load) {
+        auto it = self->state.workers.find(name);
+        if (it == self->state.workers.end()) return;
+        it->second.load = load;
+        publish(self);
+      },
+      [self](leave_atom, const std::string& name) {
+        auto it = self->state.workers.find(name);
+        if (it == self->state.workers.end()) return;
+        self->demonitor(it->second.handle);
+        self->state.workers.erase(it);
+        publish(self);
+      },
+      [self](list_atom) -> std::vector<WorkerInfo> { return snapshot(self->state); },
+      [self](subscribe_atom, caf::actor subscriber) {
+        if (!subscriber) return;
+        auto typed = caf::actor_cast<registry_subscriber>(subscriber);
+        self->monitor(typed);
+        self->send(typed, workers_atom::value, snapshot(self->state));
+        self->state.subscribers.push_back(std::move(typed));
+      },
+  };
+}
+
+}  // namespace
+
+registry_actor spawn_registry(caf::actor_system& system) {
+  return system.spawn(registry_impl, std::string("registry"));
+}
+
+}  // namespace deltaserve::actors

@@ -1,0 +1,68 @@
+// Registry of workers: who is alive, in which role, and how loaded. Lives next to the router actor;
+// published on --cluster-host/--cluster-port for workers in other processes.
+//
+// Protocol (all messages one-way except join and list):
+//   join(WorkerInfo)          -> uint64_t workers now registered. Monitors the worker; a worker that
+//                                joins again under the same name replaces its old entry.
+//   heartbeat(name, load)     updates the load of a registered worker (unknown names are ignored).
+//   leave(name)               removes the worker (graceful: its in-flight requests continue).
+//   list()                    -> std::vector<WorkerInfo>, sorted by name.
+//   subscribe(actor)          the subscriber receives (workers_atom, std::vector<WorkerInfo>) now and after
+//                             every change, and (lost_atom, name) when a worker goes down without leaving
+//                             (its in-flight requests are then failed by the subscriber, which knows them).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "actors/wire_types.hpp"
+
+namespace deltaserve::actors {
+
+using join_atom = caf::atom_constant<caf::atom("join")>;
+using heartbeat_atom = caf::atom_constant<caf::atom("heartbeat")>;
+using leave_atom = caf::atom_constant<caf::atom("leave")>;
+using list_atom = caf::atom_constant<caf::atom("list")>;
+using subscribe_atom = caf::atom_constant<caf::atom("subscribe")>;
+using workers_atom = caf::atom_constant<caf::atom("workers")>;
+using lost_atom = caf::atom_constant<caf::atom("lost")>;
+
+inline constexpr const char* kPrefillRole = "prefill";
+inline constexpr const char* kDecodeRole = "decode";
+
+struct WorkerLoad {
+  int64_t queue_length = 0;      // requests waiting at the worker (prefill jobs / handoffs without a slot)
+  int64_t free_slots = 0;        // decode: free state slots (batcher); prefill: 0
+  int64_t free_cache_bytes = 0;  // decode: bytes of state the free slots can hold; prefill: 0
+  int64_t active = 0;            // requests being worked on
+};
+
+struct WorkerInfo {
+  std::string name;      // unique in the cluster, e.g. "decode-0" or "decode@host:pid"
+  std::string role;      // kPrefillRole | kDecodeRole
+  caf::actor handle;     // prefill_actor or decode_actor (actor_cast at the receiver)
+  int64_t capacity = 0;  // decode: max_batch; prefill: chunk tokens
+  WorkerLoad load;
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, WorkerLoad& x) {
+  return f(caf::meta::type_name("WorkerLoad"), x.queue_length, x.free_slots, x.free_cache_bytes, x.active);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, WorkerInfo& x) {
+  return f(caf::meta::type_name("WorkerInfo"), x.name, x.role, x.handle, x.capacity, x.load);
+}
+
+// What a subscriber must accept (the router actor does).
+using registry_subscriber =
+    caf::typed_actor<caf::reacts_to<workers_atom, std::vector<WorkerInfo>>, caf::reacts_to<lost_atom, std::string>>;
+
+using registry_actor =
+    caf::typed_actor<caf::replies_to<join_atom, WorkerInfo>::with<uint64_t>,
+                     caf::reacts_to<heartbeat_atom, std::string, WorkerLoad>, caf::reacts_to<leave_atom, std::string>,
+                     caf::replies_to<list_atom>::with<std::vector<WorkerInfo>>,
+                     caf::reacts_to<subscribe_atom, caf::actor>>;
+
+}  // namespace deltaserve::actors

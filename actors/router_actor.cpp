@@ -1,0 +1,249 @@
+#include "actors/router_actor.hpp"
+
+#include <deque>
+#include <map>
+#include <unordered_map>
+
+#include "actors/decode_protocol.hpp"
+#include "actors/prefill_protocol.hpp"
+
+namespace deltaserve::actors {
+namespace {
+
+enum class Stage { kWaiting, kPrefill, kDecode };
+
+struct Entry {
+  router::GenerationRequest request;  // prompt dropped once dispatched
+  caf::actor sink;
+  Stage stage = Stage::kWaiting;
+  std::string prefill_worker, decode_worker;
+};
+
+struct RouterState {
+  RouterConfig config;
+  std::shared_ptr<RouterGauges> gauges;
+  std::map<std::string, WorkerInfo> prefill_workers, decode_workers;  // by name: ties break by name
+  std::map<std::string, int64_t> prefill_outstanding;                 // jobs this router sent and not yet prefilled
+  std::map<std::string, int64_t> decode_assigned;                     // requests this router placed and not finished
+  std::unordered_map<std::string, Entry> requests;
+  std::map<caf::actor_addr, std::string> by_sink;
+  std::deque<std::string> queue;  // waiting request ids, FIFO
+  RouterStats totals;
+};
+
+using RouterPointer = router_actor::stateful_pointer<RouterState>;
+
+void update_gauges(RouterState& s) {
+  const int64_t waiting = static_cast<int64_t>(s.queue.size());
+  s.totals.waiting = waiting;
+  s.totals.running = static_cast<int64_t>(s.requests.size()) - waiting;
+  s.totals.prefill_workers = static_cast<int64_t>(s.prefill_workers.size());
+  s.totals.decode_workers = static_cast<int64_t>(s.decode_workers.size());
+  if (!s.gauges) return;
+  s.gauges->waiting = s.totals.waiting;
+  s.gauges->running = s.totals.running;
+  s.gauges->prefill_workers = s.totals.prefill_workers;
+  s.gauges->decode_workers = s.totals.decode_workers;
+}
+
+void send_final(RouterPointer self, const caf::actor& sink, router::GenerationChunk chunk) {
+  self->send(caf::actor_cast<sink_actor>(sink), chunk_atom::value, std::move(chunk));
+}
+
+// Prefill: fewest jobs outstanding from this router, then the shortest reported queue, then the name.
+const WorkerInfo* pick_prefill(RouterState& s) {
+  const WorkerInfo* best = nullptr;
+  int64_t best_out = 0;
+  for (const auto& [name, info] : s.prefill_workers) {
+    const int64_t out = s.prefill_outstanding[name];
+    if (!best || out < best_out || (out == best_out && info.load.queue_length < best->load.queue_length)) {
+      best = &info;
+      best_out = out;
+    }
+  }
+  return best;
+}
+
+// Decode: most free slots (capacity minus what this router placed there), ties by name; none when full.
+const WorkerInfo* pick_decode(RouterState& s) {
+  const WorkerInfo* best = nullptr;
+  int64_t best_free = 0;
+  for (const auto& [name, info] : s.decode_workers) {
+    const int64_t free = info.capacity - s.decode_assigned[name];
+    if (free > best_free) {
+      best = &info;
+      best_free = free;
+    }
+  }
+  return best;
+}
+
+bool try_dispatch_one(RouterPointer self, Entry& entry) {
+  auto& s = self->state;
+  const WorkerInfo* prefill = pick_prefill(s);
+  const WorkerInfo* decode = pick_decode(s);
+  if (!prefill || !decode) return false;
+  entry.stage = Stage::kPrefill;
+  entry.prefill_worker = prefill->name;
+  entry.decode_worker = decode->name;
+  ++s.prefill_outstanding[prefill->name];
+  ++s.decode_assigned[decode->name];
+  PrefillJob job{entry.request, decode->handle, entry.sink, caf::actor_cast<caf::actor>(self)};
+  entry.request.prompt = {};
+  entry.request.prompt.shrink_to_fit();
+  self->send(caf::actor_cast<prefill_actor>(prefill->handle), prefill_atom::value, std::move(job));
+  return true;
+}
+
+void dispatch_waiting(RouterPointer self) {
+  auto& s = self->state;
+  while (!s.queue.empty()) {
+    auto it = s.requests.find(s.queue.front());
+    if (it == s.requests.end()) {
+      s.queue.pop_front();
+      continue;
+    }
+    if (!try_dispatch_one(self, it->second)) break;
+    s.queue.pop_front();
+  }
+  update_gauges(s);
+}
+
+// Forgets a request (finished, failed or its sink gone) and releases its worker reservations.
+void release(RouterState& s, const std::string& id) {
+  auto it = s.requests.find(id);
+  if (it == s.requests.end()) return;
+  Entry& e = it->second;
+  if (e.stage == Stage::kPrefill && s.prefill_outstanding[e.prefill_worker] > 0)
+    --s.prefill_outstanding[e.prefill_worker];
+  if (e.stage != Stage::kWaiting && s.decode_assigned[e.decode_worker] > 0) --s.decode_assigned[e.decode_worker];
+  if (e.stage == Stage::kWaiting) std::erase(s.queue, id);
+  s.by_sink.erase(e.sink.address());
+  s.requests.erase(it);
+}
+
+void cancel_on_workers(RouterPointer self, const Entry& e) {
+  const std::string& id = e.request.request_id;
+  if (auto p = self->state.prefill_workers.find(e.prefill_worker); p != self->state.prefill_workers.end()) {
+    self->send(caf::actor_cast<prefill_actor>(p->second.handle), cancel_atom::value, id);
+  }
+  if (auto d = self->state.decode_workers.find(e.decode_worker); d != self->state.decode_workers.end()) {
+    self->send(caf::actor_cast<decode_actor>(d->second.handle), cancel_atom::value, id);
+  }
+}
+
+router_actor::behavior_type router_impl(RouterPointer self, RouterConfig config, registry_actor registry,
+                                        std::shared_ptr<RouterGauges> gauges) {
+  self->state.config = config;
+  self->state.gauges = std::move(gauges);
+  if (registry) {
+    self->send(registry, subscribe_atom::value, caf::actor_cast<caf::actor>(self));
+  }
+  // Sinks: the request is over for whoever submitted it.
+  self->set_down_handler([self](const caf::down_msg& down) {
+    auto& s = self->state;
+    auto it = s.by_sink.find(down.source);
+    if (it == s.by_sink.end()) return;
+    const std::string id = it->second;
+    auto entry = s.requests.find(id);
+    // A sink quits after its final chunk; if it died early, the workers still hold the request.
+    if (entry != s.requests.end() && entry->second.stage != Stage::kWaiting &&
+        down.reason != caf::exit_reason::normal) {
+      cancel_on_workers(self, entry->second);
+    }
+    release(s, id);
+    dispatch_waiting(self);
+  });
+  return {
+      [self](submit_atom, router::GenerationRequest& request, caf::actor& sink) {
+        auto& s = self->state;
+        if (!sink) return;
+        const std::string id = request.request_id;
+        if (s.requests.count(id) != 0) {
+          send_final(self, sink, error_chunk(id, invalid_argument("duplicate request id " + id)));
+          return;
+        }
+        const bool can_run_now = s.queue.empty() && pick_prefill(s) && pick_decode(s);
+        if (!can_run_now && static_cast<int64_t>(s.queue.size()) >= s.config.max_queue) {
+          ++s.totals.rejected;
+          send_final(self, sink,
+                     error_chunk(id, Status(StatusCode::kResourceExhausted,
+                                            "server overloaded: " + std::to_string(s.queue.size()) +
+                                                " requests waiting (max_queue)")));
+          return;
+        }
+        ++s.totals.admitted;
+        self->monitor(sink);
+        s.by_sink[sink.address()] = id;
+        Entry& entry = s.requests[id];
+        entry.request = std::move(request);
+        entry.sink = std::move(sink);
+        s.queue.push_back(id);
+        dispatch_waiting(self);
+      },
+      [self](cancel_atom, const std::string& id) {
+        auto& s = self->state;
+        auto it = s.requests.find(id);
+        if (it == s.requests.end()) return;
+        if (it->second.stage == Stage::kWaiting) {
+          router::GenerationChunk chunk;
+          chunk.request_id = id;
+          chunk.finish_reason = "abort";
+          chunk.prompt_tokens = static_cast<int64_t>(it->second.request.prompt.size());
+          send_final(self, it->second.sink, std::move(chunk));
+          release(s, id);
+          update_gauges(s);
+          return;
+        }
+        cancel_on_workers(self, it->second);  // the worker holding it sends "abort"; the sink's exit releases it
+      },
+      [self](prefilled_atom, const std::string& id, int64_t /*bytes*/, int64_t /*micros*/) {
+        auto& s = self->state;
+        auto it = s.requests.find(id);
+        if (it == s.requests.end() || it->second.stage != Stage::kPrefill) return;
+        if (s.prefill_outstanding[it->second.prefill_worker] > 0) --s.prefill_outstanding[it->second.prefill_worker];
+        it->second.stage = Stage::kDecode;
+        dispatch_waiting(self);
+      },
+      [self](workers_atom, const std::vector<WorkerInfo>& workers) {
+        auto& s = self->state;
+        s.prefill_workers.clear();
+        s.decode_workers.clear();
+        for (const WorkerInfo& w : workers) {
+          if (!w.handle) continue;
+          if (w.role == kPrefillRole) s.prefill_workers[w.name] = w;
+          if (w.role == kDecodeRole) s.decode_workers[w.name] = w;
+        }
+        dispatch_waiting(self);
+      },
+      [self](lost_atom, const std::string& name) {
+        auto& s = self->state;
+        s.prefill_workers.erase(name);
+        s.decode_workers.erase(name);
+        for (auto& [id, e] : s.requests) {
+          const bool on_prefill = e.stage == Stage::kPrefill && e.prefill_worker == name;
+          const bool on_decode = e.stage != Stage::kWaiting && e.decode_worker == name;
+          if (!on_prefill && !on_decode) continue;
+          ++s.totals.failed;
+          if (on_prefill) cancel_on_workers(self, e);  // the decode worker may still get a handoff: drop it there
+          send_final(self, e.sink, error_chunk(id, Status(StatusCode::kUnavailable, "worker " + name + " went down")));
+        }
+        s.prefill_outstanding.erase(name);
+        s.decode_assigned.erase(name);
+        dispatch_waiting(self);
+      },
+      [self](stats_atom) -> RouterStats {
+        update_gauges(self->state);
+        return self->state.totals;
+      },
+  };
+}
+
+}  // namespace
+
+router_actor spawn_router(caf::actor_system& system, RouterConfig config, registry_actor registry,
+                          std::shared_ptr<RouterGauges> gauges) {
+  return system.spawn(router_impl, config, std::move(registry), std::move(gauges));
+}
+
+}  // namespace deltaserve::actors

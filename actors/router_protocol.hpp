@@ -1,0 +1,57 @@
+// Router actor: admission, queueing and placement of requests on workers; and the per-request sink
+// actor that streams chunks back to whoever submitted (ClusterService).
+//
+// Router protocol (one-way):
+//   submit(GenerationRequest, sink)  admits the request. Dispatched at once when a prefill worker and a
+//                                    decode worker with a free slot exist, else queued; with max_queue
+//                                    requests already waiting the sink gets a final chunk with
+//                                    kResourceExhausted at once. A duplicate id fails with kInvalidArgument.
+//   cancel(request_id)               queued: final chunk "abort" from the router; dispatched: forwarded to
+//                                    its prefill and decode workers, which send the "abort" chunk.
+//   prefilled(request_id, bytes, us) from the prefill worker after the handoff left (stage → decode).
+//   workers(list) / lost(name)       from the registry subscription; requests placed on a lost worker fail
+//                                    with kUnavailable (re-prefill/migration is a later issue).
+//   stats()                          -> RouterStats.
+// The router monitors every sink: a sink that goes down ends the request's bookkeeping (and, if the
+// request is still on a worker, cancels it there).
+//
+// Sink protocol: chunk(GenerationChunk), in order; the sink quits after the first final chunk and
+// ignores anything else.
+#pragma once
+
+#include <string>
+
+#include "actors/registry_protocol.hpp"
+
+namespace deltaserve::actors {
+
+using submit_atom = caf::atom_constant<caf::atom("submit")>;
+using prefilled_atom = caf::atom_constant<caf::atom("prefilled")>;
+using chunk_atom = caf::atom_constant<caf::atom("chunk")>;
+
+struct RouterStats {
+  int64_t running = 0;  // dispatched to workers, not finished
+  int64_t waiting = 0;  // queued before prefill
+  int64_t prefill_workers = 0;
+  int64_t decode_workers = 0;
+  int64_t admitted = 0;  // total
+  int64_t rejected = 0;  // total, queue full
+  int64_t failed = 0;    // total, worker lost
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, RouterStats& x) {
+  return f(caf::meta::type_name("RouterStats"), x.running, x.waiting, x.prefill_workers, x.decode_workers, x.admitted,
+           x.rejected, x.failed);
+}
+
+using sink_actor = caf::typed_actor<caf::reacts_to<chunk_atom, router::GenerationChunk>>;
+
+using router_actor =
+    caf::typed_actor<caf::reacts_to<submit_atom, router::GenerationRequest, caf::actor>,
+                     caf::reacts_to<cancel_atom, std::string>,
+                     caf::reacts_to<prefilled_atom, std::string, int64_t, int64_t>,
+                     caf::reacts_to<workers_atom, std::vector<WorkerInfo>>, caf::reacts_to<lost_atom, std::string>,
+                     caf::replies_to<stats_atom>::with<RouterStats>>;
+
+}  // namespace deltaserve::actors
