@@ -19,7 +19,6 @@
 #include <boost/asio/post.hpp>
 #include <boost/asio/redirect_error.hpp>
 #include <boost/asio/steady_timer.hpp>
-#include <boost/asio/strand.hpp>
 #include <boost/asio/use_awaitable.hpp>
 #include <boost/asio/write.hpp>
 #include <boost/beast/core.hpp>
@@ -53,8 +52,8 @@ struct Connection {
   beast::tcp_stream stream;
   beast::flat_buffer buffer;
   net::steady_timer wake;    // a generation waits on it; cancelled when chunks arrive or the client leaves
-  bool client_gone = false;  // strand only
-  uint64_t watch_epoch = 0;  // strand only; bumps invalidate a pending disconnect watch
+  bool client_gone = false;  // connection context only
+  uint64_t watch_epoch = 0;  // connection context only; bumps invalidate a pending disconnect watch
   bool watching = false;
 
   // Strand only: ends the connection (stop()).
@@ -140,7 +139,14 @@ class HttpServer::Impl {
   InferenceService& service_;
   ApiKeys keys_;
 
+  // One io_context per thread, each run by exactly one thread: a connection lives on one context, so
+  // its handlers never run concurrently and no strand is needed. (Boost 1.74 strands driven from
+  // coroutines lost wake-ups posted from service threads: a chunk could sit unseen until the next
+  // socket event.) ioc_ also runs the acceptor; extra_ holds contexts 1..threads-1.
   net::io_context ioc_;
+  std::vector<std::unique_ptr<net::io_context>> extra_;
+  std::vector<net::executor_work_guard<net::io_context::executor_type>> guards_;
+  std::atomic<uint64_t> next_context_{0};
   tcp::acceptor acceptor_;
   std::vector<std::thread> threads_;
   std::atomic<bool> started_{false};
@@ -172,9 +178,15 @@ Result<uint16_t> HttpServer::Impl::start() {
   if (!ec) acceptor_.listen(net::socket_base::max_listen_connections, ec);
   if (ec) return io_error("listen on " + where + ": " + ec.message());
   const uint16_t port = acceptor_.local_endpoint(ec).port();
-  net::co_spawn(ioc_, accept_loop(), net::detached);
   const int threads = std::max(1, config_.threads);
-  for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { ioc_.run(); });
+  guards_.push_back(net::make_work_guard(ioc_));
+  for (int i = 1; i < threads; ++i) {
+    extra_.push_back(std::make_unique<net::io_context>());
+    guards_.push_back(net::make_work_guard(*extra_.back()));
+  }
+  net::co_spawn(ioc_, accept_loop(), net::detached);
+  threads_.emplace_back([this] { ioc_.run(); });
+  for (auto& context : extra_) threads_.emplace_back([&context] { context->run(); });
   spdlog::info("http: listening on {}:{} ({} threads)", config_.host, port, threads);
   return port;
 }
@@ -201,7 +213,9 @@ void HttpServer::Impl::stop() {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
+  guards_.clear();
   ioc_.stop();
+  for (auto& context : extra_) context->stop();
   for (std::thread& thread : threads_) thread.join();
   threads_.clear();
   std::lock_guard lock(connections_mutex_);
@@ -214,7 +228,9 @@ void HttpServer::Impl::stop() {
 net::awaitable<void> HttpServer::Impl::accept_loop() {
   for (;;) {
     error_code ec;
-    tcp::socket socket = co_await acceptor_.async_accept(net::any_io_executor(net::make_strand(ioc_)),
+    const uint64_t pick = next_context_++ % (extra_.size() + 1);
+    net::io_context& context = pick == 0 ? ioc_ : *extra_[pick - 1];
+    tcp::socket socket = co_await acceptor_.async_accept(net::any_io_executor(context.get_executor()),
                                                          net::redirect_error(kTryAwait, ec));
     if (ec) {
       if (!acceptor_.is_open() || stopped_) co_return;
@@ -607,7 +623,8 @@ void HttpServer::Impl::start_watch(const ConnectionPtr& connection) {
   const uint64_t epoch = ++connection->watch_epoch;
   connection->watching = true;
   connection->stream.socket().async_wait(
-      tcp::socket::wait_read, net::bind_executor(connection->stream.get_executor(), [connection, epoch](error_code ec) {
+      tcp::socket::wait_read,
+      net::bind_executor(connection->stream.get_executor(), [this, connection, epoch](error_code ec) {
         if (epoch != connection->watch_epoch || !connection->watching) return;
         connection->watching = false;
         if (ec == net::error::operation_aborted && connection->stream.socket().is_open()) return;
@@ -615,6 +632,12 @@ void HttpServer::Impl::start_watch(const ConnectionPtr& connection) {
           char byte = 0;
           const size_t n = connection->stream.socket().receive(net::buffer(&byte, 1), tcp::socket::message_peek, ec);
           if (!ec && n > 0) return;
+          // The reactor may report a readiness that has no data behind it (edge-triggered epoll keeps
+          // readiness from earlier reads): that is not a disconnect, watch again.
+          if (ec == net::error::would_block || ec == net::error::try_again) {
+            start_watch(connection);
+            return;
+          }
         }
         connection->client_gone = true;
         connection->wake.cancel();
