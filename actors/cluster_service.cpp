@@ -67,6 +67,9 @@ router::ServiceStatus ClusterService::status() const {
   const RouterGauges& g = *impl_->gauges;
   out.running = g.running.load();
   out.waiting = g.waiting.load();
+  out.decode_slots_total = g.decode_slots_total.load();
+  out.decode_slots_free = g.decode_slots_free.load();
+  out.worker_requests = g.worker_requests.load();
   const int64_t prefill = g.prefill_workers.load(), decode = g.decode_workers.load();
   out.ready = prefill >= 1 && decode >= 1;
   if (!out.ready) {

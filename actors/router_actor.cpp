@@ -209,10 +209,21 @@ router_actor::behavior_type router_impl(RouterPointer self, RouterConfig config,
         auto& s = self->state;
         s.prefill_workers.clear();
         s.decode_workers.clear();
+        int64_t slots_total = 0, slots_free = 0, worker_requests = 0;
         for (const WorkerInfo& w : workers) {
           if (!w.handle) continue;
           if (w.role == kPrefillRole) s.prefill_workers[w.name] = w;
-          if (w.role == kDecodeRole) s.decode_workers[w.name] = w;
+          if (w.role == kDecodeRole) {
+            s.decode_workers[w.name] = w;
+            slots_total += w.capacity;
+            slots_free += w.load.free_slots;
+          }
+          worker_requests += w.load.active + w.load.queue_length;
+        }
+        if (s.gauges) {
+          s.gauges->decode_slots_total = slots_total;
+          s.gauges->decode_slots_free = slots_free;
+          s.gauges->worker_requests = worker_requests;
         }
         dispatch_waiting(self);
       },

@@ -19,6 +19,9 @@ struct RouterGauges {
   std::atomic<int64_t> waiting{0};
   std::atomic<int64_t> prefill_workers{0};
   std::atomic<int64_t> decode_workers{0};
+  std::atomic<int64_t> decode_slots_total{0};  // from the workers' latest load reports
+  std::atomic<int64_t> decode_slots_free{0};
+  std::atomic<int64_t> worker_requests{0};
 };
 
 // `registry` may be null (tests feed workers()/lost() directly); otherwise the router subscribes to it.

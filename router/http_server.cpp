@@ -365,7 +365,13 @@ net::awaitable<bool> HttpServer::Impl::handle(ConnectionPtr connection, http::re
       co_return co_await write_response(connection, 503, R"({"status":"not_ready","reason":")" + reason + "\"}",
                                         "application/json", {}, reusable);
     }
-    co_return co_await write_response(connection, 200, R"({"status":"ready"})", "application/json", {}, reusable);
+    // Load figures for probes and tests (e.g. every slot free again after a load).
+    const std::string body = R"({"status":"ready","running":)" + std::to_string(status.running) + R"(,"waiting":)" +
+                             std::to_string(status.waiting) + R"(,"decode_slots_total":)" +
+                             std::to_string(status.decode_slots_total) + R"(,"decode_slots_free":)" +
+                             std::to_string(status.decode_slots_free) + R"(,"worker_requests":)" +
+                             std::to_string(status.worker_requests) + "}";
+    co_return co_await write_response(connection, 200, body, "application/json", {}, reusable);
   }
 
   std::string tenant(kDefaultTenant);

@@ -63,6 +63,10 @@ struct ServiceStatus {
   std::string reason;   // why not, when !ready
   int64_t running = 0;  // requests admitted and not finished
   int64_t waiting = 0;  // requests queued before prefill
+  // Decode state slots over every live decode worker, from their latest load reports.
+  int64_t decode_slots_total = 0;
+  int64_t decode_slots_free = 0;
+  int64_t worker_requests = 0;  // requests the workers report as active or queued
 };
 
 class InferenceService {

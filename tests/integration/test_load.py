@@ -160,8 +160,20 @@ def test_64_concurrent_streams(multi_cluster: Cluster, reference):
     assert "error" not in disconnect_result, f"the disconnecting client failed: {disconnect_result}"
     c.check_alive()
 
-    # Back to baseline.
-    assert http_get(c.url + "/ready")[0] == 200
+    # Back to baseline: every decode state slot free and no request left anywhere (the /ready body
+    # carries the router's counts and the workers' latest load reports, which arrive within ~0.5 s).
+    deadline = time.monotonic() + 10
+    while True:
+        status, _, body = http_get(c.url + "/ready")
+        assert status == 200, body
+        ready = json.loads(body)
+        idle = (ready["running"] == 0 and ready["waiting"] == 0 and ready["worker_requests"] == 0
+                and ready["decode_slots_free"] == ready["decode_slots_total"] > 0)
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    print(f"load: after the load /ready reports {ready}")
+    assert idle, f"resources not back to baseline 10 s after the load: {ready}"
     deadline = time.monotonic() + 10
     after = metrics_snapshot(c)
     while after and baseline is not None and time.monotonic() < deadline and any(
