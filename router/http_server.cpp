@@ -143,8 +143,10 @@ class HttpServer::Impl {
   // its handlers never run concurrently and no strand is needed. (Boost 1.74 strands driven from
   // coroutines lost wake-ups posted from service threads: a chunk could sit unseen until the next
   // socket event.) ioc_ also runs the acceptor; extra_ holds contexts 1..threads-1.
-  net::io_context ioc_;
+  // Declared before ioc_ so they outlive it: ioc_'s shutdown destroys a pending accept whose socket
+  // belongs to one of them.
   std::vector<std::unique_ptr<net::io_context>> extra_;
+  net::io_context ioc_;
   std::vector<net::executor_work_guard<net::io_context::executor_type>> guards_;
   std::atomic<uint64_t> next_context_{0};
   tcp::acceptor acceptor_;
