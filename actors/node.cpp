@@ -104,7 +104,8 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
   n.options = options;
 
   if (role == NodeRole::kServe || role == NodeRole::kRouter) {
-    n.registry = spawn_registry(sys);
+    // Workers report every heartbeat_interval; ten missed reports and a worker counts as lost.
+    n.registry = spawn_registry(sys, options.heartbeat_interval * 10);
     n.gauges = std::make_shared<RouterGauges>();
     n.router = spawn_router(sys, RouterConfig{options.max_queue}, n.registry, n.gauges);
     n.service = std::make_unique<ClusterService>(

@@ -208,6 +208,39 @@ CAF_TEST(registry_join_leave_down) {
   CAF_CHECK(request<std::vector<WorkerInfo>>(registry, list_atom::value).empty());
 }
 
+CAF_TEST(registry_expires_workers_that_stop_reporting) {
+  // A worker that vanished without its connection being reported: no down message, no leave; only
+  // its heartbeats stop. Virtual time: the test clock moves only when told to, and only messages are
+  // run here (sched.run), since the fixture's run() would keep firing the registry's periodic tick.
+  auto registry = spawn_registry(sys, std::chrono::milliseconds(1000));
+  kill_at_end(registry);
+  auto log = std::make_shared<SubscriberLog>();
+  auto subscriber = sys.spawn(recording_subscriber, log);
+  kill_at_end(subscriber);
+  self->send(registry, subscribe_atom::value, subscriber);
+  sched.run();
+  auto w = sys.spawn(idle_worker, 0);
+  kill_at_end(w);
+  self->send(registry, join_atom::value, WorkerInfo{"w", kDecodeRole, w, 8, {}});
+  sched.run();
+  CAF_REQUIRE_EQUAL(log->lists.back().size(), 1u);
+
+  sched.advance_time(std::chrono::milliseconds(600));
+  sched.run();
+  self->send(registry, heartbeat_atom::value, std::string("w"), WorkerLoad{});
+  sched.run();
+  sched.advance_time(std::chrono::milliseconds(600));  // 1200 ms after joining, 600 after the heartbeat
+  sched.run();
+  CAF_CHECK(log->lost.empty());
+  CAF_CHECK_EQUAL(log->lists.back().size(), 1u);
+
+  sched.advance_time(std::chrono::milliseconds(1200));  // 1800 ms without a report
+  sched.run();
+  CAF_REQUIRE_EQUAL(log->lost.size(), 1u);
+  CAF_CHECK_EQUAL(log->lost[0], "w");
+  CAF_CHECK(log->lists.back().empty());
+}
+
 CAF_TEST(decode_step_loop_join_and_cancel_between_steps) {
   std::string error;
   const auto& tiny = testing::tiny_model(&error);

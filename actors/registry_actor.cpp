@@ -7,7 +7,9 @@ namespace deltaserve::actors {
 namespace {
 
 struct RegistryState {
-  std::map<std::string, WorkerInfo> workers;  // by name (sorted: list() and ties are by name)
+  std::map<std::string, WorkerInfo> workers;                      // by name (sorted: list() and ties are by name)
+  std::map<std::string, caf::actor_clock::time_point> last_seen;  // join or heartbeat (actor clock)
+  std::chrono::milliseconds expiry{0};                            // 0 = no heartbeat expiry
   std::vector<registry_subscriber> subscribers;
   std::string label;
 };
@@ -27,10 +29,28 @@ void publish(RegistryPointer self) {
     self->send(subscriber, workers_atom::value, list);
 }
 
+// Removes workers that are gone without leaving and tells the subscribers, which fail their requests.
+void drop_lost(RegistryPointer self, const std::vector<std::string>& lost) {
+  auto& state = self->state;
+  if (lost.empty()) return;
+  for (const std::string& name : lost) {
+    if (auto it = state.workers.find(name); it != state.workers.end()) {
+      self->demonitor(it->second.handle);
+      state.workers.erase(it);
+    }
+    state.last_seen.erase(name);
+    for (const registry_subscriber& subscriber : state.subscribers) self->send(subscriber, lost_atom::value, name);
+  }
+  publish(self);
+}
+
 // `label` names the registry in errors; it also keeps CAF 0.17 off its no-argument spawn path, which binds a
 // reference to a null shared_ptr<tuple<>> (UBSan: init_fun_factory.hpp:85).
-registry_actor::behavior_type registry_impl(RegistryPointer self, const std::string& label) {
+registry_actor::behavior_type registry_impl(RegistryPointer self, const std::string& label,
+                                            std::chrono::milliseconds expiry) {
   self->state.label = label;
+  self->state.expiry = expiry;
+  if (expiry.count() > 0) self->delayed_send(self, expiry / 4, tick_atom::value);
   self->set_down_handler([self](const caf::down_msg& down) {
     auto& state = self->state;
     // A subscriber went away.
@@ -39,19 +59,10 @@ registry_actor::behavior_type registry_impl(RegistryPointer self, const std::str
                             state.subscribers.end());
     // A worker went away without leaving: tell subscribers, which fail its in-flight requests.
     std::vector<std::string> lost;
-    for (auto it = state.workers.begin(); it != state.workers.end();) {
-      if (it->second.handle.address() == down.source) {
-        lost.push_back(it->first);
-        it = state.workers.erase(it);
-      } else {
-        ++it;
-      }
+    for (const auto& [name, info] : state.workers) {
+      if (info.handle.address() == down.source) lost.push_back(name);
     }
-    if (lost.empty()) return;
-    for (const std::string& name : lost) {
-      for (const registry_subscriber& subscriber : state.subscribers) self->send(subscriber, lost_atom::value, name);
-    }
-    publish(self);
+    drop_lost(self, lost);
   });
   return {
       [self](join_atom, WorkerInfo info) -> uint64_t {
@@ -60,6 +71,7 @@ registry_actor::behavior_type registry_impl(RegistryPointer self, const std::str
           self->demonitor(it->second.handle);
         }
         if (info.handle) self->monitor(info.handle);
+        self->state.last_seen[info.name] = self->clock().now();
         workers[info.name] = std::move(info);
         publish(self);
         return workers.size();
@@ -67,6 +79,7 @@ registry_actor::behavior_type registry_impl(RegistryPointer self, const std::str
       [self](heartbeat_atom, const std::string& name, WorkerLoad load) {
         auto it = self->state.workers.find(name);
         if (it == self->state.workers.end()) return;
+        self->state.last_seen[name] = self->clock().now();
         it->second.load = load;
         publish(self);
       },
@@ -75,9 +88,20 @@ registry_actor::behavior_type registry_impl(RegistryPointer self, const std::str
         if (it == self->state.workers.end()) return;
         self->demonitor(it->second.handle);
         self->state.workers.erase(it);
+        self->state.last_seen.erase(name);
         publish(self);
       },
       [self](list_atom) -> std::vector<WorkerInfo> { return snapshot(self->state); },
+      [self](tick_atom) {
+        auto& state = self->state;
+        const auto now = self->clock().now();
+        std::vector<std::string> expired;
+        for (const auto& [name, seen] : state.last_seen) {
+          if (now - seen > state.expiry) expired.push_back(name);
+        }
+        drop_lost(self, expired);
+        self->delayed_send(self, state.expiry / 4, tick_atom::value);
+      },
       [self](subscribe_atom, caf::actor subscriber) {
         if (!subscriber) return;
         auto typed = caf::actor_cast<registry_subscriber>(subscriber);
@@ -90,8 +114,8 @@ registry_actor::behavior_type registry_impl(RegistryPointer self, const std::str
 
 }  // namespace
 
-registry_actor spawn_registry(caf::actor_system& system) {
-  return system.spawn(registry_impl, std::string("registry"));
+registry_actor spawn_registry(caf::actor_system& system, std::chrono::milliseconds expiry) {
+  return system.spawn(registry_impl, std::string("registry"), expiry);
 }
 
 }  // namespace deltaserve::actors

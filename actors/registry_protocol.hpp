@@ -63,6 +63,6 @@ using registry_actor =
     caf::typed_actor<caf::replies_to<join_atom, WorkerInfo>::with<uint64_t>,
                      caf::reacts_to<heartbeat_atom, std::string, WorkerLoad>, caf::reacts_to<leave_atom, std::string>,
                      caf::replies_to<list_atom>::with<std::vector<WorkerInfo>>,
-                     caf::reacts_to<subscribe_atom, caf::actor>>;
+                     caf::reacts_to<subscribe_atom, caf::actor>, caf::reacts_to<tick_atom>>;
 
 }  // namespace deltaserve::actors
