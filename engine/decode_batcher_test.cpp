@@ -18,6 +18,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include "common/temp_dir.hpp"
 #include "engine/make_model.hpp"
 
 namespace deltaserve::engine {
@@ -25,22 +26,6 @@ namespace {
 
 // Below this gap between the two best logits, greedy may pick either in a batch of another size.
 constexpr float kNearTie = 1e-4f;
-
-class TempDir {
- public:
-  TempDir() {
-    static int counter = 0;
-    path_ = std::filesystem::temp_directory_path() /
-            ("ds_decode_batcher_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    std::filesystem::remove_all(path_);
-    std::filesystem::create_directories(path_);
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  const std::filesystem::path& path() const { return path_; }
-
- private:
-  std::filesystem::path path_;
-};
 
 std::unique_ptr<Model> make_model(const std::string& preset, int64_t max_positions = 0) {
   TempDir dir;

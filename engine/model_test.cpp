@@ -10,26 +10,11 @@
 
 #include <gtest/gtest.h>
 
+#include "common/temp_dir.hpp"
 #include "engine/make_model.hpp"
 
 namespace deltaserve::engine {
 namespace {
-
-class TempDir {
- public:
-  TempDir() {
-    static int counter = 0;
-    path_ = std::filesystem::temp_directory_path() /
-            ("ds_model_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    std::filesystem::remove_all(path_);
-    std::filesystem::create_directories(path_);
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  const std::filesystem::path& path() const { return path_; }
-
- private:
-  std::filesystem::path path_;
-};
 
 std::unique_ptr<Model> make_model(const std::string& preset, DType dtype = DType::kF32, uint64_t shard_bytes = 0,
                                   uint64_t seed = 7) {

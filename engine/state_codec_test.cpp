@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include "common/temp_dir.hpp"
 #include "engine/make_model.hpp"
 #include "engine/model.hpp"
 
@@ -23,22 +24,6 @@ namespace deltaserve::engine {
 namespace {
 
 using Bytes = std::vector<std::byte>;
-
-class TempDir {
- public:
-  TempDir() {
-    static int counter = 0;
-    path_ = std::filesystem::temp_directory_path() /
-            ("ds_state_codec_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    std::filesystem::remove_all(path_);
-    std::filesystem::create_directories(path_);
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  const std::filesystem::path& path() const { return path_; }
-
- private:
-  std::filesystem::path path_;
-};
 
 const Model& tiny_model() {
   static const std::unique_ptr<Model> model = [] {
