@@ -50,17 +50,6 @@ class CollectingSink : public router::GenerationSink {
   bool final_ = false;
 };
 
-router::GenerationRequest greedy(const std::string& id, std::vector<int32_t> prompt, int64_t max_tokens) {
-  router::GenerationRequest r;
-  r.request_id = id;
-  r.tenant = "default";
-  r.prompt = std::move(prompt);
-  r.sampling.temperature = 0.0f;
-  r.max_tokens = max_tokens;
-  r.ignore_eos = true;
-  return r;
-}
-
 bool wait_until(const std::function<bool()>& pred, std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (std::chrono::steady_clock::now() < deadline) {
@@ -94,7 +83,7 @@ TEST(ClusterNodeTest, ServeGreedyMatchesDirectEngineLoop) {
   std::vector<std::shared_ptr<CollectingSink>> sinks;
   for (size_t i = 0; i < prompts.size(); ++i) {
     sinks.push_back(std::make_shared<CollectingSink>());
-    service.submit(greedy("g" + std::to_string(i), prompts[i], 8), sinks.back());
+    service.submit(testing::greedy_request("g" + std::to_string(i), prompts[i], 8), sinks.back());
   }
   for (size_t i = 0; i < prompts.size(); ++i) {
     ASSERT_TRUE(sinks[i]->wait_final(10s));
@@ -120,7 +109,7 @@ TEST(ClusterNodeTest, CancelFreesSlots) {
   std::vector<std::shared_ptr<CollectingSink>> sinks;
   for (int i = 0; i < 4; ++i) {  // fill every slot with long requests
     sinks.push_back(std::make_shared<CollectingSink>());
-    service.submit(greedy("long" + std::to_string(i), {7, 8, 9}, 100000), sinks.back());
+    service.submit(testing::greedy_request("long" + std::to_string(i), {7, 8, 9}, 100000), sinks.back());
   }
   for (auto& s : sinks) ASSERT_TRUE(s->wait_chunks(2, 10s));
   for (int i = 0; i < 4; ++i) service.cancel("long" + std::to_string(i));
@@ -132,7 +121,7 @@ TEST(ClusterNodeTest, CancelFreesSlots) {
   EXPECT_TRUE(wait_until([&] { return service.status().running == 0; }, 5s));
   // The slots serve new requests.
   auto after = std::make_shared<CollectingSink>();
-  service.submit(greedy("after", {1, 2, 3}, 3), after);
+  service.submit(testing::greedy_request("after", {1, 2, 3}, 3), after);
   ASSERT_TRUE(after->wait_final(10s));
   EXPECT_EQ(after->last().finish_reason.value_or(""), "length");
   service.cancel("unknown-id");  // ignored
@@ -167,7 +156,7 @@ TEST(ClusterNodeTest, RemoteWorkersJoinOverLoopback) {
 
   const std::vector<int32_t> prompt{9, 8, 7, 6, 5, 4, 3};
   auto sink = std::make_shared<CollectingSink>();
-  service.submit(greedy("remote", prompt, 6), sink);
+  service.submit(testing::greedy_request("remote", prompt, 6), sink);
   ASSERT_TRUE(sink->wait_final(10s));
   EXPECT_TRUE(sink->last().error.is_ok()) << sink->last().error.to_string();
   EXPECT_EQ(sink->tokens(), testing::reference_greedy(*tiny.model, prompt, 6, 4));

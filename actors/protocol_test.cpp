@@ -50,17 +50,6 @@ caf::behavior recording_subscriber(caf::event_based_actor*, std::shared_ptr<Subs
           [log](lost_atom, std::string& name) { log->lost.push_back(std::move(name)); }};
 }
 
-router::GenerationRequest make_request(const std::string& id, std::vector<int32_t> prompt, int64_t max_tokens) {
-  router::GenerationRequest r;
-  r.request_id = id;
-  r.tenant = "default";
-  r.prompt = std::move(prompt);
-  r.sampling.temperature = 0.0f;
-  r.max_tokens = max_tokens;
-  r.ignore_eos = true;
-  return r;
-}
-
 // A handoff as a prefill worker would build it: prompt[0, N−1) prefilled, prompt[N−1] to feed.
 Handoff make_handoff(const engine::Model& model, const router::GenerationRequest& request, caf::actor sink) {
   engine::RequestState state = model.new_state();
@@ -114,8 +103,8 @@ CAF_TEST(router_admission_queue_bound) {
     kill_at_end(sinks.back());
   }
   // No workers yet: r0 waits (queue 1/1), r1 is over the bound and fails at once.
-  self->send(router, submit_atom::value, make_request("r0", {1, 2, 3}, 4), sinks[0]);
-  self->send(router, submit_atom::value, make_request("r1", {1, 2, 3}, 4), sinks[1]);
+  self->send(router, submit_atom::value, testing::greedy_request("r0", {1, 2, 3}, 4), sinks[0]);
+  self->send(router, submit_atom::value, testing::greedy_request("r1", {1, 2, 3}, 4), sinks[1]);
   run();
   CAF_CHECK(sinks_out[0]->empty());
   CAF_REQUIRE_EQUAL(sinks_out[1]->size(), 1u);
@@ -140,8 +129,8 @@ CAF_TEST(router_admission_queue_bound) {
   CAF_CHECK_EQUAL(gauges->running.load(), 1);
 
   // The only slot is taken: r2 waits, r3 is rejected; cancelling r2 aborts it from the queue.
-  self->send(router, submit_atom::value, make_request("r2", {5}, 4), sinks[2]);
-  self->send(router, submit_atom::value, make_request("r3", {5}, 4), sinks[3]);
+  self->send(router, submit_atom::value, testing::greedy_request("r2", {5}, 4), sinks[2]);
+  self->send(router, submit_atom::value, testing::greedy_request("r3", {5}, 4), sinks[3]);
   run();
   CAF_CHECK(sinks_out[2]->empty());
   CAF_REQUIRE_EQUAL(sinks_out[3]->size(), 1u);
@@ -159,7 +148,7 @@ CAF_TEST(router_admission_queue_bound) {
 
   // r0's sink finishing frees the decode slot: r4 is dispatched.
   caf::anon_send_exit(sinks[0], caf::exit_reason::kill);  // the sink goes down (as after its final chunk)
-  self->send(router, submit_atom::value, make_request("r4", {6, 7}, 4), sinks[4]);
+  self->send(router, submit_atom::value, testing::greedy_request("r4", {6, 7}, 4), sinks[4]);
   run();
   CAF_REQUIRE_EQUAL(jobs->size(), 2u);
   CAF_CHECK_EQUAL(jobs->at(1).request.request_id, "r4");
@@ -252,8 +241,8 @@ CAF_TEST(decode_step_loop_join_and_cancel_between_steps) {
   auto sink_a = sys.spawn(recording_sink, out_a), sink_b = sys.spawn(recording_sink, out_b);
   kill_at_end(sink_a);
   kill_at_end(sink_b);
-  const auto req_a = make_request("a", {11, 12, 13, 14, 15}, 50);
-  const auto req_b = make_request("b", {21, 22, 23}, 6);
+  const auto req_a = testing::greedy_request("a", {11, 12, 13, 14, 15}, 50);
+  const auto req_b = testing::greedy_request("b", {21, 22, 23}, 6);
 
   // Steps run only when the test sends step(), so the order of events is exact.
   auto step = [&] {
@@ -305,10 +294,10 @@ CAF_TEST(corrupted_handoff_is_rejected) {
   auto out = std::make_shared<Chunks>();
   auto sink = sys.spawn(recording_sink, out);
   kill_at_end(sink);
-  Handoff h = make_handoff(*tiny.model, make_request("c", {3, 4, 5, 6}, 4), sink);
+  Handoff h = make_handoff(*tiny.model, testing::greedy_request("c", {3, 4, 5, 6}, 4), sink);
   h.state[h.state.size() / 2] ^= 0x5a;  // one flipped byte in the payload
   self->send(decode, handoff_atom::value, h);
-  Handoff truncated = make_handoff(*tiny.model, make_request("d", {3, 4, 5, 6}, 4), sink);
+  Handoff truncated = make_handoff(*tiny.model, testing::greedy_request("d", {3, 4, 5, 6}, 4), sink);
   truncated.state.resize(truncated.state.size() / 3);
   self->send(decode, handoff_atom::value, truncated);
   run();
@@ -335,9 +324,9 @@ CAF_TEST(prefill_chunks_then_hands_off) {
   auto sink = sys.spawn(recording_sink, out), sink_one = sys.spawn(recording_sink, out_one);
   kill_at_end(sink);
   kill_at_end(sink_one);
-  const auto req = make_request("p", {2, 3, 4, 5, 6, 7, 8, 9}, 5);  // 7 prefill tokens = 3 chunks of <= 3
+  const auto req = testing::greedy_request("p", {2, 3, 4, 5, 6, 7, 8, 9}, 5);  // 7 prefill tokens = 3 chunks of <= 3
   self->send(prefill, prefill_atom::value, PrefillJob{req, caf::actor_cast<caf::actor>(decode), sink, caf::actor{}});
-  const auto one = make_request("one", {42}, 3);  // 1-token prompt: empty prefill, fresh state
+  const auto one = testing::greedy_request("one", {42}, 3);  // 1-token prompt: empty prefill, fresh state
   self->send(prefill, prefill_atom::value,
              PrefillJob{one, caf::actor_cast<caf::actor>(decode), sink_one, caf::actor{}});
   run();

@@ -12,6 +12,7 @@
 #include "engine/make_model.hpp"
 #include "engine/model.hpp"
 #include "engine/sampler.hpp"
+#include "router/inference_service.hpp"
 #include "tokenizer/tiktoken_tokenizer.hpp"
 #include "tokenizer/tokenizer_writer.hpp"
 
@@ -74,6 +75,19 @@ inline std::vector<int32_t> reference_greedy(const engine::Model& model, const s
     out.push_back(next);
   }
   return out;
+}
+
+// A greedy request of the default tenant that ignores eos (a random model may end its turn early).
+inline router::GenerationRequest greedy_request(const std::string& id, std::vector<int32_t> prompt,
+                                                int64_t max_tokens) {
+  router::GenerationRequest r;
+  r.request_id = id;
+  r.tenant = "default";
+  r.prompt = std::move(prompt);
+  r.sampling.temperature = 0.0f;
+  r.max_tokens = max_tokens;
+  r.ignore_eos = true;
+  return r;
 }
 
 }  // namespace deltaserve::actors::testing
