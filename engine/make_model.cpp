@@ -5,20 +5,16 @@
 #include <system_error>
 
 #include "engine/model_weights.hpp"
+#include "engine/sampler.hpp"
 
 namespace deltaserve::engine {
 namespace {
 
-// splitmix64: a tiny, platform-independent generator (std distributions are implementation-defined).
+// A seeded, platform-independent generator (std distributions are implementation-defined).
 class Random {
  public:
   explicit Random(uint64_t seed) : state_(seed) {}
-  uint64_t next() {
-    uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
+  uint64_t next() { return splitmix64_next(state_); }
   double uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }  // [0, 1)
   double normal() {                                                           // Box–Muller
     const double u1 = 1.0 - uniform(), u2 = uniform();

@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include "common/temp_dir.hpp"
 #include "tokenizer/base64.hpp"
 #include "tokenizer/chat_template.hpp"
 #include "tokenizer/incremental_decoder.hpp"
@@ -27,25 +28,6 @@ namespace fs = std::filesystem;
 
 constexpr int32_t kTinyBase = 1024;
 constexpr uint64_t kTinySeed = 7;
-
-// A fresh directory under the system temp dir, removed on destruction.
-class TempDir {
- public:
-  TempDir() {
-    std::string templ = (fs::temp_directory_path() / "ds_tokenizer_test_XXXXXX").string();
-    const char* made = ::mkdtemp(templ.data());
-    EXPECT_NE(made, nullptr);
-    path_ = templ;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
 
 std::string read_all(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);

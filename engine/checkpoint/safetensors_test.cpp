@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "common/json.hpp"
+#include "common/temp_dir.hpp"
 
 namespace deltaserve::engine {
 namespace {
@@ -23,27 +24,6 @@ namespace {
 namespace fs = std::filesystem;
 
 // ---- helpers -------------------------------------------------------------------------------------
-
-// A fresh directory under the system temp dir, removed (with its contents) on destruction.
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "ds_safetensors_test_XXXXXX").string();
-    char* made = ::mkdtemp(pattern.data());
-    EXPECT_NE(made, nullptr);
-    path_ = pattern;
-  }
-  ~TempDir() {
-    std::error_code error;
-    fs::remove_all(path_, error);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
 
 std::vector<char> read_bytes(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);

@@ -201,6 +201,19 @@ class DsProcess:
                 f"--- stderr (tail) ---\n{self.stderr_tail()}")
 
 
+# Prompts shared by the API and load tests: multilingual, digits, code, contractions.
+PROMPTS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog.",
+    "Привет, мир! Как дела?",
+    "你好，世界！这是一个测试。",
+    "def f(x): return x * 2",
+    "1 2 3 4 5 6 7 8 9 10",
+    "Kimi Delta Attention keeps a fixed-size state per head.",
+    "It's 2024-05-17; they'll say we've done it.",
+]
+
+
 def http_get(url: str, timeout: float = 5.0, headers: dict[str, str] | None = None) -> tuple[int, dict, bytes]:
     req = urllib.request.Request(url, headers=headers or {})
     try:

@@ -18,19 +18,9 @@ import time
 
 import requests
 
-from conftest import Cluster, http_get
+from conftest import PROMPTS, Cluster, http_get
 from streamcheck import check_token_strings, collect_stream
 
-PROMPTS = [
-    "Hello world",
-    "The quick brown fox jumps over the lazy dog.",
-    "Привет, мир! Как дела?",
-    "你好，世界！这是一个测试。",
-    "def f(x): return x * 2",
-    "1 2 3 4 5 6 7 8 9 10",
-    "Kimi Delta Attention keeps a fixed-size state per head.",
-    "It's 2024-05-17; they'll say we've done it.",
-]
 STREAMS = 64
 MAX_TOKENS = 32
 WALL_LIMIT_S = 120.0

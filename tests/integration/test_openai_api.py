@@ -20,19 +20,9 @@ import openai
 import pytest
 import requests
 
-from conftest import Cluster, http_get
+from conftest import PROMPTS, Cluster, http_get
 from streamcheck import (_diff, check_token_strings, check_tokens_match, collect_stream, expected_token_counts)
 
-PROMPTS = [
-    "Hello world",
-    "The quick brown fox jumps over the lazy dog.",
-    "Привет, мир! Как дела?",
-    "你好，世界！这是一个测试。",
-    "def f(x): return x * 2",
-    "1 2 3 4 5 6 7 8 9 10",
-    "Kimi Delta Attention keeps a fixed-size state per head.",
-    "It's 2024-05-17; they'll say we've done it.",
-]
 MAX_TOKENS = 24
 
 
