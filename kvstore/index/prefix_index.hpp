@@ -1,0 +1,77 @@
+// The router's prefix index: which workers hold which 512-token block boundaries of which prompts, and
+// whether they hold a KDA checkpoint there. Backed by RocksDB on disk so it survives a router restart;
+// after a restart it is reconciled against the live workers (entries of workers that are gone, or of an
+// earlier incarnation of a worker, are dropped).
+//
+// The index is advisory: a lost or stale entry may cost a cache miss, never a wrong hit, because the
+// worker recomputes the block hashes and checks its own cache when the request arrives.
+//
+// Thread-safety: every method may be called from any thread (RocksDB is thread-safe); apply() calls are
+// serialized internally so batches land in the order they were applied.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.hpp"
+#include "kvstore/cache/block_hasher.hpp"
+#include "kvstore/cache/cache_event.hpp"
+
+namespace deltaserve::kvstore {
+
+struct PrefixIndexOptions {
+  bool sync_writes = false;          // fsync the WAL on every batch (crash-safe against power loss, slower)
+  int64_t block_cache_bytes = 64 << 20;
+};
+
+// One worker's usable prefix of a prompt.
+struct WorkerPrefixMatch {
+  std::string worker;
+  uint64_t worker_epoch = 0;
+  int64_t pages_blocks = 0;       // blocks 1..pages_blocks are all held (contiguous from the start)
+  int64_t checkpoint_blocks = 0;  // deepest boundary <= pages_blocks with a checkpoint (0 = none): the usable hit
+};
+
+struct PrefixIndexStats {
+  int64_t entries = 0;         // (block, worker) entries (estimate from RocksDB)
+  int64_t batches_written = 0;
+  int64_t write_errors = 0;
+  int64_t last_write_micros = 0;
+  int64_t total_write_micros = 0;
+};
+
+class PrefixIndex {
+ public:
+  // Opens (creating if needed) the index in `directory`. Errors name the directory and RocksDB's reason.
+  static Result<std::unique_ptr<PrefixIndex>> open(const std::filesystem::path& directory,
+                                                   const PrefixIndexOptions& options = {});
+  virtual ~PrefixIndex() = default;
+
+  // Applies one worker's events as one atomic RocksDB WriteBatch. A batch from an epoch other than the
+  // worker's current one first drops every entry of the worker's older epoch.
+  virtual Status apply(const CacheEventBatch& batch) = 0;
+
+  // For the prompt's block hashes (in order, hashes[i] ends block i+1), every worker holding at least
+  // block 1 in `cache_namespace`, best usable match first (checkpoint_blocks, then pages_blocks).
+  // Entries recorded under another namespace never match.
+  virtual Result<std::vector<WorkerPrefixMatch>> lookup(std::span<const BlockHash> hashes,
+                                                        std::string_view cache_namespace) const = 0;
+
+  // Drops every entry of `worker` (it left or died).
+  virtual Status drop_worker(std::string_view worker) = 0;
+
+  // Keeps only entries of the given (worker, epoch) pairs; returns how many entries were dropped.
+  virtual Result<int64_t> reconcile(std::span<const std::pair<std::string, uint64_t>> live_workers) = 0;
+
+  // (worker, epoch) pairs that have entries.
+  virtual Result<std::vector<std::pair<std::string, uint64_t>>> workers() const = 0;
+
+  virtual PrefixIndexStats stats() const = 0;
+};
+
+}  // namespace deltaserve::kvstore
