@@ -76,6 +76,13 @@ std::shared_ptr<const CheckpointStore::Bytes> CheckpointStore::get(const BlockHa
   return it->second.state;
 }
 
+bool CheckpointStore::remove(const BlockHash& hash) {
+  auto it = entries_.find(hash);
+  if (it == entries_.end()) return false;
+  erase(it);
+  return true;
+}
+
 std::vector<BlockHash> CheckpointStore::take_evicted() {
   return std::exchange(evicted_, {});
 }

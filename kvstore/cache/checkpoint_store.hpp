@@ -53,6 +53,9 @@ class CheckpointStore {
   std::shared_ptr<const Bytes> get(const BlockHash& hash);
   bool contains(const BlockHash& hash) const { return entries_.count(hash) != 0; }
 
+  // Drops the checkpoint (a holder's copy stays valid). Not reported by take_evicted(). False on a miss.
+  bool remove(const BlockHash& hash);
+
   // Hashes evicted since the last call (to publish to the prefix index), oldest first.
   std::vector<BlockHash> take_evicted();
 
