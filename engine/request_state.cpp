@@ -18,6 +18,17 @@ RequestState::RequestState(const ModelConfig& config) {
   mla.assign(static_cast<size_t>(config.num_layers_of(LayerKind::kMla)), MlaLayerCache(config.mla.cache_width()));
 }
 
+void RequestState::reset() {
+  for (KdaLayerState& layer : kda) {
+    std::fill(layer.conv_q.begin(), layer.conv_q.end(), 0.0f);
+    std::fill(layer.conv_k.begin(), layer.conv_k.end(), 0.0f);
+    std::fill(layer.conv_v.begin(), layer.conv_v.end(), 0.0f);
+    std::fill(layer.recurrent.begin(), layer.recurrent.end(), 0.0f);
+  }
+  for (MlaLayerCache& layer : mla) layer.truncate(0);
+  num_tokens_ = 0;
+}
+
 int64_t RequestState::kda_state_bytes() const {
   size_t values = 0;
   for (const KdaLayerState& layer : kda) {

@@ -43,6 +43,9 @@ class RequestState {
   int64_t num_tokens() const { return num_tokens_; }  // positions already consumed
   void advance(int64_t tokens) { num_tokens_ += tokens; }
 
+  // Back to the state of a fresh request (zero KDA state, empty MLA caches), keeping the memory.
+  void reset();
+
   // Indexed by the layer's ordinal among layers of its kind (see Model::layer_slot).
   std::vector<KdaLayerState> kda;
   std::vector<MlaLayerCache> mla;
