@@ -1,0 +1,37 @@
+// A separate metrics listener (prometheus-cpp's civetweb Exposer) serving one Metrics at /metrics.
+// For processes with no HTTP front (`deltaserve prefill` / `decode`), and for a router whose /metrics
+// must not share the API port. Scrapes run the Metrics' collect hooks first.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "common/status.hpp"
+#include "telemetry/metrics.hpp"
+
+namespace prometheus {
+class Exposer;
+}
+
+namespace deltaserve::telemetry {
+
+class MetricsListener {
+ public:
+  // `address` is HOST:PORT (port 0 = ephemeral; see port()). InvalidArgument for a malformed address,
+  // Unavailable when the port cannot be bound. The listener keeps `metrics` alive.
+  static Result<std::unique_ptr<MetricsListener>> start(const std::string& address, std::shared_ptr<Metrics> metrics);
+  ~MetricsListener();  // stops serving (waits for a scrape in progress)
+  MetricsListener(const MetricsListener&) = delete;
+  MetricsListener& operator=(const MetricsListener&) = delete;
+
+  uint16_t port() const { return port_; }
+
+ private:
+  MetricsListener() = default;
+  std::shared_ptr<Metrics> metrics_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  uint16_t port_ = 0;
+};
+
+}  // namespace deltaserve::telemetry
