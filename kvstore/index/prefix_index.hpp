@@ -25,7 +25,7 @@
 namespace deltaserve::kvstore {
 
 struct PrefixIndexOptions {
-  bool sync_writes = false;          // fsync the WAL on every batch (crash-safe against power loss, slower)
+  bool sync_writes = false;  // fsync the WAL on every batch (crash-safe against power loss, slower)
   int64_t block_cache_bytes = 64 << 20;
 };
 
@@ -38,7 +38,7 @@ struct WorkerPrefixMatch {
 };
 
 struct PrefixIndexStats {
-  int64_t entries = 0;         // (block, worker) entries (estimate from RocksDB)
+  int64_t entries = 0;  // (block, worker) entries (estimate from RocksDB)
   int64_t batches_written = 0;
   int64_t write_errors = 0;
   int64_t last_write_micros = 0;
