@@ -1,0 +1,110 @@
+// Kimi Delta Attention on Hopper (sm_90a): chunked prefill over varlen batches and the fused decode step.
+// Math: shared/spec/model.md §3; CPU reference: kernels/cpu/kda.hpp (the tests compare against it).
+// Layouts are token-major like the CPU reference: [T, H, D] means element (t, h, d) at ((t * H) + h) * D + d.
+// Every launcher validates its host-visible inputs and returns a Status before anything is launched;
+// device pointers are checked for null and 16-byte alignment only (their contents cannot be read here).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "common/status.hpp"
+
+namespace deltaserve::kernels::cuda {
+
+constexpr int kKdaHeadDim = 128;  // d_k = d_v; the only head size these kernels are built for
+constexpr int kKdaChunk = 64;     // tokens per chunk of the prefill kernel (WY/UT form)
+
+// ---- chunked prefill --------------------------------------------------------------------------------------
+struct KdaPrefillParams {
+  int num_heads = 0;                // H >= 1
+  int head_dim = kKdaHeadDim;       // must be 128
+  std::vector<int32_t> cu_seqlens;  // host copy [N + 1]: cu[0] = 0, non-decreasing, N >= 1; T = cu[N]. Zero-length ok.
+
+  const __nv_bfloat16* q = nullptr;  // [T, H, d] after conv/SiLU/L2 (q_scale is applied in the kernel)
+  const __nv_bfloat16* k = nullptr;  // [T, H, d] after conv/SiLU/L2
+  const __nv_bfloat16* v = nullptr;  // [T, H, d] after conv/SiLU
+  const float* g = nullptr;          // [T, H, d] fp32 log-decay per key channel (<= 0), or the raw gate if gate_raw
+  const float* beta = nullptr;       // [T, H] fp32 in (0, 1)
+  float q_scale = 1.0f;              // q is multiplied by this (d^-0.5 when q is only L2-normalised)
+
+  // Fused gate: when gate_raw, g holds f_b(f_a(x)) and the kernel computes
+  //   lower_bound set:  g = lb * sigmoid(exp(a_log[h]) * (g + dt_bias))      (lb in [-5, 0))
+  //   otherwise:        g = -exp(a_log[h]) * softplus(g + dt_bias)
+  bool gate_raw = false;
+  const float* a_log = nullptr;      // [H], gate_raw only
+  const float* dt_bias = nullptr;    // [H * d], gate_raw only
+  std::optional<float> lower_bound;  // gate_raw only
+  // Whatever the gate, a chunk whose 16-token sub-tiles keep their cumulative log-decay above -85 (always the
+  // case with lb >= -5) takes the dense tensor-core path for the diagonal tiles; any other chunk takes an exact
+  // pairwise path for those tiles. Both are correct for any g <= 0.
+
+  const float* initial_state = nullptr;  // [N, H, d_k, d_v] fp32, or nullptr for zeros
+  float* final_state = nullptr;          // [N, H, d_k, d_v] fp32, or nullptr; may alias initial_state
+  // Prefix-cache checkpoints: the state after every `checkpoint_interval` tokens of each sequence (token counts
+  // from the start of this call's segment of the sequence). Sequence n owns floor(len_n / interval) entries,
+  // stored after those of sequences < n. interval: 0 (none) or a positive multiple of 64.
+  int checkpoint_interval = 0;
+  float* checkpoint_states = nullptr;  // [sum_n floor(len_n / interval), H, d_k, d_v] fp32
+
+  __nv_bfloat16* o = nullptr;  // [T, H, d_v] out; rows >= T are never touched
+
+  void* workspace = nullptr;  // device, >= kda_prefill_workspace_bytes(cu_seqlens, H), 16-byte aligned
+  size_t workspace_bytes = 0;
+};
+
+// Device scratch the prefill needs (chunk tables and the per-chunk WY/UT factors, about 74 KiB per chunk
+// and head). 0 when cu_seqlens is malformed (the launcher then reports why).
+size_t kda_prefill_workspace_bytes(const std::vector<int32_t>& cu_seqlens, int num_heads);
+
+// Number of checkpoint entries the prefill writes for these sequences (0 when interval == 0).
+int64_t kda_prefill_checkpoint_count(const std::vector<int32_t>& cu_seqlens, int checkpoint_interval);
+
+// Enqueues the prefill on `stream`. Asynchronous; no host synchronisation (the tables are copied with
+// cudaMemcpyAsync from pageable memory, which stages them before returning).
+[[nodiscard]] Status kda_chunk_prefill(const KdaPrefillParams& params, cudaStream_t stream);
+
+// ---- fused decode step ------------------------------------------------------------------------------------
+// One token per batch row; each row's recurrent state and conv tails live in a slot pool and are updated in
+// place. Fuses: short conv + SiLU (q, k, v), L2 norm (q scaled by d^-0.5), gate, beta = sigmoid, the
+// recurrent update, o = S^T q, and the gated RMSNorm of o. No allocation, no host sync: CUDA-graph capturable.
+struct KdaDecodeParams {
+  int batch = 0;      // B >= 0 rows (0: nothing launched)
+  int num_heads = 0;  // H >= 1
+  int head_dim = kKdaHeadDim;
+  int conv_kernel = 4;  // K in [1, 4]
+  int num_slots = 0;    // slots in the pool (for documentation and bounds; slots are not range-checked on device
+                        // beyond slot < num_slots)
+
+  const int32_t* slots = nullptr;  // [B] device; slot of each row, or < 0 to skip the row (its output is zeros)
+
+  const __nv_bfloat16* q_in = nullptr;      // [B, H*d] projections W_q x (before the conv)
+  const __nv_bfloat16* k_in = nullptr;      // [B, H*d]
+  const __nv_bfloat16* v_in = nullptr;      // [B, H*d]
+  const __nv_bfloat16* gate_raw = nullptr;  // [B, H*d] f_b(f_a(x))
+  const __nv_bfloat16* beta_raw = nullptr;  // [B, H] b_proj(x) logits (sigmoid applied inside)
+  const __nv_bfloat16* out_gate = nullptr;  // [B, H*d] output gate logits (sigmoid applied inside)
+
+  const float* q_conv_weight = nullptr;  // [H*d, K]
+  const float* k_conv_weight = nullptr;  // [H*d, K]
+  const float* v_conv_weight = nullptr;  // [H*d, K]
+  const float* a_log = nullptr;          // [H]
+  const float* dt_bias = nullptr;        // [H*d]
+  std::optional<float> lower_bound;      // gate as in KdaPrefillParams
+  const float* o_norm_weight = nullptr;  // [d]
+  float rms_eps = 1e-5f;
+
+  float* conv_state = nullptr;  // [num_slots, 3, H*d, K-1] fp32 in/out: q, k, v tails, oldest first
+  float* state = nullptr;       // [num_slots, H, d_k, d_v] fp32 in/out
+
+  __nv_bfloat16* out = nullptr;  // [B, H*d] gated, normalised output (input of o_proj)
+};
+
+[[nodiscard]] Status kda_decode_step(const KdaDecodeParams& params, cudaStream_t stream);
+
+}  // namespace deltaserve::kernels::cuda

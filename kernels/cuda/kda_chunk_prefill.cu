@@ -1,0 +1,715 @@
+// KDA chunked prefill for sm_90a in two launches (see kda.hpp for the contract):
+//   1. prep, one CTA per (chunk of 64 tokens, head), fully parallel: the chunk's cumulative log-decay, the
+//      intra-chunk matrices Akk (strictly lower, beta-weighted) and Aqk (lower incl. diagonal) on tensor cores,
+//      the UT inverse T = (I + Akk)^-1 by 16x16 blocks, and w = T diag(beta) (K ⊙ e^gc), u = T diag(beta) V;
+//      writes w, u, q ⊙ e^gc, k ⊙ e^(gc_last - gc), Aqk (bf16) and e^gc_last (fp32) to the workspace.
+//   2. state pass, one CTA per (32 value columns, head, sequence), sequential over the sequence's chunks with
+//      the state slice [128 x 32] fp32 in registers: v_new = u - w S; o = (q e^gc) S + Aqk v_new;
+//      S = e^gc_last ⊙ S + (k e^(gc_last - gc))^T v_new. Loads of the next chunk overlap (cp.async, 2 stages).
+// Sub-tiles of 16 tokens: pair decays are split at the row tile's start r, k_i e^(r - gc_i) and x_t e^(gc_t - r).
+// Across tiles both factors are <= 1; inside the diagonal tile the first is <= e^(16 * 5) = e^80 when the
+// per-step log-decay is >= -5, so the diagonal tiles are plain matmuls too (dense path). A chunk whose tiles
+// span more than 85 in log-decay takes an exact pairwise path for its diagonal tiles instead.
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include <cuda_bf16.h>
+
+#include "kernels/cuda/kda.hpp"
+#include "kernels/cuda/mma_sm80.cuh"
+
+namespace deltaserve::kernels::cuda {
+namespace {
+
+using namespace detail;  // NOLINT(google-build-using-namespace)
+using bf16 = __nv_bfloat16;
+
+constexpr int kD = kKdaHeadDim;
+constexpr int kC = kKdaChunk;
+constexpr int kLdD = kD + 8;         // bf16 row stride of [*, 128] smem tiles (conflict-free ldmatrix)
+constexpr int kLdC = kC + 8;         // bf16 row stride of [*, 64] smem tiles
+constexpr int kLdF = kC + 1;         // fp32 row stride of [64, 64] smem matrices
+constexpr int kKinvRows = 160;       // 16 + 32 + 48 + 64: the B operands of the four row tiles
+constexpr float kDenseSpan = 85.0f;  // e^85 < fp32/bf16 max with margin
+constexpr int kStateBv = 32;         // value columns per state-pass CTA
+
+// Per (chunk, head) block of the workspace.
+constexpr size_t kOffW = 0;
+constexpr size_t kOffU = kOffW + size_t{kC} * kD * 2;
+constexpr size_t kOffQg = kOffU + size_t{kC} * kD * 2;
+constexpr size_t kOffKg = kOffQg + size_t{kC} * kD * 2;
+constexpr size_t kOffAqk = kOffKg + size_t{kC} * kD * 2;
+constexpr size_t kOffDecay = kOffAqk + size_t{kC} * kC * 2;
+constexpr size_t kChunkBytes = kOffDecay + size_t{kD} * 4;
+
+struct ChunkEntry {
+  int32_t token_begin;  // first token (global row) of the chunk
+  int32_t tokens;       // 1..64
+  int32_t sequence;
+  int32_t unused;
+};
+struct SequenceEntry {
+  int32_t first_chunk;
+  int32_t num_chunks;
+  int32_t token_begin;
+  int32_t length;
+  int32_t checkpoint_first;
+  int32_t unused[3];
+};
+
+enum GateMode : int { kGatePrecomputed = 0, kGateSoftplus = 1, kGateBounded = 2 };
+
+struct PrepArgs {
+  const bf16* q;
+  const bf16* k;
+  const bf16* v;
+  const float* g;
+  const float* beta;
+  float q_scale;
+  int gate_mode;
+  const float* a_log;
+  const float* dt_bias;
+  float lower_bound;
+  int num_heads;
+  const ChunkEntry* chunks;
+  uint8_t* data;
+};
+
+struct StateArgs {
+  int num_heads;
+  const SequenceEntry* sequences;
+  const uint8_t* data;
+  const float* initial_state;
+  float* final_state;
+  int checkpoint_interval;
+  float* checkpoint_states;
+  bf16* o;
+};
+
+constexpr size_t kPrepSmem = size_t{kC} * kLdD * 2 * 2 + size_t{kKinvRows} * kLdD * 2 + size_t{kC} * kLdF * 4 + kC * 4;
+
+__device__ __forceinline__ float gate_value(float raw, int mode, float a, float bias, float lower_bound) {
+  if (mode == kGatePrecomputed) return raw;
+  const float x = raw + bias;
+  if (mode == kGateBounded) return lower_bound / (1.0f + __expf(-a * x));
+  const float softplus = x > 20.0f ? x : log1pf(__expf(x));
+  return -a * softplus;
+}
+
+__global__ void __launch_bounds__(128, 2) kda_chunk_prep_kernel(PrepArgs p) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  bf16* qd = reinterpret_cast<bf16*>(smem);                        // [64][kLdD] q e^(gc - r) (scaled)
+  bf16* kd = qd + kC * kLdD;                                       // [64][kLdD] k e^(gc - r)
+  bf16* kinv = kd + kC * kLdD;                                     // [160][kLdD] per row tile a: k_i e^(r_a - gc_i)
+  float* akk = reinterpret_cast<float*>(kinv + kKinvRows * kLdD);  // [64][kLdF]
+  float* beta_s = akk + kC * kLdF;                                 // [64]
+  // Aliases once their owners are dead: T fp32 over qd, T bf16 + products scratch over kd,
+  // beta K e^gc and beta V over kinv, the exact path's gc over kinv.
+  float* t_f = reinterpret_cast<float*>(qd);
+  bf16* t_b = kd;
+  float* scratch = reinterpret_cast<float*>(kd + kC * kLdC);
+  bf16* bk = kinv;
+  bf16* bv = kinv + kC * kLdD;
+
+  const int H = p.num_heads;
+  const int h = blockIdx.y;
+  const ChunkEntry chunk = p.chunks[blockIdx.x];
+  const int n = chunk.tokens;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int group = lane >> 2, quad = lane & 3;
+  uint8_t* out = p.data + (static_cast<size_t>(blockIdx.x) * H + h) * kChunkBytes;
+  bf16* w_out = reinterpret_cast<bf16*>(out + kOffW);
+  bf16* u_out = reinterpret_cast<bf16*>(out + kOffU);
+  bf16* qg_out = reinterpret_cast<bf16*>(out + kOffQg);
+  bf16* kg_out = reinterpret_cast<bf16*>(out + kOffKg);
+  bf16* aqk_out = reinterpret_cast<bf16*>(out + kOffAqk);
+  float* decay_out = reinterpret_cast<float*>(out + kOffDecay);
+
+  if (tid < kC) beta_s[tid] = tid < n ? p.beta[static_cast<size_t>(chunk.token_begin + tid) * H + h] : 0.0f;
+
+  // Thread = key channel c: cumulative log-decay and k of the 64 tokens in registers.
+  const int c = tid;
+  float a = 1.0f, bias = 0.0f;
+  if (p.gate_mode != kGatePrecomputed) {
+    a = __expf(p.a_log[h]);
+    bias = p.dt_bias[h * kD + c];
+  }
+  float gc[kC], kr[kC];
+  float running = 0.0f;
+#pragma unroll
+  for (int t = 0; t < kC; ++t) {
+    float g = 0.0f, kv = 0.0f;
+    if (t < n) {
+      const size_t index = (static_cast<size_t>(chunk.token_begin + t) * H + h) * kD + c;
+      g = gate_value(p.g[index], p.gate_mode, a, bias, p.lower_bound);
+      kv = __bfloat162float(p.k[index]);
+    }
+    running += g;
+    gc[t] = running;
+    kr[t] = kv;
+  }
+  // Dense diagonal tiles when every 16-token tile (with its reference) spans at most kDenseSpan.
+  bool ok = true;
+#pragma unroll
+  for (int tile = 0; tile < 4; ++tile) {
+    const float r = tile == 0 ? 0.0f : gc[tile * 16 - 1];
+    float lo = r, hi = r;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      lo = fminf(lo, gc[tile * 16 + i]);
+      hi = fmaxf(hi, gc[tile * 16 + i]);
+    }
+    ok = ok && (hi - lo) <= kDenseSpan;
+  }
+  const bool dense = __syncthreads_and(ok) != 0;
+
+  const float gc_last = gc[kC - 1];
+#pragma unroll
+  for (int t = 0; t < kC; ++t) {
+    const float r = t < 16 ? 0.0f : gc[(t / 16) * 16 - 1];
+    float qv = 0.0f;
+    if (t < n) qv = __bfloat162float(p.q[(static_cast<size_t>(chunk.token_begin + t) * H + h) * kD + c]) * p.q_scale;
+    const float e = __expf(gc[t] - r);
+    qd[t * kLdD + c] = __float2bfloat16(qv * e);
+    kd[t * kLdD + c] = __float2bfloat16(kr[t] * e);
+    qg_out[t * kD + c] = __float2bfloat16(qv * __expf(gc[t]));
+    kg_out[t * kD + c] = __float2bfloat16(kr[t] * __expf(gc_last - gc[t]));
+  }
+  decay_out[c] = __expf(gc_last);
+
+  if (!dense) {
+    // Exact pairwise decays inside the diagonal tiles: gc over kinv, one tile per warp.
+    float* gcs = reinterpret_cast<float*>(kinv);
+#pragma unroll
+    for (int t = 0; t < kC; ++t) gcs[t * kD + c] = gc[t];
+    __syncthreads();
+    const bf16* k_rows = p.k + (static_cast<size_t>(chunk.token_begin) * H + h) * kD;
+    const bf16* q_rows = p.q + (static_cast<size_t>(chunk.token_begin) * H + h) * kD;
+    const size_t row_stride = static_cast<size_t>(H) * kD;
+    for (int pair = lane; pair < 256; pair += 32) {
+      const int t = warp * 16 + pair / 16, i = warp * 16 + pair % 16;
+      float sq = 0.0f, sk = 0.0f;
+      if (i <= t && t < n) {
+        for (int ch = 0; ch < kD; ++ch) {
+          const float ki = __bfloat162float(k_rows[i * row_stride + ch]) * __expf(gcs[t * kD + ch] - gcs[i * kD + ch]);
+          sq += __bfloat162float(q_rows[t * row_stride + ch]) * ki;
+          sk += __bfloat162float(k_rows[t * row_stride + ch]) * ki;
+        }
+      }
+      akk[t * kLdF + i] = i < t ? beta_s[t] * sk : 0.0f;
+      aqk_out[t * kC + i] = __float2bfloat16(i <= t ? sq * p.q_scale : 0.0f);
+    }
+    __syncthreads();
+  }
+
+  // B operands of each row tile: k_i e^(r_a - gc_i) for i before the tile (and inside it when dense).
+#pragma unroll
+  for (int tile = 0; tile < 4; ++tile) {
+    const float r = tile == 0 ? 0.0f : gc[tile * 16 - 1];
+    bf16* rows = kinv + (8 * tile * (tile + 1)) * kLdD;
+#pragma unroll
+    for (int i = 0; i < 16 * (tile + 1); ++i) {
+      if (i < 16 * tile || dense) rows[i * kLdD + c] = __float2bfloat16(kr[i] * __expf(r - gc[i]));
+    }
+  }
+  __syncthreads();
+
+  // Akk and Aqk rows of tile `warp`.
+  {
+    const int m0 = warp * 16;
+    const int columns = dense ? 16 * (warp + 1) : 16 * warp;
+    const bf16* b_rows = kinv + (8 * warp * (warp + 1)) * kLdD;
+    for (int n0 = 0; n0 < columns; n0 += 16) {
+      float ck[2][4] = {}, cq[2][4] = {};
+#pragma unroll
+      for (int k0 = 0; k0 < kD; k0 += 16) {
+        uint32_t ak[4], aq[4], b[4];
+        load_a(ak, kd, kLdD, m0, k0);
+        load_a(aq, qd, kLdD, m0, k0);
+        load_b_nk(b, b_rows, kLdD, n0, k0);
+        mma_bf16_16816(ck[0], ak, b[0], b[1]);
+        mma_bf16_16816(ck[1], ak, b[2], b[3]);
+        mma_bf16_16816(cq[0], aq, b[0], b[1]);
+        mma_bf16_16816(cq[1], aq, b[2], b[3]);
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = m0 + group + (e >> 1) * 8, col = n0 + j * 8 + quad * 2 + (e & 1);
+          akk[row * kLdF + col] = col < row ? beta_s[row] * ck[j][e] : 0.0f;
+          aqk_out[row * kC + col] = __float2bfloat16(col <= row ? cq[j][e] : 0.0f);
+        }
+      }
+    }
+    // Columns after the tile: zero.
+    const int first_zero = 16 * (warp + 1);
+    for (int index = lane; index < 16 * (kC - first_zero); index += 32) {
+      const int row = m0 + index / (kC - first_zero), col = first_zero + index % (kC - first_zero);
+      akk[row * kLdF + col] = 0.0f;
+      aqk_out[row * kC + col] = __float2bfloat16(0.0f);
+    }
+  }
+  __syncthreads();
+
+  // T = (I + Akk)^-1: diagonal blocks by forward substitution (lane = column), then the blocks below.
+  if (lane < 16) {
+    const int m0 = warp * 16;
+    float x[16];
+#pragma unroll
+    for (int t = 0; t < 16; ++t) {
+      float s = t == lane ? 1.0f : 0.0f;
+#pragma unroll
+      for (int i = 0; i < t; ++i) s -= akk[(m0 + t) * kLdF + m0 + i] * x[i];
+      x[t] = s;
+    }
+#pragma unroll
+    for (int t = 0; t < 16; ++t) t_f[(m0 + t) * kLdF + m0 + lane] = x[t];
+  }
+  __syncthreads();
+  // T[a][b] = -T[a][a] * sum_{b <= c < a} Akk[a][c] T[c][b], by increasing a - b.
+  float* warp_scratch = scratch + warp * 16 * 17;
+  for (int distance = 1; distance < 4; ++distance) {
+    if (warp < 4 - distance) {
+      const int a0 = (warp + distance) * 16, b0 = warp * 16;
+      const int col = lane & 15, row_half = (lane >> 4) * 8;
+#pragma unroll
+      for (int m = 0; m < 8; ++m) {
+        const int row = row_half + m;
+        float s = 0.0f;
+        for (int cc = b0; cc < a0; ++cc) s += akk[(a0 + row) * kLdF + cc] * t_f[cc * kLdF + b0 + col];
+        warp_scratch[row * 17 + col] = s;
+      }
+      __syncwarp();
+#pragma unroll
+      for (int m = 0; m < 8; ++m) {
+        const int row = row_half + m;
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) s += t_f[(a0 + row) * kLdF + a0 + i] * warp_scratch[i * 17 + col];
+        t_f[(a0 + row) * kLdF + b0 + col] = -s;
+      }
+    }
+    __syncthreads();
+  }
+  // T to bf16 (zero above the diagonal); beta K e^gc and beta V over kinv.
+  for (int index = tid; index < kC * kC; index += 128) {
+    const int row = index / kC, col = index % kC;
+    t_b[row * kLdC + col] = __float2bfloat16(col <= row ? t_f[row * kLdF + col] : 0.0f);
+  }
+#pragma unroll
+  for (int t = 0; t < kC; ++t) {
+    float vv = 0.0f;
+    if (t < n) vv = __bfloat162float(p.v[(static_cast<size_t>(chunk.token_begin + t) * H + h) * kD + c]);
+    bk[t * kLdD + c] = __float2bfloat16(beta_s[t] * kr[t] * __expf(gc[t]));
+    bv[t * kLdD + c] = __float2bfloat16(beta_s[t] * vv);
+  }
+  __syncthreads();
+
+  // w = T bk, u = T bv for the rows of tile `warp` (T is lower triangular: k-steps up to the tile).
+  {
+    const int m0 = warp * 16;
+    for (int n0 = 0; n0 < kD; n0 += 16) {
+      float cw[2][4] = {}, cu[2][4] = {};
+      for (int k0 = 0; k0 <= m0; k0 += 16) {
+        uint32_t at[4], b[4];
+        load_a(at, t_b, kLdC, m0, k0);
+        load_b_kn(b, bk, kLdD, n0, k0);
+        mma_bf16_16816(cw[0], at, b[0], b[1]);
+        mma_bf16_16816(cw[1], at, b[2], b[3]);
+        load_b_kn(b, bv, kLdD, n0, k0);
+        mma_bf16_16816(cu[0], at, b[0], b[1]);
+        mma_bf16_16816(cu[1], at, b[2], b[3]);
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = m0 + group + half * 8, col = n0 + j * 8 + quad * 2;
+          *reinterpret_cast<uint32_t*>(w_out + row * kD + col) = pack_bf16(cw[j][2 * half], cw[j][2 * half + 1]);
+          *reinterpret_cast<uint32_t*>(u_out + row * kD + col) = pack_bf16(cu[j][2 * half], cu[j][2 * half + 1]);
+        }
+      }
+    }
+  }
+}
+
+constexpr int kStageElements = 3 * kC * kLdD + kC * (kStateBv + 8) + kC * kLdC;  // bf16 elements per stage
+constexpr size_t kStageBytes = size_t{kStageElements} * 2 + kD * 4;
+constexpr size_t kStateSmem = 2 * kStageBytes + size_t{kD} * (kStateBv + 8) * 2 + size_t{kC} * (kStateBv + 8) * 2;
+
+__global__ void __launch_bounds__(128, 1) kda_chunk_state_kernel(StateArgs p) {
+  constexpr int kBv = kStateBv, kNt = kBv / 8, kLdV = kBv + 8;
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int H = p.num_heads;
+  const int slice = blockIdx.x, h = blockIdx.y, sequence = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int group = lane >> 2, quad = lane & 3;
+  const SequenceEntry seq = p.sequences[sequence];
+  bf16* s_b = reinterpret_cast<bf16*>(smem + 2 * kStageBytes);  // [128][kLdV] state as bf16
+  bf16* vn = s_b + kD * kLdV;                                   // [64][kLdV] v_new
+
+  auto stage_w = [&](int stage) { return reinterpret_cast<bf16*>(smem + stage * kStageBytes); };
+  auto stage_qg = [&](int stage) { return stage_w(stage) + kC * kLdD; };
+  auto stage_kg = [&](int stage) { return stage_w(stage) + 2 * kC * kLdD; };
+  auto stage_u = [&](int stage) { return stage_w(stage) + 3 * kC * kLdD; };
+  auto stage_aqk = [&](int stage) { return stage_u(stage) + kC * kLdV; };
+  auto stage_decay = [&](int stage) {
+    return reinterpret_cast<float*>(smem + stage * kStageBytes + kStageElements * 2);
+  };
+
+  auto load_stage = [&](int stage, int chunk) {
+    const uint8_t* src = p.data + (static_cast<size_t>(chunk) * H + h) * kChunkBytes;
+    const bf16* w = reinterpret_cast<const bf16*>(src + kOffW);
+    const bf16* qg = reinterpret_cast<const bf16*>(src + kOffQg);
+    const bf16* kg = reinterpret_cast<const bf16*>(src + kOffKg);
+    const bf16* u = reinterpret_cast<const bf16*>(src + kOffU);
+    const bf16* aqk = reinterpret_cast<const bf16*>(src + kOffAqk);
+    const float* decay = reinterpret_cast<const float*>(src + kOffDecay);
+    for (int i = tid; i < kC * 16; i += 128) {
+      const int r = i >> 4, s = (i & 15) * 8;
+      cp_async16(stage_w(stage) + r * kLdD + s, w + r * kD + s);
+      cp_async16(stage_qg(stage) + r * kLdD + s, qg + r * kD + s);
+      cp_async16(stage_kg(stage) + r * kLdD + s, kg + r * kD + s);
+    }
+    for (int i = tid; i < kC * (kBv / 8); i += 128) {
+      const int r = i / (kBv / 8), s = (i % (kBv / 8)) * 8;
+      cp_async16(stage_u(stage) + r * kLdV + s, u + r * kD + slice * kBv + s);
+    }
+    for (int i = tid; i < kC * 8; i += 128) {
+      const int r = i >> 3, s = (i & 7) * 8;
+      cp_async16(stage_aqk(stage) + r * kLdC + s, aqk + r * kC + s);
+    }
+    if (tid < kD / 4) cp_async16(stage_decay(stage) + tid * 4, decay + tid * 4);
+    cp_async_commit();
+  };
+
+  // State slice: warp owns key rows [32 warp, 32 warp + 32), value columns [slice * 32, +32).
+  float s[2][kNt][4];
+  const size_t state_offset = (static_cast<size_t>(sequence) * H + h) * kD * kD + slice * kBv;
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = warp * 32 + mt * 16 + group + half * 8, col = nt * 8 + quad * 2;
+        float2 value = make_float2(0.0f, 0.0f);
+        if (p.initial_state != nullptr)
+          value = *reinterpret_cast<const float2*>(p.initial_state + state_offset + row * kD + col);
+        s[mt][nt][2 * half] = value.x;
+        s[mt][nt][2 * half + 1] = value.y;
+      }
+    }
+  }
+  auto store_state = [&](float* base) {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = warp * 32 + mt * 16 + group + half * 8, col = nt * 8 + quad * 2;
+          *reinterpret_cast<float2*>(base + row * kD + col) = make_float2(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]);
+        }
+      }
+    }
+  };
+
+  if (seq.num_chunks > 0) load_stage(0, seq.first_chunk);
+  for (int ci = 0; ci < seq.num_chunks; ++ci) {
+    const int stage = ci & 1;
+    if (ci + 1 < seq.num_chunks) {
+      load_stage(stage ^ 1, seq.first_chunk + ci + 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    // State to bf16 for the matmuls.
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt) {
+        const int row = warp * 32 + mt * 16 + group, col = nt * 8 + quad * 2;
+        *reinterpret_cast<uint32_t*>(s_b + row * kLdV + col) = pack_bf16(s[mt][nt][0], s[mt][nt][1]);
+        *reinterpret_cast<uint32_t*>(s_b + (row + 8) * kLdV + col) = pack_bf16(s[mt][nt][2], s[mt][nt][3]);
+      }
+    }
+    __syncthreads();
+
+    const bf16* w = stage_w(stage);
+    const bf16* qg = stage_qg(stage);
+    const bf16* kg = stage_kg(stage);
+    const bf16* u = stage_u(stage);
+    const bf16* aqk = stage_aqk(stage);
+    const float* decay = stage_decay(stage);
+    const int m0 = warp * 16;
+    float cv[kNt][4] = {}, co[kNt][4] = {};
+#pragma unroll
+    for (int k0 = 0; k0 < kD; k0 += 16) {
+      uint32_t aw[4], aq[4];
+      load_a(aw, w, kLdD, m0, k0);
+      load_a(aq, qg, kLdD, m0, k0);
+#pragma unroll
+      for (int np = 0; np < kNt / 2; ++np) {
+        uint32_t b[4];
+        load_b_kn(b, s_b, kLdV, np * 16, k0);
+        mma_bf16_16816(cv[2 * np], aw, b[0], b[1]);
+        mma_bf16_16816(cv[2 * np + 1], aw, b[2], b[3]);
+        mma_bf16_16816(co[2 * np], aq, b[0], b[1]);
+        mma_bf16_16816(co[2 * np + 1], aq, b[2], b[3]);
+      }
+    }
+    // v_new = u - w S.
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = m0 + group + half * 8, col = nt * 8 + quad * 2;
+        const float2 uu = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(u + row * kLdV + col));
+        *reinterpret_cast<uint32_t*>(vn + row * kLdV + col) =
+            pack_bf16(uu.x - cv[nt][2 * half], uu.y - cv[nt][2 * half + 1]);
+      }
+    }
+    __syncthreads();
+    // o += Aqk v_new (causal: k-steps up to this warp's tile).
+    for (int k0 = 0; k0 <= m0; k0 += 16) {
+      uint32_t aa[4];
+      load_a(aa, aqk, kLdC, m0, k0);
+#pragma unroll
+      for (int np = 0; np < kNt / 2; ++np) {
+        uint32_t b[4];
+        load_b_kn(b, vn, kLdV, np * 16, k0);
+        mma_bf16_16816(co[2 * np], aa, b[0], b[1]);
+        mma_bf16_16816(co[2 * np + 1], aa, b[2], b[3]);
+      }
+    }
+    const int chunk_first = ci * kC;
+    const int tokens = min(kC, seq.length - chunk_first);
+#pragma unroll
+    for (int nt = 0; nt < kNt; ++nt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = m0 + group + half * 8, col = slice * kBv + nt * 8 + quad * 2;
+        if (row < tokens) {
+          const size_t index = (static_cast<size_t>(seq.token_begin + chunk_first + row) * H + h) * kD + col;
+          *reinterpret_cast<uint32_t*>(p.o + index) = pack_bf16(co[nt][2 * half], co[nt][2 * half + 1]);
+        }
+      }
+    }
+    // S = e^gc_last ⊙ S + kg^T v_new.
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      const int row = warp * 32 + mt * 16 + group;
+      const float d0 = decay[row], d1 = decay[row + 8];
+#pragma unroll
+      for (int nt = 0; nt < kNt; ++nt) {
+        s[mt][nt][0] *= d0;
+        s[mt][nt][1] *= d0;
+        s[mt][nt][2] *= d1;
+        s[mt][nt][3] *= d1;
+      }
+    }
+#pragma unroll
+    for (int k0 = 0; k0 < kC; k0 += 16) {
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        uint32_t ak[4];
+        load_a_trans(ak, kg, kLdD, warp * 32 + mt * 16, k0);
+#pragma unroll
+        for (int np = 0; np < kNt / 2; ++np) {
+          uint32_t b[4];
+          load_b_kn(b, vn, kLdV, np * 16, k0);
+          mma_bf16_16816(s[mt][2 * np], ak, b[0], b[1]);
+          mma_bf16_16816(s[mt][2 * np + 1], ak, b[2], b[3]);
+        }
+      }
+    }
+    if (p.checkpoint_interval > 0 && tokens == kC && (chunk_first + kC) % p.checkpoint_interval == 0) {
+      const int entry = seq.checkpoint_first + (chunk_first + kC) / p.checkpoint_interval - 1;
+      store_state(p.checkpoint_states + (static_cast<size_t>(entry) * H + h) * kD * kD + slice * kBv);
+    }
+    __syncthreads();
+  }
+  if (p.final_state != nullptr) store_state(p.final_state + state_offset);
+}
+
+bool aligned16(const void* pointer) {
+  return (reinterpret_cast<uintptr_t>(pointer) & 15u) == 0;
+}
+
+Status check_device_pointer(const void* pointer, const char* name, bool required) {
+  if (pointer == nullptr) {
+    if (required) return invalid_argument(std::string(name) + " is null");
+    return Status::ok();
+  }
+  if (!aligned16(pointer)) return invalid_argument(std::string(name) + " is not 16-byte aligned");
+  cudaPointerAttributes attributes{};
+  if (cudaPointerGetAttributes(&attributes, pointer) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return invalid_argument(std::string(name) + " is not a CUDA pointer");
+  }
+  if (attributes.type != cudaMemoryTypeDevice && attributes.type != cudaMemoryTypeManaged) {
+    return invalid_argument(std::string(name) + " is not device memory");
+  }
+  return Status::ok();
+}
+
+Status check_cu_seqlens(const std::vector<int32_t>& cu) {
+  if (cu.size() < 2) return invalid_argument("cu_seqlens needs N + 1 >= 2 entries");
+  if (cu[0] != 0) return invalid_argument("cu_seqlens[0] must be 0");
+  for (size_t i = 1; i < cu.size(); ++i) {
+    if (cu[i] < cu[i - 1]) {
+      return invalid_argument("cu_seqlens must be non-decreasing (entry " + std::to_string(i) + ")");
+    }
+  }
+  return Status::ok();
+}
+
+int64_t chunk_count(const std::vector<int32_t>& cu) {
+  int64_t chunks = 0;
+  for (size_t i = 1; i < cu.size(); ++i) chunks += (cu[i] - cu[i - 1] + kC - 1) / kC;
+  return chunks;
+}
+
+size_t align256(size_t bytes) {
+  return (bytes + 255) / 256 * 256;
+}
+
+Status cuda_status(cudaError_t error, const char* what) {
+  if (error == cudaSuccess) return Status::ok();
+  return internal_error(std::string(what) + ": " + cudaGetErrorName(error) + " (" + cudaGetErrorString(error) + ")");
+}
+
+}  // namespace
+
+size_t kda_prefill_workspace_bytes(const std::vector<int32_t>& cu_seqlens, int num_heads) {
+  if (!check_cu_seqlens(cu_seqlens).is_ok() || num_heads <= 0) return 0;
+  const int64_t chunks = chunk_count(cu_seqlens);
+  const size_t sequences = cu_seqlens.size() - 1;
+  return align256(static_cast<size_t>(chunks) * sizeof(ChunkEntry)) + align256(sequences * sizeof(SequenceEntry)) +
+         static_cast<size_t>(chunks) * static_cast<size_t>(num_heads) * kChunkBytes;
+}
+
+int64_t kda_prefill_checkpoint_count(const std::vector<int32_t>& cu_seqlens, int checkpoint_interval) {
+  if (checkpoint_interval <= 0 || !check_cu_seqlens(cu_seqlens).is_ok()) return 0;
+  int64_t count = 0;
+  for (size_t i = 1; i < cu_seqlens.size(); ++i) count += (cu_seqlens[i] - cu_seqlens[i - 1]) / checkpoint_interval;
+  return count;
+}
+
+Status kda_chunk_prefill(const KdaPrefillParams& p, cudaStream_t stream) {
+  if (p.num_heads <= 0) return invalid_argument("kda_chunk_prefill: num_heads must be >= 1");
+  if (p.head_dim != kD)
+    return unimplemented("kda_chunk_prefill: head_dim must be 128, got " + std::to_string(p.head_dim));
+  DS_RETURN_IF_ERROR_CTX(check_cu_seqlens(p.cu_seqlens), "kda_chunk_prefill");
+  const int64_t total_tokens = p.cu_seqlens.back();
+  const int64_t sequences = static_cast<int64_t>(p.cu_seqlens.size()) - 1;
+  if (sequences > 65535) return out_of_range("kda_chunk_prefill: at most 65535 sequences per call");
+  if (!(std::isfinite(p.q_scale) && p.q_scale > 0.0f))
+    return invalid_argument("kda_chunk_prefill: q_scale must be > 0");
+  const bool tokens = total_tokens > 0;
+  DS_RETURN_IF_ERROR_CTX(check_device_pointer(p.q, "q", tokens), "kda_chunk_prefill");
+  DS_RETURN_IF_ERROR_CTX(check_device_pointer(p.k, "k", tokens), "kda_chunk_prefill");
+  DS_RETURN_IF_ERROR_CTX(check_device_pointer(p.v, "v", tokens), "kda_chunk_prefill");
+  DS_RETURN_IF_ERROR_CTX(check_device_pointer(p.g, "g", tokens), "kda_chunk_prefill");
+  DS_RETURN_IF_ERROR_CTX(check_device_pointer(p.beta, "beta", tokens), "kda_chunk_prefill");
+  DS_RETURN_IF_ERROR_CTX(check_device_pointer(p.o, "o", tokens), "kda_chunk_prefill");
+  DS_RETURN_IF_ERROR_CTX(check_device_pointer(p.initial_state, "initial_state", false), "kda_chunk_prefill");
+  DS_RETURN_IF_ERROR_CTX(check_device_pointer(p.final_state, "final_state", false), "kda_chunk_prefill");
+  if (p.gate_raw) {
+    DS_RETURN_IF_ERROR_CTX(check_device_pointer(p.a_log, "a_log", true), "kda_chunk_prefill: gate_raw");
+    DS_RETURN_IF_ERROR_CTX(check_device_pointer(p.dt_bias, "dt_bias", true), "kda_chunk_prefill: gate_raw");
+    if (p.lower_bound && !(std::isfinite(*p.lower_bound) && *p.lower_bound < 0.0f)) {
+      return invalid_argument("kda_chunk_prefill: lower_bound must be finite and < 0");
+    }
+  } else if (p.lower_bound) {
+    return invalid_argument("kda_chunk_prefill: lower_bound applies to the fused (raw) gate only");
+  }
+  if (p.checkpoint_interval < 0 || p.checkpoint_interval % kC != 0) {
+    return invalid_argument("kda_chunk_prefill: checkpoint_interval must be 0 or a positive multiple of 64, got " +
+                            std::to_string(p.checkpoint_interval));
+  }
+  const int64_t checkpoints = kda_prefill_checkpoint_count(p.cu_seqlens, p.checkpoint_interval);
+  DS_RETURN_IF_ERROR_CTX(check_device_pointer(p.checkpoint_states, "checkpoint_states", checkpoints > 0),
+                         "kda_chunk_prefill");
+  const size_t needed = kda_prefill_workspace_bytes(p.cu_seqlens, p.num_heads);
+  DS_RETURN_IF_ERROR_CTX(check_device_pointer(p.workspace, "workspace", true), "kda_chunk_prefill");
+  if (p.workspace_bytes < needed) {
+    return invalid_argument("kda_chunk_prefill: workspace has " + std::to_string(p.workspace_bytes) + " bytes, needs " +
+                            std::to_string(needed));
+  }
+  const int64_t chunks = chunk_count(p.cu_seqlens);
+  if (chunks > 0x7fffffff / 2) return out_of_range("kda_chunk_prefill: too many chunks");
+  if (!tokens && p.final_state == nullptr) return Status::ok();
+
+  // Tables.
+  std::vector<ChunkEntry> chunk_table;
+  chunk_table.reserve(static_cast<size_t>(chunks));
+  std::vector<SequenceEntry> sequence_table(static_cast<size_t>(sequences));
+  int32_t checkpoint_first = 0;
+  for (int64_t s = 0; s < sequences; ++s) {
+    const int32_t begin = p.cu_seqlens[s], length = p.cu_seqlens[s + 1] - begin;
+    SequenceEntry& entry = sequence_table[static_cast<size_t>(s)];
+    entry = {};
+    entry.first_chunk = static_cast<int32_t>(chunk_table.size());
+    entry.num_chunks = (length + kC - 1) / kC;
+    entry.token_begin = begin;
+    entry.length = length;
+    entry.checkpoint_first = checkpoint_first;
+    if (p.checkpoint_interval > 0) checkpoint_first += length / p.checkpoint_interval;
+    for (int32_t first = 0; first < length; first += kC) {
+      chunk_table.push_back({begin + first, std::min(kC, length - first), static_cast<int32_t>(s), 0});
+    }
+  }
+  auto* base = static_cast<uint8_t*>(p.workspace);
+  auto* chunk_device = reinterpret_cast<ChunkEntry*>(base);
+  auto* sequence_device = reinterpret_cast<SequenceEntry*>(base + align256(chunk_table.size() * sizeof(ChunkEntry)));
+  uint8_t* data = reinterpret_cast<uint8_t*>(sequence_device) + align256(sequence_table.size() * sizeof(SequenceEntry));
+  if (!chunk_table.empty()) {
+    DS_RETURN_IF_ERROR(
+        cuda_status(cudaMemcpyAsync(chunk_device, chunk_table.data(), chunk_table.size() * sizeof(ChunkEntry),
+                                    cudaMemcpyHostToDevice, stream),
+                    "kda_chunk_prefill: chunk table copy"));
+  }
+  DS_RETURN_IF_ERROR(
+      cuda_status(cudaMemcpyAsync(sequence_device, sequence_table.data(), sequence_table.size() * sizeof(SequenceEntry),
+                                  cudaMemcpyHostToDevice, stream),
+                  "kda_chunk_prefill: sequence table copy"));
+
+  static const cudaError_t attributes = [] {
+    cudaError_t e = cudaFuncSetAttribute(kda_chunk_prep_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(kPrepSmem));
+    if (e != cudaSuccess) return e;
+    return cudaFuncSetAttribute(kda_chunk_state_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                static_cast<int>(kStateSmem));
+  }();
+  DS_RETURN_IF_ERROR(cuda_status(attributes, "kda_chunk_prefill: shared memory attributes"));
+
+  if (chunks > 0) {
+    PrepArgs prep{p.q,
+                  p.k,
+                  p.v,
+                  p.g,
+                  p.beta,
+                  p.q_scale,
+                  !p.gate_raw ? kGatePrecomputed : (p.lower_bound ? kGateBounded : kGateSoftplus),
+                  p.a_log,
+                  p.dt_bias,
+                  p.lower_bound.value_or(0.0f),
+                  p.num_heads,
+                  chunk_device,
+                  data};
+    kda_chunk_prep_kernel<<<dim3(static_cast<unsigned>(chunks), static_cast<unsigned>(p.num_heads)), 128, kPrepSmem,
+                            stream>>>(prep);
+    DS_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "kda_chunk_prefill: prep launch"));
+  }
+  StateArgs state{p.num_heads,           sequence_device,     data, p.initial_state, p.final_state,
+                  p.checkpoint_interval, p.checkpoint_states, p.o};
+  kda_chunk_state_kernel<<<dim3(kD / kStateBv, static_cast<unsigned>(p.num_heads), static_cast<unsigned>(sequences)),
+                           128, kStateSmem, stream>>>(state);
+  return cuda_status(cudaGetLastError(), "kda_chunk_prefill: state launch");
+}
+
+}  // namespace deltaserve::kernels::cuda
