@@ -34,7 +34,8 @@ TEST(PrefixIndexCodec, KeysRoundTripAndGroup) {
   // A worker whose name extends another's has a different range (the length is in the prefix).
   EXPECT_NE(worker_key("worker-ab", hash_of(9)).substr(0, worker_prefix("worker-a").size()), worker_prefix("worker-a"));
 
-  auto e = decode_epoch_key(epoch_key("w"));
+  const std::string epoch = epoch_key("w");
+  auto e = decode_epoch_key(epoch);  // views into `epoch`
   ASSERT_TRUE(e.is_ok());
   EXPECT_EQ(*e, "w");
 }
