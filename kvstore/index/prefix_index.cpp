@@ -287,6 +287,9 @@ class RocksPrefixIndex final : public PrefixIndex {
       // Each entry is two keys (entry + by-worker), each worker one more (its epoch).
       out.entries = keys > workers ? static_cast<int64_t>((keys - workers) / 2) : 0;
     }
+    uint64_t sst_bytes = 0;
+    if (db_->GetIntProperty("rocksdb.live-sst-files-size", &sst_bytes))
+      out.sst_file_bytes = static_cast<int64_t>(sst_bytes);
     out.batches_written = batches_written_.load();
     out.write_errors = write_errors_.load();
     out.last_write_micros = last_write_micros_.load();

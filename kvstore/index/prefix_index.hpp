@@ -8,6 +8,12 @@
 //
 // Thread-safety: every method may be called from any thread (RocksDB is thread-safe); apply() calls are
 // serialized internally so batches land in the order they were applied.
+//
+// Loss semantics: apply(), drop_worker() and reconcile() each write one RocksDB WriteBatch, so after a crash
+// each is wholly present or wholly absent. With sync_writes=false a returned call survives a process kill
+// but may be lost with the machine (a lost batch costs misses, never a wrong hit).
+// Corruption: an entry read back that fails to decode (checksum over key and value, version, lengths) makes
+// the call return kDataLoss naming the key; it is never matched. On-disk layout: prefix_index_codec.hpp.
 #pragma once
 
 #include <cstdint>
@@ -38,7 +44,8 @@ struct WorkerPrefixMatch {
 };
 
 struct PrefixIndexStats {
-  int64_t entries = 0;  // (block, worker) entries (estimate from RocksDB)
+  int64_t entries = 0;         // (block, worker) entries: estimate from rocksdb.estimate-num-keys (2 keys per entry)
+  int64_t sst_file_bytes = 0;  // live SST files on disk (rocksdb.live-sst-files-size), excludes WAL/memtable
   int64_t batches_written = 0;
   int64_t write_errors = 0;
   int64_t last_write_micros = 0;
@@ -47,13 +54,19 @@ struct PrefixIndexStats {
 
 class PrefixIndex {
  public:
-  // Opens (creating if needed) the index in `directory`. Errors name the directory and RocksDB's reason.
+  // Opens (creating if needed) the index in `directory`. Errors name the directory and RocksDB's reason
+  // (kIoError; kDataLoss when RocksDB or an epoch record reports corruption). One process at a time: a second
+  // open of the same directory fails on RocksDB's LOCK file.
   static Result<std::unique_ptr<PrefixIndex>> open(const std::filesystem::path& directory,
                                                    const PrefixIndexOptions& options = {});
   virtual ~PrefixIndex() = default;
 
   // Applies one worker's events as one atomic RocksDB WriteBatch. A batch from an epoch other than the
-  // worker's current one first drops every entry of the worker's older epoch.
+  // worker's current one first drops every entry of the worker's older epoch (in the same WriteBatch).
+  // kStored upserts (has_checkpoint as given, last use = now); kEvicted deletes; kCheckpointEvicted clears
+  // has_checkpoint of an existing entry and creates nothing for a block the index does not hold.
+  // kInvalidArgument (nothing written): empty or > 1024-byte worker name, block_index outside 1..2^40,
+  // namespace > 4096 bytes, unknown event kind.
   virtual Status apply(const CacheEventBatch& batch) = 0;
 
   // For the prompt's block hashes (in order, hashes[i] ends block i+1), every worker holding at least

@@ -164,7 +164,9 @@ TEST(PrefixIndexCrash, SurvivesRepeatedKillsUnderWriteLoad) {
     }
   }
 
-  std::mt19937 rng(::testing::UnitTest::GetInstance()->random_seed());
+  const uint32_t seed = std::random_device{}();
+  std::printf("prefix index crash test: kill schedule seed %u\n", seed);
+  std::mt19937 rng(seed);
   const auto deadline = std::chrono::steady_clock::now() + kCycleBudget;
   int cycles = 0;
   size_t max_entries = 0;

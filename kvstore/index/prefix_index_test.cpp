@@ -229,6 +229,7 @@ TEST_F(PrefixIndexTest, ReopenAfterCleanCloseKeepsEverything) {
   index_ = open_index(dir_.path() / "index");
   ASSERT_NE(index_, nullptr);
   expect_matches(index_->lookup(prompt, "tenant-a"), {{"a", 7, 6, 6}, {"b", 9, 2, 1}});
+  EXPECT_GT(index_->stats().sst_file_bytes, 0);  // the recovered log was flushed into a table file
   auto workers = index_->workers();
   ASSERT_TRUE(workers.is_ok());
   EXPECT_EQ(*workers, (std::vector<std::pair<std::string, uint64_t>>{{"a", 7}, {"b", 9}}));
