@@ -69,6 +69,8 @@ struct ServeOptions {  // deltaserve serve: registry + router + workers + HTTP i
   int64_t prefill_chunk = 512;
   int64_t max_queue = 256;
   int64_t drain_timeout_ms = 30000;
+  // HOST:PORT of a separate /metrics listener; for serve/router it also takes /metrics off the API port.
+  std::optional<std::string> metrics_listen;
 };
 int run_serve(const ServeOptions& options, std::ostream& out, std::ostream& err);
 
@@ -82,6 +84,8 @@ struct RouterOptions {  // deltaserve router: registry + router + HTTP; workers 
   std::optional<std::string> served_model_name;
   int64_t max_queue = 256;
   int64_t drain_timeout_ms = 30000;
+  // HOST:PORT of a separate /metrics listener; for serve/router it also takes /metrics off the API port.
+  std::optional<std::string> metrics_listen;
 };
 int run_router(const RouterOptions& options, std::ostream& out, std::ostream& err);
 
@@ -93,6 +97,8 @@ struct WorkerOptions {  // deltaserve prefill | decode
   int64_t max_batch = 32;
   int64_t join_timeout_ms = 30000;
   int64_t drain_timeout_ms = 30000;
+  // HOST:PORT of a separate /metrics listener; for serve/router it also takes /metrics off the API port.
+  std::optional<std::string> metrics_listen;
 };
 int run_worker(const WorkerOptions& options, std::ostream& out, std::ostream& err);
 

@@ -117,6 +117,9 @@ int main(int argc, char** argv) {
   };
   const std::string model_help = "Checkpoint directory (default: the built-in tiny model)";
   const std::string drain_help = "On SIGTERM/SIGINT: wait this long for in-flight requests";
+  const std::string front_metrics_help =
+      "HOST:PORT of a separate Prometheus /metrics listener (then /metrics is not served on the API port)";
+  const std::string worker_metrics_help = "HOST:PORT of a Prometheus /metrics listener (default: none)";
 
   ServeOptions serve_opts;
   auto* serve = app.add_subcommand("serve", "Serve the OpenAI API with every role in this process");
@@ -135,6 +138,7 @@ int main(int argc, char** argv) {
   role_option(serve, "max-queue", serve_opts.max_queue, "Requests waiting for a worker at most (then 503)")
       ->check(CLI::NonNegativeNumber);
   role_option(serve, "drain-timeout-ms", serve_opts.drain_timeout_ms, drain_help)->check(CLI::NonNegativeNumber);
+  role_option(serve, "metrics-listen", serve_opts.metrics_listen, front_metrics_help);
 
   RouterOptions router_opts;
   auto* router = app.add_subcommand("router", "Serve the OpenAI API; prefill/decode workers join over the network");
@@ -149,6 +153,7 @@ int main(int argc, char** argv) {
   role_option(router, "max-queue", router_opts.max_queue, "Requests waiting for a worker at most (then 503)")
       ->check(CLI::NonNegativeNumber);
   role_option(router, "drain-timeout-ms", router_opts.drain_timeout_ms, drain_help)->check(CLI::NonNegativeNumber);
+  role_option(router, "metrics-listen", router_opts.metrics_listen, front_metrics_help);
 
   WorkerOptions prefill_opts;
   auto* prefill = app.add_subcommand("prefill", "Run a prefill worker that joins a router");
@@ -160,6 +165,7 @@ int main(int argc, char** argv) {
   role_option(prefill, "join-timeout-ms", prefill_opts.join_timeout_ms, "Keep trying to join this long")
       ->check(CLI::NonNegativeNumber);
   role_option(prefill, "drain-timeout-ms", prefill_opts.drain_timeout_ms, drain_help)->check(CLI::NonNegativeNumber);
+  role_option(prefill, "metrics-listen", prefill_opts.metrics_listen, worker_metrics_help);
 
   WorkerOptions decode_opts;
   decode_opts.decode = true;
@@ -171,6 +177,7 @@ int main(int argc, char** argv) {
   role_option(decode, "join-timeout-ms", decode_opts.join_timeout_ms, "Keep trying to join this long")
       ->check(CLI::NonNegativeNumber);
   role_option(decode, "drain-timeout-ms", decode_opts.drain_timeout_ms, drain_help)->check(CLI::NonNegativeNumber);
+  role_option(decode, "metrics-listen", decode_opts.metrics_listen, worker_metrics_help);
 
   CLI11_PARSE(app, argc, argv);
   deltaserve::kernels::cpu::set_num_threads(threads);

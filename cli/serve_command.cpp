@@ -11,6 +11,8 @@
 #include "engine/model_config.hpp"
 #include "router/api_keys.hpp"
 #include "router/http_server.hpp"
+#include "telemetry/metrics.hpp"
+#include "telemetry/metrics_listener.hpp"
 #include "tokenizer/tiktoken_tokenizer.hpp"
 
 namespace deltaserve::cli {
@@ -72,6 +74,62 @@ Result<std::pair<std::string, uint16_t>> parse_host_port(const std::string& text
   }
 }
 
+// The Metrics of one process, and its separate listener when `listen` is set ("deltaserve: metrics
+// listening on http://HOST:PORT/metrics" on stdout). The collect hook that reads this node's workers
+// is removed by the destructor, before the node goes away.
+class ProcessMetrics {
+ public:
+  ProcessMetrics(std::string model_name, std::string role)
+      : metrics_(std::make_shared<telemetry::Metrics>(telemetry::MetricsOptions{model_name, role, 16})) {}
+  ~ProcessMetrics() { close(); }
+
+  // Stops the listener and removes the node hook (call before the node shuts down). Idempotent.
+  void close() {
+    listener_.reset();
+    if (hook_ != 0) metrics_->remove_collect_hook(hook_);
+    hook_ = 0;
+  }
+
+  // At each scrape: this node's worker counters (Node::worker_stats, a bounded wait on local actors).
+  // `slots_total`: decode state slots of this node's workers; `count_handoffs`: false when prefill and
+  // decode workers share the node (both count the same handoff).
+  void read_workers(actors::Node& node, int64_t slots_total, bool count_handoffs) {
+    hook_ = metrics_->add_collect_hook([this, &node, slots_total, count_handoffs] {
+      const actors::NodeWorkerStats stats = node.worker_stats();
+      telemetry::WorkerGaugeSnapshot w;
+      w.requests_active = stats.active;
+      w.requests_queued = stats.queued;
+      if (slots_total > 0) {
+        w.state_slots_total = slots_total;
+        w.state_slots_free = stats.free_slots;
+      }
+      w.steps_total = stats.steps;
+      if (count_handoffs) w.handoffs_total = stats.handoffs;
+      w.handoffs_failed_total = stats.rejected;
+      w.handoff_bytes_total = stats.handoff_bytes;
+      w.handoff_seconds_total = static_cast<double>(stats.handoff_us) * 1e-6;
+      metrics_->set_worker_gauges(w);
+    });
+  }
+
+  Status listen(const std::optional<std::string>& address, std::ostream& out) {
+    if (!address || address->empty()) return Status::ok();
+    auto listener = telemetry::MetricsListener::start(*address, metrics_);
+    if (!listener.is_ok()) return listener.status();
+    listener_ = std::move(listener).value();
+    const std::string host = address->substr(0, address->rfind(':'));
+    out << "deltaserve: metrics listening on http://" << host << ":" << listener_->port() << "/metrics\n" << std::flush;
+    return Status::ok();
+  }
+
+  const std::shared_ptr<telemetry::Metrics>& metrics() const { return metrics_; }
+
+ private:
+  std::shared_ptr<telemetry::Metrics> metrics_;
+  std::unique_ptr<telemetry::MetricsListener> listener_;
+  telemetry::Metrics::HookId hook_ = 0;
+};
+
 struct FrontOptions {
   std::string host;
   uint16_t port;
@@ -80,6 +138,9 @@ struct FrontOptions {
   std::optional<std::string> model;
   std::filesystem::path dir;
   int64_t drain_timeout_ms;
+  std::optional<std::string> metrics_listen;
+  std::string role;                // "serve" | "router" (deltaserve_build_info)
+  int64_t decode_slots_total = 0;  // serve: this node's decode state slots (its workers are read at each scrape)
 };
 
 // Runs the HTTP front over `node` until a signal, then drains. Returns the exit code.
@@ -98,9 +159,14 @@ int serve_http(actors::Node& node, const FrontOptions& o, SignalWaiter& signals,
   info.id = served_name(o.served_model_name, o.model, o.dir);
   info.context_length = config->max_position_embeddings;
   info.created_unix = static_cast<int64_t>(std::time(nullptr));
+  ProcessMetrics metrics(info.id, o.role);
+  if (o.role == "serve") metrics.read_workers(node, o.decode_slots_total, /*count_handoffs=*/false);
+  if (Status listening = metrics.listen(o.metrics_listen, out); !listening.is_ok()) return fail(err, listening);
   router::HttpServerConfig http;
   http.host = o.host;
   http.port = o.port;
+  http.metrics = metrics.metrics();
+  http.metrics_endpoint = !o.metrics_listen || o.metrics_listen->empty();
   router::HttpServer server(http, *tok, info, stop_token_ids(*config, *tok), *node.service(), std::move(keys));
   auto port = server.start();
   if (!port.is_ok()) return fail(err, port.status());
@@ -111,6 +177,7 @@ int serve_http(actors::Node& node, const FrontOptions& o, SignalWaiter& signals,
   const bool idle = server.wait_idle(std::chrono::milliseconds(o.drain_timeout_ms));
   if (!idle) err << "warning: drain timeout: " << server.in_flight() << " requests still in flight\n";
   server.stop();
+  metrics.close();
   node.shutdown();
   return 0;
 }
@@ -131,7 +198,9 @@ int run_serve(const ServeOptions& o, std::ostream& out, std::ostream& err) {
   node_options.max_queue = o.max_queue;
   auto node = actors::Node::start(node_options);
   if (!node.is_ok()) return fail(err, node.status());
-  return serve_http(**node, {o.host, o.port, o.api_keys, o.served_model_name, o.model, *dir, o.drain_timeout_ms},
+  return serve_http(**node,
+                    {o.host, o.port, o.api_keys, o.served_model_name, o.model, *dir, o.drain_timeout_ms,
+                     o.metrics_listen, "serve", o.decode_workers * o.max_batch},
                     signals, out, err);
 }
 
@@ -148,7 +217,9 @@ int run_router(const RouterOptions& o, std::ostream& out, std::ostream& err) {
   auto node = actors::Node::start(node_options);
   if (!node.is_ok()) return fail(err, node.status());
   out << "deltaserve: cluster listening on " << o.cluster_host << ":" << (*node)->cluster_port() << "\n" << std::flush;
-  return serve_http(**node, {o.host, o.port, o.api_keys, o.served_model_name, o.model, *dir, o.drain_timeout_ms},
+  return serve_http(**node,
+                    {o.host, o.port, o.api_keys, o.served_model_name, o.model, *dir, o.drain_timeout_ms,
+                     o.metrics_listen, "router", 0},
                     signals, out, err);
 }
 
@@ -171,11 +242,22 @@ int run_worker(const WorkerOptions& o, std::ostream& out, std::ostream& err) {
   out << "deltaserve: " << (o.decode ? "decode" : "prefill") << " worker joined " << join->first << ":" << join->second
       << "\n"
       << std::flush;
+  std::optional<ProcessMetrics> metrics;
+  if (o.metrics_listen && !o.metrics_listen->empty()) {
+    metrics.emplace(served_name(std::nullopt, o.model, *dir), o.decode ? "decode" : "prefill");
+    metrics->read_workers(**node, o.decode ? o.max_batch : 0, /*count_handoffs=*/true);
+    if (Status listening = metrics->listen(o.metrics_listen, out); !listening.is_ok()) {
+      metrics.reset();
+      (*node)->shutdown();
+      return fail(err, listening);
+    }
+  }
   signals.wait();
   // Leave the registry (no new work), finish what is active, then exit.
   if (!(*node)->drain_workers(std::chrono::milliseconds(o.drain_timeout_ms))) {
     err << "warning: drain timeout: requests still active\n";
   }
+  metrics.reset();  // its hook reads the node
   (*node)->shutdown();
   return 0;
 }

@@ -27,6 +27,7 @@
 
 #include "router/chunk_channel.hpp"
 #include "router/openai_request.hpp"
+#include "telemetry/metrics.hpp"
 
 namespace deltaserve::router {
 namespace {
@@ -55,6 +56,9 @@ struct Connection {
   bool client_gone = false;  // connection context only
   uint64_t watch_epoch = 0;  // connection context only; bumps invalidate a pending disconnect watch
   bool watching = false;
+  // The request being answered (connection context only), for metrics.
+  std::string_view route = "other";  // a route path (static storage) or "other"
+  unsigned status = 0;               // status of the response head written; 0 = none yet
 
   // Strand only: ends the connection (stop()).
   void abort() {
@@ -89,7 +93,10 @@ class HttpServer::Impl {
 
   Result<uint16_t> start();
   void stop();
-  void begin_drain() { draining_ = true; }
+  void begin_drain() {
+    draining_ = true;
+    if (metrics_) metrics_->set_draining(true);
+  }
   bool wait_idle(std::chrono::milliseconds timeout) {
     std::unique_lock lock(idle_mutex_);
     return idle_cv_.wait_for(lock, timeout, [&] { return in_flight_.load() == 0; });
@@ -127,6 +134,9 @@ class HttpServer::Impl {
   net::awaitable<bool> write_error(const ConnectionPtr& connection, const ApiError& error, bool keep_alive);
   net::awaitable<bool> write_raw(const ConnectionPtr& connection, std::string data, bool last_chunk);
 
+  // Counts the response of the request that started at `started_ns` (499 when none was sent).
+  void record_response(const ConnectionPtr& connection, int64_t started_ns);
+
   void start_watch(const ConnectionPtr& connection);
   void stop_watch(const ConnectionPtr& connection);
   std::string random_id();
@@ -138,6 +148,8 @@ class HttpServer::Impl {
   std::vector<int32_t> eos_token_ids_;
   InferenceService& service_;
   ApiKeys keys_;
+  telemetry::Metrics* const metrics_ = config_.metrics.get();  // null: not measured
+  telemetry::Metrics::HookId metrics_hook_ = 0;
 
   // One io_context per thread, each run by exactly one thread: a connection lives on one context, so
   // its handlers never run concurrently and no strand is needed. (Boost 1.74 strands driven from
@@ -189,12 +201,23 @@ Result<uint16_t> HttpServer::Impl::start() {
   net::co_spawn(ioc_, accept_loop(), net::detached);
   threads_.emplace_back([this] { ioc_.run(); });
   for (auto& context : extra_) threads_.emplace_back([&context] { context->run(); });
+  if (metrics_) {
+    // Gauges that have a source of truth are read at scrape time.
+    metrics_hook_ = metrics_->add_collect_hook([this] {
+      const ServiceStatus status = service_.status();
+      metrics_->set_service_status(status.ready && !draining_, status.running, status.waiting,
+                                   status.decode_slots_total, status.decode_slots_free);
+      metrics_->set_draining(draining_);
+      metrics_->set_http_in_flight(in_flight_.load());
+    });
+  }
   spdlog::info("http: listening on {}:{} ({} threads)", config_.host, port, threads);
   return port;
 }
 
 void HttpServer::Impl::stop() {
   if (stopped_.exchange(true)) return;
+  if (metrics_ && metrics_hook_ != 0) metrics_->remove_collect_hook(metrics_hook_);
   net::post(ioc_, [this] {
     error_code ignored;
     acceptor_.close(ignored);
@@ -272,6 +295,9 @@ net::awaitable<void> HttpServer::Impl::session(ConnectionPtr connection) {
     co_await http::async_read_header(connection->stream, connection->buffer, parser,
                                      net::redirect_error(kTryAwait, ec));
     connection->stream.expires_never();
+    const int64_t started_ns = now_steady_ns();
+    connection->route = "other";
+    connection->status = 0;
     if (ec == http::error::header_limit) {
       InFlight counted(*this);
       co_await write_error(
@@ -279,6 +305,7 @@ net::awaitable<void> HttpServer::Impl::session(ConnectionPtr connection) {
           ApiError::of_kind(ApiError::Kind::kHeaderTooLarge,
                             "Request headers exceed " + std::to_string(config_.max_header_bytes) + " bytes."),
           false);
+      record_response(connection, started_ns);
       break;
     }
     if (ec == http::error::body_limit) {
@@ -288,6 +315,7 @@ net::awaitable<void> HttpServer::Impl::session(ConnectionPtr connection) {
           ApiError::of_kind(ApiError::Kind::kBodyTooLarge,
                             "Request body exceeds " + std::to_string(config_.max_body_bytes) + " bytes."),
           false);
+      record_response(connection, started_ns);
       break;
     }
     if (ec == beast::error::timeout || ec == http::error::end_of_stream || ec == net::error::eof) break;
@@ -295,11 +323,13 @@ net::awaitable<void> HttpServer::Impl::session(ConnectionPtr connection) {
       if (connection->client_gone || !connection->stream.socket().is_open()) break;
       InFlight counted(*this);
       co_await write_error(connection, ApiError::invalid("", "Malformed HTTP request: " + ec.message()), false);
+      record_response(connection, started_ns);
       break;
     }
     InFlight counted(*this);
     const bool keep_alive = parser.get().keep_alive() && !draining_;
     const bool reuse = co_await handle(connection, parser, keep_alive);
+    record_response(connection, started_ns);
     if (!reuse) break;
   }
   error_code ignored;
@@ -331,9 +361,12 @@ net::awaitable<bool> HttpServer::Impl::handle(ConnectionPtr connection, http::re
       {"/v1/models", http::verb::get, true},
       {"/v1/completions", http::verb::post, true},
       {"/v1/chat/completions", http::verb::post, true},
+      {"/metrics", http::verb::get, false},
   };
+  const bool serve_metrics = metrics_ != nullptr && config_.metrics_endpoint;
   const Route* route = nullptr;
   for (const Route& candidate : kRoutes) {
+    if (candidate.path == "/metrics" && !serve_metrics) continue;
     if (candidate.path == target) route = &candidate;
   }
   if (route == nullptr) {
@@ -347,6 +380,11 @@ net::awaitable<bool> HttpServer::Impl::handle(ConnectionPtr connection, http::re
         "Method " + std::string(head.method_string()) + " is not allowed on " + std::string(route->path) + ".");
     error.allow = std::string(http::to_string(route->method));
     co_return co_await write_error(connection, error, reusable);
+  }
+  connection->route = route->path;
+  if (route->path == "/metrics") {
+    co_return co_await write_response(connection, 200, metrics_->serialize(), telemetry::Metrics::kContentType, {},
+                                      reusable);
   }
   if (route->path == "/health") {
     co_return co_await write_response(connection, 200, R"({"status":"ok"})", "application/json", {}, reusable);
@@ -497,6 +535,46 @@ net::awaitable<bool> HttpServer::Impl::generate(ConnectionPtr connection, Endpoi
   bool head_sent = false;
   std::optional<ApiError> failure;
 
+  // Per choice, for metrics: when its last tokens arrived, how many, and its time to first token.
+  struct ChoiceTiming {
+    int64_t last_ns = 0;
+    int64_t tokens = 0;
+    int64_t ttft_ns = -1;
+  };
+  std::vector<ChoiceTiming> timing(static_cast<size_t>(n));
+  auto seconds = [](int64_t ns) { return static_cast<double>(ns) * 1e-9; };
+  auto observe_tokens = [&](size_t at, size_t count) {
+    if (!metrics_ || count == 0) return;
+    const int64_t now = now_steady_ns();
+    ChoiceTiming& t = timing[at];
+    if (t.tokens == 0) {
+      t.ttft_ns = now - arrival_ns;
+      metrics_->observe_time_to_first_token(seconds(t.ttft_ns));
+    } else {
+      metrics_->observe_inter_token(seconds(now - t.last_ns), static_cast<int64_t>(count));
+    }
+    t.last_ns = now;
+    t.tokens += static_cast<int64_t>(count);
+  };
+  auto observe_finished = [&](size_t at, std::string_view reason, std::string_view error_code, int64_t cached) {
+    if (!metrics_) return;
+    telemetry::FinishedRequest finished;
+    finished.finished_reason = reason;
+    finished.error_code = error_code;
+    finished.cache_namespace = tenant;
+    finished.prompt_tokens = usage.prompt_tokens;
+    finished.generation_tokens = timing[at].tokens;
+    finished.cached_tokens = std::min(cached, usage.prompt_tokens);
+    finished.e2e_seconds = seconds(now_steady_ns() - arrival_ns);
+    finished.ttft_seconds = timing[at].ttft_ns < 0 ? -1.0 : seconds(timing[at].ttft_ns);
+    metrics_->observe_finished(finished);
+  };
+  auto observe_unfinished_as_aborted = [&] {
+    for (int i = 0; i < n; ++i) {
+      if (!finished[static_cast<size_t>(i)]) observe_finished(static_cast<size_t>(i), "abort", "", 0);
+    }
+  };
+
   while (remaining > 0 && !failure) {
     std::deque<ChunkChannel::Item> batch = channel->drain();
     if (batch.empty()) {
@@ -514,9 +592,11 @@ net::awaitable<bool> HttpServer::Impl::generate(ConnectionPtr connection, Endpoi
         finished[at] = true;
         --remaining;
         failure = ApiError::from_status(chunk.error);
+        observe_finished(at, "error", status_code_name(chunk.error.code()), 0);
         break;
       }
       usage.completion_tokens += static_cast<int64_t>(chunk.tokens.size());
+      observe_tokens(at, chunk.tokens.size());
       if (parsed.stream) {
         events += formatter.on_chunk(index, chunk);
       } else {
@@ -532,6 +612,7 @@ net::awaitable<bool> HttpServer::Impl::generate(ConnectionPtr connection, Endpoi
         --remaining;
         outputs[at].finish_reason = *chunk.finish_reason;
         usage.cached_tokens = std::max(usage.cached_tokens, std::min(chunk.cached_tokens, usage.prompt_tokens));
+        observe_finished(at, *chunk.finish_reason, "", chunk.cached_tokens);
       }
     }
     if (!parsed.stream || failure) continue;
@@ -548,6 +629,7 @@ net::awaitable<bool> HttpServer::Impl::generate(ConnectionPtr connection, Endpoi
       head.keep_alive(keep_alive);
       head.chunked(true);
       http::response_serializer<http::empty_body> serializer{head};
+      connection->status = 200;
       error_code ec;
       connection->stream.expires_after(config_.write_timeout);
       co_await http::async_write_header(connection->stream, serializer, net::redirect_error(kTryAwait, ec));
@@ -567,11 +649,13 @@ net::awaitable<bool> HttpServer::Impl::generate(ConnectionPtr connection, Endpoi
 
   if (connection->client_gone && remaining > 0) {
     spdlog::debug("http: {} client went away; cancelling", response_id);
+    observe_unfinished_as_aborted();
     cancel_unfinished();
     release();
     co_return false;
   }
   if (failure) {
+    observe_unfinished_as_aborted();
     cancel_unfinished();
     release();
     spdlog::debug("http: {} failed: {}", response_id, failure->status.to_string());
@@ -590,6 +674,7 @@ net::awaitable<bool> HttpServer::Impl::generate(ConnectionPtr connection, Endpoi
 net::awaitable<bool> HttpServer::Impl::write_response(const ConnectionPtr& connection, unsigned status,
                                                       std::string body, std::string_view content_type,
                                                       const Headers& headers, bool keep_alive) {
+  connection->status = status;
   http::response<http::string_body> response{static_cast<http::status>(status), 11};
   response.set(http::field::server, "deltaserve");
   response.set(http::field::content_type, content_type);
@@ -623,6 +708,12 @@ net::awaitable<bool> HttpServer::Impl::write_raw(const ConnectionPtr& connection
   }
   connection->stream.expires_never();
   co_return !ec;
+}
+
+void HttpServer::Impl::record_response(const ConnectionPtr& connection, int64_t started_ns) {
+  if (!metrics_) return;
+  const int status = connection->status == 0 ? 499 : static_cast<int>(connection->status);
+  metrics_->observe_http_response(connection->route, status, static_cast<double>(now_steady_ns() - started_ns) * 1e-9);
 }
 
 // Watches the idle read side during a generation: EOF or an error means the client is gone. Data

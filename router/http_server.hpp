@@ -6,6 +6,8 @@
 //   GET  /health                                      200 while the process runs (no auth)
 //   GET  /ready                                       200 when service.status().ready and not draining, else 503 (no
 //   auth)
+//   GET  /metrics                                     Prometheus text format 0.0.4 (no auth), when config.metrics is
+//                                                     set and config.metrics_endpoint is true
 // Unknown path 404, wrong method 405 (+ Allow). Errors are OpenAI error objects (errors.hpp).
 //
 // Limits (HttpServerConfig): a body over max_body_bytes is answered 413 from its Content-Length before any
@@ -36,6 +38,10 @@
 #include "router/openai_response.hpp"
 #include "tokenizer/tiktoken_tokenizer.hpp"
 
+namespace deltaserve::telemetry {
+class Metrics;
+}
+
 namespace deltaserve::router {
 
 struct HttpServerConfig {
@@ -47,6 +53,12 @@ struct HttpServerConfig {
   std::chrono::milliseconds idle_timeout{60000};    // keep-alive idle, and the whole-body read deadline
   std::chrono::milliseconds write_timeout{30000};   // one response write (header or SSE chunk)
   int threads = 2;                                  // Asio threads (>= 1)
+  // Metrics of every request this server sees (responses by route and status, TTFT, inter-token and e2e
+  // latency, tokens, finish reasons, cached tokens by namespace); service status is read at each scrape.
+  // Null: nothing is measured and /metrics is 404. metrics_endpoint false: measured, but served only by a
+  // separate listener (telemetry::MetricsListener), not on this port.
+  std::shared_ptr<telemetry::Metrics> metrics;
+  bool metrics_endpoint = true;
 };
 
 class HttpServer {
