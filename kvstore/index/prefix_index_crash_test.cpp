@@ -127,6 +127,9 @@ void scan_and_check(const std::filesystem::path& dir, const std::unordered_map<B
       EXPECT_EQ(v->cache_namespace, stress::kNamespaces[static_cast<size_t>(origin->second.tenant)]);
       EXPECT_EQ(v->block_index, origin->second.depth);
       EXPECT_LE(v->epoch, max_epoch);
+      bool known_worker = false;
+      for (int w = 0; w < stress::kWorkers; ++w) known_worker = known_worker || k->worker == stress::worker_name(w);
+      EXPECT_TRUE(known_worker) << "an entry of a worker the writer never named";
       entries.push_back({std::string(k->worker), origin->second, v->has_checkpoint, v->epoch});
       entry_keys.insert(codec::worker_key(k->worker, k->hash));
     } else if (key[0] == codec::kWorkerTag) {
