@@ -248,6 +248,8 @@ int main(int argc, char** argv) {
       bench_prefill("H=" + std::to_string(H) + ",d=128,varlen=300+1000+2500+4096+8192+16000,lb=-5", H, varlen);
     }
   }
+  if (what == "prefill16k") bench_prefill("H=32,d=128,T=16384,B=1,lb=-5", 32, {16384});
+  if (what == "decode64") bench_decode(32, 64, 20);
   if (what == "all" || what == "decode") {
     for (int B : {1, 8, 64, 256}) bench_decode(32, B, 20);
   }

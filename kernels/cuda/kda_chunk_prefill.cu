@@ -126,6 +126,22 @@ __global__ void __launch_bounds__(128, 2) kda_chunk_prep_kernel(PrepArgs p) {
   bf16* aqk_out = reinterpret_cast<bf16*>(out + kOffAqk);
   float* decay_out = reinterpret_cast<float*>(out + kOffDecay);
 
+  // Stage the chunk's g (fp32, over kinv), q (over qd) and k (over kd) with every load in flight at once; rows past
+  // the sequence are zero-filled without being read. Thread c later rewrites element (t, c) of qd/kd in place.
+  const size_t row_stride = static_cast<size_t>(H) * kD;
+  const size_t chunk_offset = static_cast<size_t>(chunk.token_begin) * row_stride + static_cast<size_t>(h) * kD;
+  float* g_tile = reinterpret_cast<float*>(kinv);
+  for (int i = tid; i < kC * 32; i += 128) {
+    const int r = i >> 5, s = (i & 31) * 4;
+    cp_async16_zfill(g_tile + r * kD + s, p.g + chunk_offset + (r < n ? r * row_stride + s : 0), r < n);
+  }
+  for (int i = tid; i < kC * 16; i += 128) {
+    const int r = i >> 4, s = (i & 15) * 8;
+    const size_t offset = chunk_offset + (r < n ? r * row_stride + s : 0);
+    cp_async16_zfill(qd + r * kLdD + s, p.q + offset, r < n);
+    cp_async16_zfill(kd + r * kLdD + s, p.k + offset, r < n);
+  }
+  cp_async_commit();
   if (tid < kC) beta_s[tid] = tid < n ? p.beta[static_cast<size_t>(chunk.token_begin + tid) * H + h] : 0.0f;
 
   // Thread = key channel c: cumulative log-decay and k of the 64 tokens in registers.
@@ -135,19 +151,16 @@ __global__ void __launch_bounds__(128, 2) kda_chunk_prep_kernel(PrepArgs p) {
     a = __expf(p.a_log[h]);
     bias = p.dt_bias[h * kD + c];
   }
+  cp_async_wait<0>();
+  __syncthreads();
   float gc[kC], kr[kC];
   float running = 0.0f;
 #pragma unroll
   for (int t = 0; t < kC; ++t) {
-    float g = 0.0f, kv = 0.0f;
-    if (t < n) {
-      const size_t index = (static_cast<size_t>(chunk.token_begin + t) * H + h) * kD + c;
-      g = gate_value(p.g[index], p.gate_mode, a, bias, p.lower_bound);
-      kv = __bfloat162float(p.k[index]);
-    }
+    const float g = t < n ? gate_value(g_tile[t * kD + c], p.gate_mode, a, bias, p.lower_bound) : 0.0f;
     running += g;
     gc[t] = running;
-    kr[t] = kv;
+    kr[t] = __bfloat162float(kd[t * kLdD + c]);
   }
   // Dense diagonal tiles when every 16-token tile (with its reference) spans at most kDenseSpan.
   bool ok = true;
@@ -168,8 +181,7 @@ __global__ void __launch_bounds__(128, 2) kda_chunk_prep_kernel(PrepArgs p) {
 #pragma unroll
   for (int t = 0; t < kC; ++t) {
     const float r = t < 16 ? 0.0f : gc[(t / 16) * 16 - 1];
-    float qv = 0.0f;
-    if (t < n) qv = __bfloat162float(p.q[(static_cast<size_t>(chunk.token_begin + t) * H + h) * kD + c]) * p.q_scale;
+    const float qv = __bfloat162float(qd[t * kLdD + c]) * p.q_scale;
     const float e = __expf(gc[t] - r);
     qd[t * kLdD + c] = __float2bfloat16(qv * e);
     kd[t * kLdD + c] = __float2bfloat16(kr[t] * e);
@@ -253,6 +265,13 @@ __global__ void __launch_bounds__(128, 2) kda_chunk_prep_kernel(PrepArgs p) {
   }
   __syncthreads();
 
+  // Stage v into the beta-V area (kinv is dead now); it lands while T is computed.
+  for (int i = tid; i < kC * 16; i += 128) {
+    const int r = i >> 4, s = (i & 15) * 8;
+    cp_async16_zfill(bv + r * kLdD + s, p.v + chunk_offset + (r < n ? r * row_stride + s : 0), r < n);
+  }
+  cp_async_commit();
+
   // T = (I + Akk)^-1: diagonal blocks by forward substitution (lane = column), then the blocks below.
   if (lane < 16) {
     const int m0 = warp * 16;
@@ -298,10 +317,11 @@ __global__ void __launch_bounds__(128, 2) kda_chunk_prep_kernel(PrepArgs p) {
     const int row = index / kC, col = index % kC;
     t_b[row * kLdC + col] = __float2bfloat16(col <= row ? t_f[row * kLdF + col] : 0.0f);
   }
+  cp_async_wait<0>();
+  __syncthreads();
 #pragma unroll
   for (int t = 0; t < kC; ++t) {
-    float vv = 0.0f;
-    if (t < n) vv = __bfloat162float(p.v[(static_cast<size_t>(chunk.token_begin + t) * H + h) * kD + c]);
+    const float vv = __bfloat162float(bv[t * kLdD + c]);
     bk[t * kLdD + c] = __float2bfloat16(beta_s[t] * kr[t] * __expf(gc[t]));
     bv[t * kLdD + c] = __float2bfloat16(beta_s[t] * vv);
   }

@@ -97,6 +97,14 @@ __global__ void __cluster_dims__(kSplit, 1, 1) __launch_bounds__(128) kda_decode
     return;
   }
 
+  // State slice first, so its loads overlap the conv and norms: thread owns columns 4 cg .. 4 cg + 3 of rows
+  // 8 rg .. 8 rg + 7.
+  const int cgi = tid & 7, rg = tid >> 3;
+  float* state = p.state + ((static_cast<size_t>(slot) * H + h) * kD) * kD + split * kBv + cgi * 4;
+  float4 s[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s[i] = __ldcs(reinterpret_cast<const float4*>(state + (rg * 8 + i) * kD));
+
   // Short conv + SiLU for q and k channel `tid`, and v channel split * 32 + tid.
   const int channel = h * kD + tid;
   const size_t tail_stride = static_cast<size_t>(K - 1);
@@ -153,12 +161,7 @@ __global__ void __cluster_dims__(kSplit, 1, 1) __launch_bounds__(128) kda_decode
     }
   }
 
-  // Recurrent update of the slice: thread owns columns 4 cg .. 4 cg + 3 of rows 8 rg .. 8 rg + 7.
-  const int cgi = tid & 7, rg = tid >> 3;
-  float* state = p.state + ((static_cast<size_t>(slot) * H + h) * kD) * kD + split * kBv + cgi * 4;
-  float4 s[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) s[i] = *reinterpret_cast<const float4*>(state + (rg * 8 + i) * kD);
+  // Recurrent update of the slice (its loads were issued first).
   float ks[4] = {};
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
@@ -203,7 +206,7 @@ __global__ void __cluster_dims__(kSplit, 1, 1) __launch_bounds__(128) kda_decode
     o[1] += qr * s[i].y;
     o[2] += qr * s[i].z;
     o[3] += qr * s[i].w;
-    *reinterpret_cast<float4*>(state + r * kD) = s[i];
+    __stcs(reinterpret_cast<float4*>(state + r * kD), s[i]);
   }
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -275,11 +278,11 @@ Status kda_decode_step(const KdaDecodeParams& p, cudaStream_t stream) {
       {p.a_log, "a_log"},
       {p.dt_bias, "dt_bias"},
       {p.o_norm_weight, "o_norm_weight"},
-      {p.conv_state, "conv_state"},
       {p.state, "state"},
       {p.out, "out"},
   };
   for (const auto& [pointer, name] : pointers) DS_RETURN_IF_ERROR(check_pointer(pointer, name));
+  if (p.conv_kernel > 1) DS_RETURN_IF_ERROR(check_pointer(p.conv_state, "conv_state"));  // K = 1 keeps no tails
   DecodeArgs args{p.num_heads,
                   p.conv_kernel,
                   p.num_slots,
