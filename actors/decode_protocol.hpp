@@ -30,8 +30,9 @@ using step_atom = caf::atom_constant<caf::atom("step")>;
 struct HandoffEnvelope {
   uint64_t handoff_id = 0;  // unique per prefill worker, for logs and transfer bookkeeping
   router::GenerationRequest request;
-  int32_t next_token = 0;  // prompt[N−1], fed by the first decode step
-  caf::actor sink;         // sink_actor
+  int32_t next_token = 0;     // prompt[N−1], fed by the first decode step
+  caf::actor sink;            // sink_actor
+  int64_t cached_tokens = 0;  // prompt tokens the prefill worker served from its prefix cache
 };
 
 struct Handoff {
@@ -41,7 +42,7 @@ struct Handoff {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, HandoffEnvelope& x) {
-  return f(caf::meta::type_name("HandoffEnvelope"), x.handoff_id, x.request, x.next_token, x.sink);
+  return f(caf::meta::type_name("HandoffEnvelope"), x.handoff_id, x.request, x.next_token, x.sink, x.cached_tokens);
 }
 
 template <class Inspector>

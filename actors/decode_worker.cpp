@@ -18,6 +18,7 @@ struct Active {
   caf::actor sink;
   std::unique_ptr<tokenizer::TextStream> text;
   int64_t prompt_tokens = 0;
+  int64_t cached_tokens = 0;
   bool logprobs = false;
 };
 
@@ -106,6 +107,7 @@ void admit(DecodePointer self, HandoffEnvelope envelope, engine::RequestState st
   a.sink = envelope.sink;
   a.text = std::make_unique<tokenizer::TextStream>(*s.tokenizer, request.stop);
   a.prompt_tokens = static_cast<int64_t>(request.prompt.size());
+  a.cached_tokens = envelope.cached_tokens;
   a.logprobs = request.logprobs;
   self->monitor(a.sink);
   s.by_sink[a.sink.address()] = request.request_id;
@@ -174,6 +176,7 @@ void run_step(DecodePointer self) {
       if (final) {
         chunk.finish_reason = finish;
         chunk.prompt_tokens = a.prompt_tokens;
+        chunk.cached_tokens = a.cached_tokens;
         chunk.completion_tokens = out.completion_tokens;
       }
       send_chunk(self, a.sink, std::move(chunk));

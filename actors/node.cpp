@@ -1,5 +1,7 @@
 #include "actors/node.hpp"
 
+#include <iostream>
+#include <random>
 #include <thread>
 
 #include <caf/io/all.hpp>
@@ -10,9 +12,29 @@
 #include "actors/prefill_worker.hpp"
 #include "actors/registry_actor.hpp"
 #include "actors/router_actor.hpp"
+#include "engine/prefix_state.hpp"
 
 namespace deltaserve::actors {
 namespace {
+
+uint64_t random_u64() {
+  std::random_device device;
+  return (static_cast<uint64_t>(device()) << 32) ^ device() ^ static_cast<uint64_t>(::getpid());
+}
+
+Result<kvstore::SipKey> cache_key(const NodeOptions& options) {
+  if (!options.cache_key_hex.empty()) return kvstore::parse_secret_hex(options.cache_key_hex);
+  kvstore::SipKey key;
+  std::random_device device;
+  for (auto& byte : key) byte = static_cast<uint8_t>(device());
+  return key;
+}
+
+Result<RoutingPolicy> routing_policy(const std::string& name) {
+  if (name == "cache-aware") return RoutingPolicy::kCacheAware;
+  if (name == "load") return RoutingPolicy::kLoadOnly;
+  return invalid_argument("routing policy: '" + name + "' is not cache-aware or load");
+}
 
 std::string default_worker_name(const char* role) {
   char host[256] = {0};
@@ -93,6 +115,39 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
     options.tokenizer = std::make_shared<const tokenizer::Tokenizer>(std::move(tok).value());
   }
 
+  auto key = cache_key(options);
+  if (!key.is_ok()) return key.status().with_context("cache key");
+  auto policy = routing_policy(options.routing_policy);
+  if (!policy.is_ok()) return policy.status();
+  if (options.model_id.empty()) options.model_id = options.model_dir.filename().string();
+  if (options.cache_key_hex.empty() && role != NodeRole::kServe && role != NodeRole::kDecode) {
+    std::cerr << "warning: no --cache-key: block hashes use a random key of this process; cache-aware routing "
+                 "needs the same key on every router and prefill worker\n";
+  }
+  std::shared_ptr<kvstore::PrefixIndex> index;
+  if ((role == NodeRole::kServe || role == NodeRole::kRouter) && !options.index_dir.empty()) {
+    auto opened = kvstore::PrefixIndex::open(options.index_dir);
+    if (!opened.is_ok()) return opened.status().with_context("prefix index");
+    index = std::shared_ptr<kvstore::PrefixIndex>(std::move(opened).value());
+  }
+  PrefillCacheConfig prefill_cache;
+  if (options.prefix_cache && (role == NodeRole::kServe || role == NodeRole::kPrefill)) {
+    const int64_t row_values = engine::mla_page_row_values(options.model->config());
+    const int64_t page_bytes = options.cache_page_tokens * row_values * static_cast<int64_t>(sizeof(float));
+    prefill_cache.enabled = true;
+    prefill_cache.cache.pages.page_tokens = options.cache_page_tokens;
+    prefill_cache.cache.pages.num_pages =
+        page_bytes > 0 ? std::max<int64_t>(1, options.cache_memory_bytes / page_bytes) : 0;
+    prefill_cache.cache.checkpoint_budget_bytes = options.checkpoint_memory_bytes;
+    prefill_cache.cache.policy.interval_blocks = options.checkpoint_interval_blocks;
+    prefill_cache.cache.policy.only_on_second_hit = options.checkpoint_on_second_hit;
+    prefill_cache.hash_key = *key;
+    prefill_cache.model_id = options.model_id;
+    PrefillWorkerConfig check{"prefill", options.prefill_chunk, options.heartbeat_interval, options.state_slots,
+                              prefill_cache};
+    if (Status valid = validate(check, options.model->config()); !valid.is_ok()) return valid;
+  }
+
   impl->config.load<caf::io::middleman>();
   register_wire_types(impl->config);
   impl->config.set("logger.verbosity", caf::atom("quiet"));
@@ -103,25 +158,13 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
   Impl& n = *node->impl_;
   n.options = options;
 
-  if (role == NodeRole::kServe || role == NodeRole::kRouter) {
+  const bool joins_registry = role == NodeRole::kPrefill || role == NodeRole::kDecode ||
+                              (role == NodeRole::kRouter && options.router_joins_registry);
+  if (role == NodeRole::kServe || (role == NodeRole::kRouter && !options.router_joins_registry)) {
     // Workers report every heartbeat_interval; ten missed reports and a worker counts as lost.
     n.registry = spawn_registry(sys, options.heartbeat_interval * 10);
-    n.gauges = std::make_shared<RouterGauges>();
-    n.router = spawn_router(sys, RouterConfig{options.max_queue}, n.registry, n.gauges);
-    n.service = std::make_unique<ClusterService>(
-        std::unique_ptr<ClusterService::Impl>(new ClusterService::Impl{sys, n.router, n.gauges}));
   }
-  if (role == NodeRole::kRouter) {
-    auto port = sys.middleman().publish(n.registry, options.cluster_port, options.cluster_host.c_str(), true);
-    if (!port) {
-      const std::string why = sys.render(port.error());
-      n.stop();
-      return Status(StatusCode::kUnavailable, "cannot listen for workers on " + options.cluster_host + ":" +
-                                                  std::to_string(options.cluster_port) + ": " + why);
-    }
-    n.cluster_port = *port;
-  }
-  if (role == NodeRole::kPrefill || role == NodeRole::kDecode) {
+  if (joins_registry) {
     // Connect with backoff until the deadline: the router may still be starting.
     const auto deadline = std::chrono::steady_clock::now() + options.join_timeout;
     auto backoff = std::chrono::milliseconds(50);
@@ -142,14 +185,39 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
       backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
     }
   }
-
+  if (role == NodeRole::kServe || role == NodeRole::kRouter) {
+    n.gauges = std::make_shared<RouterGauges>();
+    RouterConfig router_config;
+    router_config.max_queue = options.max_queue;
+    router_config.policy = *policy;
+    router_config.index = index;
+    router_config.hash_key = *key;
+    n.router = spawn_router(sys, router_config, n.registry, n.gauges);
+    n.service = std::make_unique<ClusterService>(
+        std::unique_ptr<ClusterService::Impl>(new ClusterService::Impl{sys, n.router, n.gauges}));
+  }
+  if (role == NodeRole::kRouter && !options.router_joins_registry) {
+    auto port = sys.middleman().publish(n.registry, options.cluster_port, options.cluster_host.c_str(), true);
+    if (!port) {
+      const std::string why = sys.render(port.error());
+      n.stop();
+      return Status(StatusCode::kUnavailable, "cannot listen for workers on " + options.cluster_host + ":" +
+                                                  std::to_string(options.cluster_port) + ": " + why);
+    }
+    n.cluster_port = *port;
+  }
   // Workers: spawned with the registry handle (local or remote), then joined.
   auto add_prefill = [&](const std::string& name) -> Status {
-    PrefillWorkerConfig cfg{name, options.prefill_chunk, options.heartbeat_interval};
+    PrefillWorkerConfig cfg{name, options.prefill_chunk, options.heartbeat_interval, options.state_slots,
+                            prefill_cache};
+    cfg.prefix_cache.epoch = prefill_cache.enabled ? (random_u64() | 1) : 0;
     prefill_actor worker = spawn_prefill_worker(sys, options.model, n.registry, cfg);
     n.prefill.push_back(worker);
     n.worker_names.push_back(name);
-    return n.join(WorkerInfo{name, kPrefillRole, caf::actor_cast<caf::actor>(worker), options.prefill_chunk, {}});
+    WorkerInfo info{name, kPrefillRole, caf::actor_cast<caf::actor>(worker), options.prefill_chunk, {}};
+    info.cache_epoch = cfg.prefix_cache.epoch;
+    info.model_id = options.model_id;
+    return n.join(info);
   };
   auto add_decode = [&](const std::string& name) -> Status {
     DecodeWorkerConfig cfg{name, options.max_batch, options.heartbeat_interval};
@@ -223,11 +291,39 @@ NodeWorkerStats Node::worker_stats() {
               out.handoff_bytes += s.handoff_bytes;
               out.handoff_us += s.handoff_us;
               out.rejected += s.rejected;
+              out.slots_total += s.slots_total;
+              out.slots_free += s.slots_free;
+              out.pages_total += s.pages_total;
+              out.pages_free += s.pages_free;
+              out.cache_entries += s.cache_entries;
+              out.checkpoints += s.checkpoints;
+              out.checkpoint_bytes += s.checkpoint_bytes;
+              out.cache_evictions += s.cache_evictions;
+              out.prompt_tokens += s.prompt_tokens;
+              out.cached_tokens += s.cached_tokens;
             },
             [&](caf::error&) {});
   };
   for (auto& p : n.prefill) add(p);
   for (auto& d : n.decode) add(d);
+  return out;
+}
+
+NodeRouterStats Node::router_stats() {
+  NodeRouterStats out;
+  Impl& n = *impl_;
+  if (!n.system || !n.router) return out;
+  caf::scoped_actor self{*n.system};
+  self->request(n.router, std::chrono::seconds(5), stats_atom::value)
+      .receive(
+          [&](const RouterStats& s) {
+            out.admitted = s.admitted;
+            out.routed_to_hit = s.routed_to_hit;
+            out.expected_cached_tokens = s.expected_cached_tokens;
+            out.index_events = s.index_events;
+            out.index_errors = s.index_errors;
+          },
+          [&](caf::error&) {});
   return out;
 }
 

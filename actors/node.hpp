@@ -42,12 +42,42 @@ struct NodeOptions {
   std::chrono::milliseconds join_timeout{30000};  // keep retrying the connection until then
   std::chrono::milliseconds heartbeat_interval{500};
   std::string worker_name;  // kPrefill/kDecode; default "<role>@<hostname>:<pid>"
+
+  // kRouter with join_port != 0: a further router that uses the registry (and so the workers) of the
+  // router at join_host:join_port instead of running its own. Its prefix index is its own.
+  bool router_joins_registry = false;
+
+  // Prefix cache of the prefill workers (kServe, kPrefill); product.md "Caching rules".
+  bool prefix_cache = true;
+  int64_t cache_page_tokens = 2048;               // page group size: a multiple of 512 in [1024, 6144]
+  int64_t cache_memory_bytes = 256LL << 20;       // MLA pages per prefill worker
+  int64_t checkpoint_memory_bytes = 256LL << 20;  // KDA checkpoints per prefill worker
+  int64_t checkpoint_interval_blocks = 4;         // checkpoint every N-th 512-token boundary (+ the last full block)
+  bool checkpoint_on_second_hit = false;          // store a boundary's checkpoint only when seen twice
+  int64_t state_slots = 2;                        // request states per prefill worker (fixed pool)
+  // Block-hash key, 32 hex digits; the same on every router and prefill worker of a deployment. Empty: a
+  // random key for this process (fine for kServe; cache-aware routing across processes then never matches).
+  std::string cache_key_hex;
+  std::string model_id;  // root of the hash chains; default: the model directory's name
+
+  // Routers (kServe, kRouter): the RocksDB prefix index directory (empty = no index: load-only placement)
+  // and the placement policy.
+  std::filesystem::path index_dir;
+  std::string routing_policy = "cache-aware";  // cache-aware | load
 };
 
 // Sums over this node's workers (actors/wire_types.hpp WorkerStats, CAF-free copy).
 struct NodeWorkerStats {
   int64_t active = 0, queued = 0, free_slots = 0, steps = 0, handoffs = 0, handoff_bytes = 0, handoff_us = 0,
           rejected = 0;
+  // Prefill workers' state slots and prefix caches (summed):
+  int64_t slots_total = 0, slots_free = 0, pages_total = 0, pages_free = 0, cache_entries = 0, checkpoints = 0,
+          checkpoint_bytes = 0, cache_evictions = 0, prompt_tokens = 0, cached_tokens = 0;
+};
+
+// Router counters (CAF-free copy of RouterStats).
+struct NodeRouterStats {
+  int64_t admitted = 0, routed_to_hit = 0, expected_cached_tokens = 0, index_events = 0, index_errors = 0;
 };
 
 class Node {
@@ -69,6 +99,9 @@ class Node {
 
   // Asks every worker of this node for its counters (bounded wait).
   NodeWorkerStats worker_stats();
+
+  // The router's counters (kServe, kRouter; zeros otherwise).
+  NodeRouterStats router_stats();
 
   // Sends exit to every actor of this node and waits for the actor system to stop. Idempotent.
   void shutdown();

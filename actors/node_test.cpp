@@ -2,62 +2,18 @@
 // (registry published on a loopback port, workers in other actor systems of this process).
 #include "actors/node.hpp"
 
-#include <condition_variable>
-#include <mutex>
-#include <thread>
-
 #include <gtest/gtest.h>
 
 #include "actors/test_model.hpp"
+#include "actors/test_sink.hpp"
 
 namespace deltaserve::actors {
 namespace {
 
 using namespace std::chrono_literals;
 
-class CollectingSink : public router::GenerationSink {
- public:
-  void on_chunk(router::GenerationChunk chunk) override {
-    std::lock_guard lock(mutex_);
-    EXPECT_FALSE(final_) << "chunk after the final chunk";
-    final_ = chunk.is_final();
-    chunks_.push_back(std::move(chunk));
-    cv_.notify_all();
-  }
-  bool wait_final(std::chrono::milliseconds timeout) {
-    std::unique_lock lock(mutex_);
-    return cv_.wait_for(lock, timeout, [&] { return final_; });
-  }
-  bool wait_chunks(size_t n, std::chrono::milliseconds timeout) {
-    std::unique_lock lock(mutex_);
-    return cv_.wait_for(lock, timeout, [&] { return chunks_.size() >= n || final_; });
-  }
-  std::vector<int32_t> tokens() {
-    std::lock_guard lock(mutex_);
-    std::vector<int32_t> out;
-    for (const auto& c : chunks_) out.insert(out.end(), c.tokens.begin(), c.tokens.end());
-    return out;
-  }
-  router::GenerationChunk last() {
-    std::lock_guard lock(mutex_);
-    return chunks_.back();
-  }
-
- private:
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::vector<router::GenerationChunk> chunks_;
-  bool final_ = false;
-};
-
-bool wait_until(const std::function<bool()>& pred, std::chrono::milliseconds timeout) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (pred()) return true;
-    std::this_thread::sleep_for(5ms);
-  }
-  return pred();
-}
+using testing::CollectingSink;
+using testing::wait_until;
 
 NodeOptions serve_options() {
   const auto& tiny = testing::tiny_model();

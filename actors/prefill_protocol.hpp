@@ -8,6 +8,11 @@
 //                         worker (handoff_atom, decode_protocol.hpp), then prefilled(id, bytes, us) to the
 //                         job's router. A 1-token prompt hands over the fresh state. An engine error
 //                         (bad token id, context limit) fails the request to its sink.
+//                         With a prefix cache: when the job starts, its prompt's block hashes (rooted in the
+//                         request's cache namespace) are looked up; the deepest boundary with both pages and
+//                         a KDA checkpoint is restored and only the rest is computed. Checkpoints are taken
+//                         at policy boundaries on the way; at the handoff the prompt's full blocks are
+//                         registered and the events go to the registry (cache(CacheEventBatch)).
 //   cancel(request_id)    drops a queued or running job; the sink gets the final "abort" chunk. Unknown ids
 //                         (already handed off) are ignored: the router cancels at the decode worker too.
 //   drain()               leaves the registry; queued jobs still finish.

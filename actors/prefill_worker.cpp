@@ -5,8 +5,11 @@
 #include <cstring>
 #include <deque>
 #include <iostream>
+#include <optional>
 
+#include "engine/prefix_state.hpp"
 #include "engine/state_codec.hpp"
+#include "kvstore/cache/slot_pool.hpp"
 
 namespace deltaserve::actors {
 namespace {
@@ -15,8 +18,14 @@ using Clock = std::chrono::steady_clock;
 
 struct Job {
   PrefillJob job;
-  engine::RequestState state;
-  int64_t position = 0;  // prompt tokens consumed so far; the job is done at N−1
+  bool started = false;
+  std::optional<kvstore::SlotId> slot;  // the request state, from the fixed pool, while the job runs
+  int64_t position = 0;                 // prompt tokens consumed so far; the job is done at N−1
+  // Prefix cache (when enabled):
+  bool caching = false;                    // rows go into `pages`; boundaries are registered at the end
+  std::vector<kvstore::BlockHash> hashes;  // of the prompt's full blocks
+  kvstore::PageTable pages;                // this request's MLA rows (shared prefix + its own)
+  int64_t cached_tokens = 0;               // prompt tokens restored from the cache
 };
 
 struct PrefillState {
@@ -24,12 +33,21 @@ struct PrefillState {
   registry_actor registry;
   PrefillWorkerConfig config;
   std::shared_ptr<Transport> transport;
+  std::unique_ptr<kvstore::SlotPool<engine::RequestState>> slots;
+  std::unique_ptr<kvstore::PrefixCache> cache;  // null: no prefix cache
+  std::unique_ptr<kvstore::BlockHasher> hasher;
   std::deque<Job> jobs;  // FIFO; front is being prefilled
   bool work_pending = false;
   bool draining = false;
   uint64_t next_handoff_id = 1;
   WorkerStats stats;
   WorkerLoad last_reported{-1, -1, -1, -1};
+
+  ~PrefillState() {
+    for (Job& job : jobs) {
+      if (cache) job.pages.release(cache->pool());
+    }
+  }
 };
 
 using PrefillPointer = prefill_actor::stateful_pointer<PrefillState>;
@@ -64,12 +82,113 @@ void schedule_work(PrefillPointer self) {
   self->send(self, work_atom::value);
 }
 
+// Sends what changed in the prefix cache to the registry, which forwards it to the routers' index.
+void publish_cache_events(PrefillPointer self) {
+  auto& s = self->state;
+  if (!s.cache) return;
+  kvstore::CacheEventBatch batch{s.config.name, s.config.prefix_cache.epoch, s.cache->take_events()};
+  if (batch.events.empty() || !s.registry) return;
+  self->send(s.registry, cache_atom::value, std::move(batch));
+}
+
+// Gives back everything a job holds (its pages and its state slot).
+void release_job(PrefillState& s, Job& job) {
+  if (s.cache) job.pages.release(s.cache->pool());
+  if (job.slot) {
+    s.slots->release(*job.slot);
+    job.slot.reset();
+  }
+}
+
 void fail_front(PrefillPointer self, Status status) {
   auto& s = self->state;
   Job& job = s.jobs.front();
   self->send(caf::actor_cast<sink_actor>(job.job.sink), chunk_atom::value,
              error_chunk(job.job.request.request_id, std::move(status)));
+  release_job(s, job);
   s.jobs.pop_front();
+}
+
+std::string_view cache_namespace(const router::GenerationRequest& request) {
+  return request.cache_namespace.empty() ? std::string_view(request.tenant) : std::string_view(request.cache_namespace);
+}
+
+// Takes a state slot and, with a prefix cache, restores the deepest usable cached prefix.
+Status start_job(PrefillPointer self, Job& job) {
+  auto& s = self->state;
+  job.slot = s.slots->acquire();
+  if (!job.slot) return Status(StatusCode::kResourceExhausted, "no free request state slot");
+  engine::RequestState& state = s.slots->at(*job.slot);
+  state.reset();
+  job.started = true;
+  if (!s.cache) return Status::ok();
+
+  const auto& prompt = job.job.request.prompt;
+  const int64_t block = s.cache->block_tokens();
+  job.hashes =
+      s.hasher->hash_prompt(s.hasher->root(cache_namespace(job.job.request), s.config.prefix_cache.model_id), prompt);
+  job.caching = true;
+  const int64_t usable_blocks = (static_cast<int64_t>(prompt.size()) - 1) / block;  // the decode worker feeds the last
+  kvstore::PrefixCache::Hit hit = s.cache->lookup(job.hashes, usable_blocks);
+  if (hit.blocks == 0) return Status::ok();
+  const int64_t tokens = hit.blocks * block;
+  Status resumed =
+      engine::resume_from_prefix(s.model->config(), *hit.checkpoint, hit.pages, s.cache->pool(), tokens, state);
+  if (!resumed.is_ok()) {  // never a wrong hit: compute everything
+    std::cerr << "warning: " << s.config.name << ": prefix cache entry unusable, recomputing: " << resumed.to_string()
+              << "\n";
+    hit.pages.release(s.cache->pool());
+    state.reset();
+    return Status::ok();
+  }
+  job.pages = std::move(hit.pages);
+  job.position = tokens;
+  job.cached_tokens = tokens;
+  if (debug_enabled()) {
+    std::cerr << "debug: " << s.config.name << " prefix hit " << job.job.request.request_id << " " << tokens
+              << " tokens\n";
+  }
+  return Status::ok();
+}
+
+// Runs the next chunk of the front job; with a cache, keeps its rows and takes checkpoints at boundaries.
+Status prefill_chunk(PrefillPointer self, Job& job, int64_t target) {
+  auto& s = self->state;
+  engine::RequestState& state = s.slots->at(*job.slot);
+  const auto& prompt = job.job.request.prompt;
+  int64_t end = std::min(job.position + s.config.chunk_tokens, target);
+  if (s.cache) {  // chunks that cross a block boundary end on it, where a checkpoint may be taken
+    const int64_t block = s.cache->block_tokens();
+    if (end / block > job.position / block && end % block != 0) end = end / block * block;
+  }
+  const int64_t n = end - job.position;
+  std::vector<std::vector<float>> logits;
+  engine::SequenceInput input{
+      &state, std::span<const int32_t>(prompt).subspan(static_cast<size_t>(job.position), static_cast<size_t>(n)),
+      false};
+  DS_RETURN_IF_ERROR(s.model->forward({&input, 1}, logits));
+  ++s.stats.steps;
+  const int64_t first = job.position;
+  job.position = end;
+  if (!job.caching) return Status::ok();
+
+  const engine::ModelConfig& config = s.model->config();
+  Status kept = s.cache->append(job.pages, engine::gather_mla_page_rows(config, state, first, n));
+  if (!kept.is_ok()) {  // running requests hold every page: serve this one without caching it
+    job.caching = false;
+    job.pages.release(s.cache->pool());
+    return Status::ok();
+  }
+  const int64_t block = s.cache->block_tokens();
+  if (job.position % block == 0) {
+    const int64_t k = job.position / block, full_blocks = (static_cast<int64_t>(prompt.size()) - 1) / block;
+    const kvstore::BlockHash& hash = job.hashes[static_cast<size_t>(k - 1)];
+    if (s.cache->should_checkpoint(k, full_blocks, hash)) {
+      Status put = s.cache->put_checkpoint(hash, engine::encode_kda_checkpoint(config, state));
+      if (!put.is_ok() && debug_enabled()) std::cerr << "debug: checkpoint not kept: " << put.to_string() << "\n";
+    }
+  }
+  return Status::ok();
 }
 
 // Encodes the front job's state and hands it to its decode worker.
@@ -77,22 +196,33 @@ void hand_off(PrefillPointer self) {
   auto& s = self->state;
   Job& job = s.jobs.front();
   const auto start = Clock::now();
-  const std::vector<std::byte> encoded = engine::encode_state(s.model->config(), job.state);
+  const auto& prompt = job.job.request.prompt;
+  const std::vector<std::byte> encoded = engine::encode_state(s.model->config(), s.slots->at(*job.slot));
+  if (job.caching) {
+    const int64_t full_blocks = (static_cast<int64_t>(prompt.size()) - 1) / s.cache->block_tokens();
+    s.cache->insert(std::span(job.hashes).first(static_cast<size_t>(full_blocks)), job.pages,
+                    cache_namespace(job.job.request));
+  }
+  s.stats.prompt_tokens += static_cast<int64_t>(prompt.size());
+  s.stats.cached_tokens += job.cached_tokens;
   std::vector<uint8_t> bytes(encoded.size());
   if (!encoded.empty()) std::memcpy(bytes.data(), encoded.data(), encoded.size());
   const int64_t num_bytes = static_cast<int64_t>(bytes.size());
   HandoffEnvelope envelope;
   envelope.handoff_id = s.next_handoff_id++;
-  envelope.next_token = job.job.request.prompt.back();
+  envelope.next_token = prompt.back();
   envelope.sink = job.job.sink;
+  envelope.cached_tokens = job.cached_tokens;
   const std::string id = job.job.request.request_id;
+  const caf::actor sink = job.job.sink, router = job.job.router, decode_worker = job.job.decode_worker;
   envelope.request = std::move(job.job.request);
-  Status sent = s.transport->send_state(job.job.decode_worker, std::move(envelope), std::move(bytes));
+  release_job(s, job);
+  s.jobs.pop_front();
+  publish_cache_events(self);
+  Status sent = s.transport->send_state(decode_worker, std::move(envelope), std::move(bytes));
   const int64_t micros = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start).count();
   if (!sent.is_ok()) {
-    self->send(caf::actor_cast<sink_actor>(job.job.sink), chunk_atom::value,
-               error_chunk(id, sent.with_context("handoff")));
-    s.jobs.pop_front();
+    self->send(caf::actor_cast<sink_actor>(sink), chunk_atom::value, error_chunk(id, sent.with_context("handoff")));
     return;
   }
   ++s.stats.handoffs;
@@ -102,11 +232,42 @@ void hand_off(PrefillPointer self) {
     std::cerr << "debug: " << s.config.name << " handoff " << id << " " << num_bytes << " bytes in " << micros
               << " us\n";
   }
-  if (job.job.router) {
-    self->send(caf::actor_cast<router_actor>(job.job.router), prefilled_atom::value, id, num_bytes, micros);
+  if (router) {
+    self->send(caf::actor_cast<router_actor>(router), prefilled_atom::value, id, num_bytes, micros);
   }
-  s.jobs.pop_front();
 }
+
+WorkerStats current_stats(const PrefillState& s) {
+  WorkerStats out = s.stats;
+  out.queued = static_cast<int64_t>(s.jobs.size());
+  out.active = s.jobs.empty() ? 0 : 1;
+  out.slots_total = s.slots->size();
+  out.slots_free = s.slots->free_slots();
+  if (s.cache) {
+    const kvstore::PrefixCacheStats c = s.cache->stats();
+    out.pages_total = c.pages_total;
+    out.pages_free = c.pages_free;
+    out.cache_entries = c.entries;
+    out.checkpoints = c.checkpoints;
+    out.checkpoint_bytes = c.checkpoint_bytes;
+    out.cache_evictions = c.entry_evictions + c.checkpoint_evictions;
+  }
+  return out;
+}
+
+}  // namespace
+
+Status validate(const PrefillWorkerConfig& config, const engine::ModelConfig& model) {
+  if (config.chunk_tokens <= 0) return invalid_argument("prefill_chunk: must be positive");
+  if (config.state_slots <= 0) return invalid_argument("state_slots: must be positive");
+  if (!config.prefix_cache.enabled) return Status::ok();
+  kvstore::PrefixCacheConfig cache = config.prefix_cache.cache;
+  cache.pages.row_values = engine::mla_page_row_values(model);
+  if (cache.pages.row_values == 0) return invalid_argument("prefix cache: the model has no MLA layers");
+  return kvstore::validate(cache).with_context("prefix cache");
+}
+
+namespace {
 
 prefill_actor::behavior_type prefill_impl(PrefillPointer self, std::shared_ptr<const engine::Model> model,
                                           registry_actor registry, PrefillWorkerConfig config,
@@ -117,6 +278,20 @@ prefill_actor::behavior_type prefill_impl(PrefillPointer self, std::shared_ptr<c
   s.config = std::move(config);
   s.transport = transport ? std::move(transport) : make_caf_transport();
   if (s.config.chunk_tokens <= 0) s.config.chunk_tokens = 512;
+  if (s.config.state_slots <= 0) s.config.state_slots = 1;
+  s.slots = std::make_unique<kvstore::SlotPool<engine::RequestState>>(
+      std::vector<engine::RequestState>(static_cast<size_t>(s.config.state_slots), s.model->new_state()));
+  if (s.config.prefix_cache.enabled) {
+    Status valid = validate(s.config, s.model->config());
+    if (valid.is_ok()) {
+      kvstore::PrefixCacheConfig cache = s.config.prefix_cache.cache;
+      cache.pages.row_values = engine::mla_page_row_values(s.model->config());
+      s.cache = std::make_unique<kvstore::PrefixCache>(cache);
+      s.hasher = std::make_unique<kvstore::BlockHasher>(s.config.prefix_cache.hash_key, cache.block_tokens);
+    } else {  // Node validates first; a direct spawn with bad settings runs without a cache
+      std::cerr << "warning: " << s.config.name << ": prefix cache off: " << valid.to_string() << "\n";
+    }
+  }
   if (s.registry && s.config.heartbeat_interval.count() > 0) {
     self->delayed_send(self, s.config.heartbeat_interval, tick_atom::value);
   }
@@ -128,7 +303,7 @@ prefill_actor::behavior_type prefill_impl(PrefillPointer self, std::shared_ptr<c
                      error_chunk(job.request.request_id, invalid_argument("empty prompt")));
           return;
         }
-        s.jobs.push_back(Job{std::move(job), s.model->new_state(), 0});
+        s.jobs.push_back(Job{std::move(job)});
         schedule_work(self);
         report_load(self, false);
       },
@@ -137,24 +312,22 @@ prefill_actor::behavior_type prefill_impl(PrefillPointer self, std::shared_ptr<c
         s.work_pending = false;
         if (s.jobs.empty()) return;
         Job& job = s.jobs.front();
-        const auto& prompt = job.job.request.prompt;
-        const int64_t target = static_cast<int64_t>(prompt.size()) - 1;  // N−1: the decode worker feeds the last
-        if (job.position < target) {
-          const int64_t n = std::min(s.config.chunk_tokens, target - job.position);
-          std::vector<std::vector<float>> logits;
-          engine::SequenceInput input{
-              &job.state,
-              std::span<const int32_t>(prompt).subspan(static_cast<size_t>(job.position), static_cast<size_t>(n)),
-              false};
-          Status status = s.model->forward({&input, 1}, logits);
-          ++s.stats.steps;
-          if (!status.is_ok()) {
-            fail_front(self, status.with_context("prefill"));
-          } else {
-            job.position += n;
+        if (!job.started) {
+          if (Status started = start_job(self, job); !started.is_ok()) {
+            fail_front(self, started.with_context("prefill"));
+            schedule_work(self);
+            report_load(self, false);
+            return;
           }
         }
-        if (!s.jobs.empty() && s.jobs.front().position >= target) hand_off(self);
+        const int64_t target = static_cast<int64_t>(job.job.request.prompt.size()) - 1;  // N−1
+        if (job.position < target) {
+          if (Status status = prefill_chunk(self, job, target); !status.is_ok()) {
+            fail_front(self, status.with_context("prefill"));
+          }
+        }
+        if (!s.jobs.empty() && s.jobs.front().started && s.jobs.front().position >= target) hand_off(self);
+        publish_cache_events(self);
         schedule_work(self);
         report_load(self, false);
       },
@@ -167,6 +340,7 @@ prefill_actor::behavior_type prefill_impl(PrefillPointer self, std::shared_ptr<c
           chunk.finish_reason = "abort";
           chunk.prompt_tokens = static_cast<int64_t>(it->job.request.prompt.size());
           self->send(caf::actor_cast<sink_actor>(it->job.sink), chunk_atom::value, std::move(chunk));
+          release_job(s, *it);
           s.jobs.erase(it);
           report_load(self, false);
           return;
@@ -177,12 +351,7 @@ prefill_actor::behavior_type prefill_impl(PrefillPointer self, std::shared_ptr<c
         if (s.registry && !s.draining) self->send(s.registry, leave_atom::value, s.config.name);
         s.draining = true;
       },
-      [self](stats_atom) -> WorkerStats {
-        WorkerStats out = self->state.stats;
-        out.queued = static_cast<int64_t>(self->state.jobs.size());
-        out.active = self->state.jobs.empty() ? 0 : 1;
-        return out;
-      },
+      [self](stats_atom) -> WorkerStats { return current_stats(self->state); },
       [self](tick_atom) {
         auto& s = self->state;
         if (s.draining) return;

@@ -109,6 +109,12 @@ registry_actor::behavior_type registry_impl(RegistryPointer self, const std::str
         self->send(typed, workers_atom::value, snapshot(self->state));
         self->state.subscribers.push_back(std::move(typed));
       },
+      [self](cache_atom, kvstore::CacheEventBatch& batch) {
+        auto& state = self->state;
+        if (state.workers.count(batch.worker) == 0) return;  // left or expired: its entries are being dropped
+        for (const registry_subscriber& subscriber : state.subscribers)
+          self->send(subscriber, cache_atom::value, batch);
+      },
   };
 }
 

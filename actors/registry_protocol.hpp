@@ -10,6 +10,8 @@
 //   subscribe(actor)          the subscriber receives (workers_atom, std::vector<WorkerInfo>) now and after
 //                             every change, and (lost_atom, name) when a worker goes down without leaving
 //                             (its in-flight requests are then failed by the subscriber, which knows them).
+//   cache(CacheEventBatch)    a prefill worker's prefix-cache events; forwarded to every subscriber (the
+//                             routers keep the prefix index). Batches of unknown workers are dropped.
 #pragma once
 
 #include <string>
@@ -26,6 +28,7 @@ using list_atom = caf::atom_constant<caf::atom("list")>;
 using subscribe_atom = caf::atom_constant<caf::atom("subscribe")>;
 using workers_atom = caf::atom_constant<caf::atom("workers")>;
 using lost_atom = caf::atom_constant<caf::atom("lost")>;
+using cache_atom = caf::atom_constant<caf::atom("cache")>;
 
 inline constexpr const char* kPrefillRole = "prefill";
 inline constexpr const char* kDecodeRole = "decode";
@@ -43,6 +46,8 @@ struct WorkerInfo {
   caf::actor handle;     // prefill_actor or decode_actor (actor_cast at the receiver)
   int64_t capacity = 0;  // decode: max_batch; prefill: chunk tokens
   WorkerLoad load;
+  uint64_t cache_epoch = 0;  // prefill: changes whenever the worker's prefix cache starts empty; 0 = no cache
+  std::string model_id;      // prefill: the model id the block hashes are rooted in
 };
 
 template <class Inspector>
@@ -52,17 +57,19 @@ typename Inspector::result_type inspect(Inspector& f, WorkerLoad& x) {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, WorkerInfo& x) {
-  return f(caf::meta::type_name("WorkerInfo"), x.name, x.role, x.handle, x.capacity, x.load);
+  return f(caf::meta::type_name("WorkerInfo"), x.name, x.role, x.handle, x.capacity, x.load, x.cache_epoch, x.model_id);
 }
 
 // What a subscriber must accept (the router actor does).
 using registry_subscriber =
-    caf::typed_actor<caf::reacts_to<workers_atom, std::vector<WorkerInfo>>, caf::reacts_to<lost_atom, std::string>>;
+    caf::typed_actor<caf::reacts_to<workers_atom, std::vector<WorkerInfo>>, caf::reacts_to<lost_atom, std::string>,
+                     caf::reacts_to<cache_atom, kvstore::CacheEventBatch>>;
 
 using registry_actor =
     caf::typed_actor<caf::replies_to<join_atom, WorkerInfo>::with<uint64_t>,
                      caf::reacts_to<heartbeat_atom, std::string, WorkerLoad>, caf::reacts_to<leave_atom, std::string>,
                      caf::replies_to<list_atom>::with<std::vector<WorkerInfo>>,
-                     caf::reacts_to<subscribe_atom, caf::actor>, caf::reacts_to<tick_atom>>;
+                     caf::reacts_to<subscribe_atom, caf::actor>, caf::reacts_to<tick_atom>,
+                     caf::reacts_to<cache_atom, kvstore::CacheEventBatch>>;
 
 }  // namespace deltaserve::actors

@@ -1,7 +1,10 @@
 #include "actors/router_actor.hpp"
 
+#include <cstdlib>
 #include <deque>
+#include <iostream>
 #include <map>
+#include <set>
 #include <unordered_map>
 
 #include "actors/decode_protocol.hpp"
@@ -17,6 +20,7 @@ struct Entry {
   caf::actor sink;
   Stage stage = Stage::kWaiting;
   std::string prefill_worker, decode_worker;
+  int64_t prefill_tokens = 0;  // prompt tokens the prefill worker is expected to compute (load accounting)
 };
 
 struct RouterState {
@@ -24,6 +28,9 @@ struct RouterState {
   std::shared_ptr<RouterGauges> gauges;
   std::map<std::string, WorkerInfo> prefill_workers, decode_workers;  // by name: ties break by name
   std::map<std::string, int64_t> prefill_outstanding;                 // jobs this router sent and not yet prefilled
+  std::map<std::string, int64_t> prefill_tokens;                      // their expected prompt tokens to compute
+  std::unique_ptr<kvstore::BlockHasher> hasher;                       // with an index: hashes prompts like workers
+  std::set<std::pair<std::string, uint64_t>> cache_workers;           // (name, epoch) the index was reconciled to
   std::map<std::string, int64_t> decode_assigned;                     // requests this router placed and not finished
   std::unordered_map<std::string, Entry> requests;
   std::map<caf::actor_addr, std::string> by_sink;
@@ -50,16 +57,71 @@ void send_final(RouterPointer self, const caf::actor& sink, router::GenerationCh
   self->send(caf::actor_cast<sink_actor>(sink), chunk_atom::value, std::move(chunk));
 }
 
-// Prefill: fewest jobs outstanding from this router, then the shortest reported queue, then the name.
-const WorkerInfo* pick_prefill(RouterState& s) {
-  const WorkerInfo* best = nullptr;
-  int64_t best_out = 0;
-  for (const auto& [name, info] : s.prefill_workers) {
-    const int64_t out = s.prefill_outstanding[name];
-    if (!best || out < best_out || (out == best_out && info.load.queue_length < best->load.queue_length)) {
-      best = &info;
-      best_out = out;
+bool debug_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("DELTASERVE_LOG");
+    return v && std::string(v) == "debug";
+  }();
+  return enabled;
+}
+
+struct PrefillChoice {
+  const WorkerInfo* worker = nullptr;
+  int64_t hit_tokens = 0;  // what the index says the worker's cache serves (the worker verifies)
+  std::string reason;      // for the debug log
+};
+
+// Prefill placement: least expected work = tokens still to prefill there for this router + this prompt's
+// tokens the worker would compute (all of them, minus its cached prefix under the cache-aware policy).
+// Ties: fewer jobs, shorter reported queue, then the name.
+PrefillChoice pick_prefill(RouterPointer self, const Entry* entry) {
+  auto& s = self->state;
+  std::map<std::string, int64_t> hits;
+  const int64_t prompt = entry ? static_cast<int64_t>(entry->request.prompt.size()) : 0;
+  const int64_t usable_blocks = prompt > 0 ? (prompt - 1) / s.config.block_tokens : 0;
+  if (entry && s.config.index && s.config.policy == RoutingPolicy::kCacheAware && usable_blocks > 0 &&
+      !s.prefill_workers.empty()) {
+    const router::GenerationRequest& r = entry->request;
+    const std::string& ns = r.cache_namespace.empty() ? r.tenant : r.cache_namespace;
+    const std::string& model_id = s.prefill_workers.begin()->second.model_id;
+    auto hashes = s.hasher->hash_prompt(s.hasher->root(ns, model_id), r.prompt);
+    hashes.resize(static_cast<size_t>(usable_blocks));
+    auto matches = s.config.index->lookup(hashes, ns);
+    if (!matches.is_ok()) {
+      ++s.totals.index_errors;
+    } else {
+      for (const auto& m : *matches) {
+        auto w = s.prefill_workers.find(m.worker);
+        if (w == s.prefill_workers.end() || w->second.cache_epoch != m.worker_epoch) continue;
+        hits[m.worker] = std::min(m.checkpoint_blocks, usable_blocks) * s.config.block_tokens;
+      }
     }
+  }
+  PrefillChoice best;
+  int64_t best_cost = 0, best_jobs = 0, least_loaded_cost = -1;
+  std::string least_loaded;
+  for (const auto& [name, info] : s.prefill_workers) {
+    const int64_t queued = s.prefill_tokens[name], jobs = s.prefill_outstanding[name];
+    const int64_t hit = hits.count(name) ? hits[name] : 0;
+    const int64_t cost = queued + std::max<int64_t>(prompt - 1 - hit, 0);
+    if (least_loaded_cost < 0 || queued < least_loaded_cost) {
+      least_loaded_cost = queued;
+      least_loaded = name;
+    }
+    const bool better =
+        !best.worker || cost < best_cost || (cost == best_cost && jobs < best_jobs) ||
+        (cost == best_cost && jobs == best_jobs && info.load.queue_length < best.worker->load.queue_length);
+    if (better) {
+      best.worker = &info;
+      best.hit_tokens = hit;
+      best_cost = cost;
+      best_jobs = jobs;
+    }
+  }
+  if (best.worker && debug_enabled()) {
+    best.reason = "prefill " + best.worker->name + ": expected work " + std::to_string(best_cost) + " tokens (cached " +
+                  std::to_string(best.hit_tokens) + ", queued " + std::to_string(s.prefill_tokens[best.worker->name]) +
+                  "); least loaded " + least_loaded + "; " + std::to_string(hits.size()) + " workers with a hit";
   }
   return best;
 }
@@ -80,14 +142,24 @@ const WorkerInfo* pick_decode(RouterState& s) {
 
 bool try_dispatch_one(RouterPointer self, Entry& entry) {
   auto& s = self->state;
-  const WorkerInfo* prefill = pick_prefill(s);
+  if (s.prefill_workers.empty()) return false;
   const WorkerInfo* decode = pick_decode(s);
-  if (!prefill || !decode) return false;
+  if (!decode) return false;
+  const PrefillChoice choice = pick_prefill(self, &entry);
+  const WorkerInfo* prefill = choice.worker;
   entry.stage = Stage::kPrefill;
   entry.prefill_worker = prefill->name;
   entry.decode_worker = decode->name;
+  entry.prefill_tokens =
+      std::max<int64_t>(static_cast<int64_t>(entry.request.prompt.size()) - 1 - choice.hit_tokens, 0);
   ++s.prefill_outstanding[prefill->name];
+  s.prefill_tokens[prefill->name] += entry.prefill_tokens;
   ++s.decode_assigned[decode->name];
+  if (choice.hit_tokens > 0) {
+    ++s.totals.routed_to_hit;
+    s.totals.expected_cached_tokens += choice.hit_tokens;
+  }
+  if (!choice.reason.empty()) std::cerr << "debug: route " << entry.request.request_id << ": " << choice.reason << "\n";
   PrefillJob job{entry.request, decode->handle, entry.sink, caf::actor_cast<caf::actor>(self)};
   entry.request.prompt = {};
   entry.request.prompt.shrink_to_fit();
@@ -114,8 +186,10 @@ void release(RouterState& s, const std::string& id) {
   auto it = s.requests.find(id);
   if (it == s.requests.end()) return;
   Entry& e = it->second;
-  if (e.stage == Stage::kPrefill && s.prefill_outstanding[e.prefill_worker] > 0)
+  if (e.stage == Stage::kPrefill && s.prefill_outstanding[e.prefill_worker] > 0) {
     --s.prefill_outstanding[e.prefill_worker];
+    s.prefill_tokens[e.prefill_worker] = std::max<int64_t>(s.prefill_tokens[e.prefill_worker] - e.prefill_tokens, 0);
+  }
   if (e.stage != Stage::kWaiting && s.decode_assigned[e.decode_worker] > 0) --s.decode_assigned[e.decode_worker];
   if (e.stage == Stage::kWaiting) std::erase(s.queue, id);
   s.by_sink.erase(e.sink.address());
@@ -132,9 +206,32 @@ void cancel_on_workers(RouterPointer self, const Entry& e) {
   }
 }
 
+// Keeps the index to the live prefill workers' caches: entries of workers that are gone, or of an earlier
+// incarnation of a worker (its cache started empty again), are dropped. Runs when that set changes (and
+// so once after a restart, when the registry's first worker list arrives).
+void reconcile_index(RouterPointer self) {
+  auto& s = self->state;
+  if (!s.config.index) return;
+  std::set<std::pair<std::string, uint64_t>> live;
+  for (const auto& [name, info] : s.prefill_workers) {
+    if (info.cache_epoch != 0) live.emplace(name, info.cache_epoch);
+  }
+  if (live == s.cache_workers) return;
+  const std::vector<std::pair<std::string, uint64_t>> pairs(live.begin(), live.end());
+  auto dropped = s.config.index->reconcile(pairs);
+  if (!dropped.is_ok()) {
+    ++s.totals.index_errors;
+    std::cerr << "warning: prefix index reconcile: " << dropped.status().to_string() << "\n";
+    return;
+  }
+  s.cache_workers = std::move(live);
+  if (debug_enabled()) std::cerr << "debug: prefix index reconciled, " << *dropped << " entries dropped\n";
+}
+
 router_actor::behavior_type router_impl(RouterPointer self, RouterConfig config, registry_actor registry,
                                         std::shared_ptr<RouterGauges> gauges) {
   self->state.config = config;
+  self->state.hasher = std::make_unique<kvstore::BlockHasher>(config.hash_key, config.block_tokens);
   self->state.gauges = std::move(gauges);
   if (registry) {
     self->send(registry, subscribe_atom::value, caf::actor_cast<caf::actor>(self));
@@ -163,7 +260,7 @@ router_actor::behavior_type router_impl(RouterPointer self, RouterConfig config,
           send_final(self, sink, error_chunk(id, invalid_argument("duplicate request id " + id)));
           return;
         }
-        const bool can_run_now = s.queue.empty() && pick_prefill(s) && pick_decode(s);
+        const bool can_run_now = s.queue.empty() && !s.prefill_workers.empty() && pick_decode(s);
         if (!can_run_now && static_cast<int64_t>(s.queue.size()) >= s.config.max_queue) {
           ++s.totals.rejected;
           send_final(self, sink,
@@ -201,7 +298,9 @@ router_actor::behavior_type router_impl(RouterPointer self, RouterConfig config,
         auto& s = self->state;
         auto it = s.requests.find(id);
         if (it == s.requests.end() || it->second.stage != Stage::kPrefill) return;
-        if (s.prefill_outstanding[it->second.prefill_worker] > 0) --s.prefill_outstanding[it->second.prefill_worker];
+        const std::string& worker = it->second.prefill_worker;
+        if (s.prefill_outstanding[worker] > 0) --s.prefill_outstanding[worker];
+        s.prefill_tokens[worker] = std::max<int64_t>(s.prefill_tokens[worker] - it->second.prefill_tokens, 0);
         it->second.stage = Stage::kDecode;
         dispatch_waiting(self);
       },
@@ -220,6 +319,7 @@ router_actor::behavior_type router_impl(RouterPointer self, RouterConfig config,
           }
           worker_requests += w.load.active + w.load.queue_length;
         }
+        reconcile_index(self);
         if (s.gauges) {
           s.gauges->decode_slots_total = slots_total;
           s.gauges->decode_slots_free = slots_free;
@@ -240,8 +340,22 @@ router_actor::behavior_type router_impl(RouterPointer self, RouterConfig config,
           send_final(self, e.sink, error_chunk(id, Status(StatusCode::kUnavailable, "worker " + name + " went down")));
         }
         s.prefill_outstanding.erase(name);
+        s.prefill_tokens.erase(name);
         s.decode_assigned.erase(name);
+        reconcile_index(self);
         dispatch_waiting(self);
+      },
+      [self](cache_atom, const kvstore::CacheEventBatch& batch) {
+        auto& s = self->state;
+        if (!s.config.index) return;
+        auto w = s.prefill_workers.find(batch.worker);
+        if (w == s.prefill_workers.end() || w->second.cache_epoch != batch.worker_epoch) return;  // not live
+        if (Status applied = s.config.index->apply(batch); applied.is_ok()) {
+          s.totals.index_events += static_cast<int64_t>(batch.events.size());
+        } else {
+          ++s.totals.index_errors;
+          std::cerr << "warning: prefix index: " << applied.to_string() << "\n";
+        }
       },
       [self](stats_atom) -> RouterStats {
         update_gauges(self->state);

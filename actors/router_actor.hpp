@@ -6,11 +6,22 @@
 #include <memory>
 
 #include "actors/router_protocol.hpp"
+#include "kvstore/cache/block_hasher.hpp"
+#include "kvstore/index/prefix_index.hpp"
 
 namespace deltaserve::actors {
 
+// How the router picks a prefill worker. Both policies weigh the prompt tokens each worker still has to
+// prefill for this router; cache-aware also subtracts, per worker, the tokens its prefix cache would serve
+// (the deepest boundary where the index says it holds pages and a KDA checkpoint).
+enum class RoutingPolicy { kCacheAware, kLoadOnly };
+
 struct RouterConfig {
   int64_t max_queue = 256;  // requests waiting for a worker at most; beyond → kResourceExhausted
+  RoutingPolicy policy = RoutingPolicy::kCacheAware;
+  std::shared_ptr<kvstore::PrefixIndex> index;  // null: no index (placement by load only)
+  kvstore::SipKey hash_key{};                   // must equal the workers' key for the index to match
+  int64_t block_tokens = kvstore::kDefaultBlockTokens;
 };
 
 // Written by the router actor after every change, read by any thread (ClusterService::status()).

@@ -11,6 +11,7 @@
 //   prefilled(request_id, bytes, us) from the prefill worker after the handoff left (stage → decode).
 //   workers(list) / lost(name)       from the registry subscription; requests placed on a lost worker fail
 //                                    with kUnavailable (re-prefill/migration is a later issue).
+//   cache(CacheEventBatch)           prefix-cache events of a worker (via the registry): applied to the index.
 //   stats()                          -> RouterStats.
 // The router monitors every sink: a sink that goes down ends the request's bookkeeping (and, if the
 // request is still on a worker, cancels it there).
@@ -37,21 +38,25 @@ struct RouterStats {
   int64_t admitted = 0;  // total
   int64_t rejected = 0;  // total, queue full
   int64_t failed = 0;    // total, worker lost
+  // Prefix-aware placement:
+  int64_t routed_to_hit = 0;           // requests placed on a worker the index says holds a usable prefix
+  int64_t expected_cached_tokens = 0;  // the prompt tokens those hits cover, in total (the worker verifies)
+  int64_t index_events = 0;            // cache events applied to the index
+  int64_t index_errors = 0;            // failed index writes or lookups
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, RouterStats& x) {
   return f(caf::meta::type_name("RouterStats"), x.running, x.waiting, x.prefill_workers, x.decode_workers, x.admitted,
-           x.rejected, x.failed);
+           x.rejected, x.failed, x.routed_to_hit, x.expected_cached_tokens, x.index_events, x.index_errors);
 }
 
 using sink_actor = caf::typed_actor<caf::reacts_to<chunk_atom, router::GenerationChunk>>;
 
-using router_actor =
-    caf::typed_actor<caf::reacts_to<submit_atom, router::GenerationRequest, caf::actor>,
-                     caf::reacts_to<cancel_atom, std::string>,
-                     caf::reacts_to<prefilled_atom, std::string, int64_t, int64_t>,
-                     caf::reacts_to<workers_atom, std::vector<WorkerInfo>>, caf::reacts_to<lost_atom, std::string>,
-                     caf::replies_to<stats_atom>::with<RouterStats>>;
+using router_actor = caf::typed_actor<
+    caf::reacts_to<submit_atom, router::GenerationRequest, caf::actor>, caf::reacts_to<cancel_atom, std::string>,
+    caf::reacts_to<prefilled_atom, std::string, int64_t, int64_t>,
+    caf::reacts_to<workers_atom, std::vector<WorkerInfo>>, caf::reacts_to<lost_atom, std::string>,
+    caf::reacts_to<cache_atom, kvstore::CacheEventBatch>, caf::replies_to<stats_atom>::with<RouterStats>>;
 
 }  // namespace deltaserve::actors

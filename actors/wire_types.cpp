@@ -25,6 +25,9 @@ void register_wire_types(caf::actor_system_config& config) {
   config.add_message_type<Handoff>("ds::Handoff");
   config.add_message_type<std::vector<uint8_t>>("ds::Bytes");
   config.add_message_type<std::vector<int32_t>>("ds::TokenIds");
+  config.add_message_type<kvstore::CacheEvent>("ds::CacheEvent");
+  config.add_message_type<std::vector<kvstore::CacheEvent>>("ds::CacheEventList");
+  config.add_message_type<kvstore::CacheEventBatch>("ds::CacheEventBatch");
 }
 
 }  // namespace deltaserve::actors

@@ -13,6 +13,7 @@
 
 #include "common/status.hpp"
 #include "engine/sampler.hpp"
+#include "kvstore/cache/cache_event.hpp"
 #include "router/inference_service.hpp"
 
 namespace deltaserve::engine {
@@ -29,12 +30,43 @@ typename Inspector::result_type inspect(Inspector& f, TokenLogprob& x) {
 
 }  // namespace deltaserve::engine
 
+namespace deltaserve::kvstore {
+
+// BlockHash travels as two u64 halves, the event kind as its u8 value (checked after loading).
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, CacheEvent& x) {
+  uint64_t lo = 0, hi = 0;
+  for (int i = 7; i >= 0; --i) {
+    lo = (lo << 8) | x.hash.bytes[static_cast<size_t>(i)];
+    hi = (hi << 8) | x.hash.bytes[static_cast<size_t>(i + 8)];
+  }
+  auto kind = static_cast<uint8_t>(x.kind);
+  auto rebuild = caf::meta::load_callback([&]() -> caf::error {
+    for (size_t i = 0; i < 8; ++i) {
+      x.hash.bytes[i] = static_cast<uint8_t>(lo >> (8 * i));
+      x.hash.bytes[i + 8] = static_cast<uint8_t>(hi >> (8 * i));
+    }
+    if (kind > static_cast<uint8_t>(CacheEvent::Kind::kCheckpointEvicted)) return caf::sec::invalid_argument;
+    x.kind = static_cast<CacheEvent::Kind>(kind);
+    return caf::none;
+  });
+  return f(caf::meta::type_name("CacheEvent"), kind, lo, hi, x.block_index, x.has_checkpoint, x.cache_namespace,
+           rebuild);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, CacheEventBatch& x) {
+  return f(caf::meta::type_name("CacheEventBatch"), x.worker, x.worker_epoch, x.events);
+}
+
+}  // namespace deltaserve::kvstore
+
 namespace deltaserve::router {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, GenerationRequest& x) {
-  return f(caf::meta::type_name("GenerationRequest"), x.request_id, x.tenant, x.prompt, x.sampling, x.logprobs,
-           x.max_tokens, x.stop, x.ignore_eos, x.arrival_ns);
+  return f(caf::meta::type_name("GenerationRequest"), x.request_id, x.tenant, x.cache_namespace, x.prompt, x.sampling,
+           x.logprobs, x.max_tokens, x.stop, x.ignore_eos, x.arrival_ns);
 }
 
 template <class Inspector>
@@ -92,12 +124,21 @@ struct WorkerStats {
   int64_t handoff_bytes = 0;  // prefill: encoded bytes sent in total
   int64_t handoff_us = 0;     // prefill: microseconds spent encoding + sending, in total
   int64_t rejected = 0;       // decode: handoffs rejected (corrupt state, bad params)
+  // Prefill workers with a prefix cache (0 otherwise):
+  int64_t slots_total = 0, slots_free = 0;        // state slots of the fixed pool
+  int64_t pages_total = 0, pages_free = 0;        // MLA page groups of the pool
+  int64_t cache_entries = 0;                      // block boundaries whose pages are held
+  int64_t checkpoints = 0, checkpoint_bytes = 0;  // KDA checkpoints held
+  int64_t cache_evictions = 0;                    // entries + checkpoints evicted, in total
+  int64_t prompt_tokens = 0;                      // prompt tokens of finished prefills, in total
+  int64_t cached_tokens = 0;                      // of which served from the cache
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, WorkerStats& x) {
   return f(caf::meta::type_name("WorkerStats"), x.active, x.queued, x.free_slots, x.steps, x.handoffs, x.handoff_bytes,
-           x.handoff_us, x.rejected);
+           x.handoff_us, x.rejected, x.slots_total, x.slots_free, x.pages_total, x.pages_free, x.cache_entries,
+           x.checkpoints, x.checkpoint_bytes, x.cache_evictions, x.prompt_tokens, x.cached_tokens);
 }
 
 // Builds the final chunk of a request that failed outside the decode loop.

@@ -55,6 +55,20 @@ struct MakeModelCommandOptions {
 };
 int run_make_model(const MakeModelCommandOptions& options, std::ostream& out, std::ostream& err);
 
+// Prefix cache (prefill workers) and prefix index + placement (routers); see actors::NodeOptions.
+struct CacheOptions {
+  bool prefix_cache = true;
+  int64_t cache_page_tokens = 2048;
+  int64_t cache_memory_mb = 256;
+  int64_t checkpoint_memory_mb = 256;
+  int64_t checkpoint_interval = 4;
+  bool checkpoint_second_hit = false;
+  int64_t state_slots = 2;
+  std::optional<std::string> cache_key;  // 32 hex digits (or DELTASERVE_CACHE_KEY)
+  std::optional<std::string> index_dir;  // routers: RocksDB prefix index directory
+  std::string routing_policy = "cache-aware";
+};
+
 // The cluster roles (cli/serve_command.cpp). Each runs until SIGTERM/SIGINT, then drains and returns 0;
 // fatal startup errors (bad model, port taken, registry unreachable) print "error: ..." and return 1.
 struct ServeOptions {  // deltaserve serve: registry + router + workers + HTTP in one process
@@ -71,6 +85,7 @@ struct ServeOptions {  // deltaserve serve: registry + router + workers + HTTP i
   int64_t drain_timeout_ms = 30000;
   // HOST:PORT of a separate /metrics listener; for serve/router it also takes /metrics off the API port.
   std::optional<std::string> metrics_listen;
+  CacheOptions cache;
 };
 int run_serve(const ServeOptions& options, std::ostream& out, std::ostream& err);
 
@@ -86,6 +101,9 @@ struct RouterOptions {  // deltaserve router: registry + router + HTTP; workers 
   int64_t drain_timeout_ms = 30000;
   // HOST:PORT of a separate /metrics listener; for serve/router it also takes /metrics off the API port.
   std::optional<std::string> metrics_listen;
+  // HOST:PORT of another router's cluster listener: use its registry and workers (no listener of our own).
+  std::optional<std::string> join;
+  CacheOptions cache;
 };
 int run_router(const RouterOptions& options, std::ostream& out, std::ostream& err);
 
@@ -99,6 +117,7 @@ struct WorkerOptions {  // deltaserve prefill | decode
   int64_t drain_timeout_ms = 30000;
   // HOST:PORT of a separate /metrics listener; for serve/router it also takes /metrics off the API port.
   std::optional<std::string> metrics_listen;
+  CacheOptions cache;
 };
 int run_worker(const WorkerOptions& options, std::ostream& out, std::ostream& err);
 

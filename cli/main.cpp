@@ -121,6 +121,34 @@ int main(int argc, char** argv) {
       "HOST:PORT of a separate Prometheus /metrics listener (then /metrics is not served on the API port)";
   const std::string worker_metrics_help = "HOST:PORT of a Prometheus /metrics listener (default: none)";
 
+  // Prefix cache flags; `worker` = the role runs prefill workers, `router` = it routes (prefix index).
+  auto add_cache_options = [&](CLI::App* sub, CacheOptions& c, bool worker, bool router) {
+    role_option(sub, "cache-key", c.cache_key,
+                "Block-hash key, 32 hex digits, the same on every router and prefill worker (default: random per "
+                "process)");
+    if (worker) {
+      role_option(sub, "prefix-cache", c.prefix_cache, "Keep prompts' MLA pages and KDA checkpoints for reuse");
+      role_option(sub, "cache-page-tokens", c.cache_page_tokens, "Tokens per MLA page group (512-multiple, 1024-6144)")
+          ->check(CLI::Range(1024, 6144));
+      role_option(sub, "cache-memory-mb", c.cache_memory_mb, "MLA page memory per prefill worker (MiB)")
+          ->check(CLI::PositiveNumber);
+      role_option(sub, "checkpoint-memory-mb", c.checkpoint_memory_mb, "KDA checkpoint memory per prefill worker (MiB)")
+          ->check(CLI::PositiveNumber);
+      role_option(sub, "checkpoint-interval", c.checkpoint_interval,
+                  "Checkpoint the KDA state every N-th 512-token boundary (and at each prompt's last full block)")
+          ->check(CLI::PositiveNumber);
+      role_option(sub, "checkpoint-second-hit", c.checkpoint_second_hit,
+                  "Store a boundary's checkpoint only when it is seen the second time");
+      role_option(sub, "state-slots", c.state_slots, "Request states per prefill worker (fixed pool)")
+          ->check(CLI::PositiveNumber);
+    }
+    if (router) {
+      role_option(sub, "index-dir", c.index_dir, "RocksDB prefix index directory (default: none, load-only routing)");
+      role_option(sub, "routing-policy", c.routing_policy, "Prefill placement: cache-aware | load")
+          ->check(CLI::IsMember({"cache-aware", "load"}));
+    }
+  };
+
   ServeOptions serve_opts;
   auto* serve = app.add_subcommand("serve", "Serve the OpenAI API with every role in this process");
   add_config(serve);
@@ -139,6 +167,7 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   role_option(serve, "drain-timeout-ms", serve_opts.drain_timeout_ms, drain_help)->check(CLI::NonNegativeNumber);
   role_option(serve, "metrics-listen", serve_opts.metrics_listen, front_metrics_help);
+  add_cache_options(serve, serve_opts.cache, true, true);
 
   RouterOptions router_opts;
   auto* router = app.add_subcommand("router", "Serve the OpenAI API; prefill/decode workers join over the network");
@@ -154,6 +183,9 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   role_option(router, "drain-timeout-ms", router_opts.drain_timeout_ms, drain_help)->check(CLI::NonNegativeNumber);
   role_option(router, "metrics-listen", router_opts.metrics_listen, front_metrics_help);
+  role_option(router, "join", router_opts.join,
+              "HOST:PORT of another router's cluster listener: share its registry and workers (a second router)");
+  add_cache_options(router, router_opts.cache, false, true);
 
   WorkerOptions prefill_opts;
   auto* prefill = app.add_subcommand("prefill", "Run a prefill worker that joins a router");
@@ -166,6 +198,7 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   role_option(prefill, "drain-timeout-ms", prefill_opts.drain_timeout_ms, drain_help)->check(CLI::NonNegativeNumber);
   role_option(prefill, "metrics-listen", prefill_opts.metrics_listen, worker_metrics_help);
+  add_cache_options(prefill, prefill_opts.cache, true, false);
 
   WorkerOptions decode_opts;
   decode_opts.decode = true;

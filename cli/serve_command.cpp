@@ -184,6 +184,19 @@ int serve_http(actors::Node& node, const FrontOptions& o, SignalWaiter& signals,
 
 }  // namespace
 
+void apply_cache_options(const CacheOptions& c, actors::NodeOptions& n) {
+  n.prefix_cache = c.prefix_cache;
+  n.cache_page_tokens = c.cache_page_tokens;
+  n.cache_memory_bytes = c.cache_memory_mb << 20;
+  n.checkpoint_memory_bytes = c.checkpoint_memory_mb << 20;
+  n.checkpoint_interval_blocks = c.checkpoint_interval;
+  n.checkpoint_on_second_hit = c.checkpoint_second_hit;
+  n.state_slots = c.state_slots;
+  n.cache_key_hex = c.cache_key.value_or("");
+  if (c.index_dir && !c.index_dir->empty()) n.index_dir = *c.index_dir;
+  n.routing_policy = c.routing_policy;
+}
+
 int run_serve(const ServeOptions& o, std::ostream& out, std::ostream& err) {
   SignalWaiter signals;
   auto dir = resolve_model_dir(o.model);
@@ -196,6 +209,7 @@ int run_serve(const ServeOptions& o, std::ostream& out, std::ostream& err) {
   node_options.max_batch = o.max_batch;
   node_options.prefill_chunk = o.prefill_chunk;
   node_options.max_queue = o.max_queue;
+  apply_cache_options(o.cache, node_options);
   auto node = actors::Node::start(node_options);
   if (!node.is_ok()) return fail(err, node.status());
   return serve_http(**node,
@@ -214,9 +228,24 @@ int run_router(const RouterOptions& o, std::ostream& out, std::ostream& err) {
   node_options.max_queue = o.max_queue;
   node_options.cluster_host = o.cluster_host;
   node_options.cluster_port = o.cluster_port;
+  apply_cache_options(o.cache, node_options);
+  if (o.join && !o.join->empty()) {
+    auto join = parse_host_port(*o.join);
+    if (!join.is_ok()) return fail(err, join.status());
+    node_options.router_joins_registry = true;
+    node_options.join_host = join->first;
+    node_options.join_port = join->second;
+  }
   auto node = actors::Node::start(node_options);
   if (!node.is_ok()) return fail(err, node.status());
-  out << "deltaserve: cluster listening on " << o.cluster_host << ":" << (*node)->cluster_port() << "\n" << std::flush;
+  if (node_options.router_joins_registry) {
+    out << "deltaserve: router joined the registry at " << node_options.join_host << ":" << node_options.join_port
+        << "\n"
+        << std::flush;
+  } else {
+    out << "deltaserve: cluster listening on " << o.cluster_host << ":" << (*node)->cluster_port() << "\n"
+        << std::flush;
+  }
   return serve_http(**node,
                     {o.host, o.port, o.api_keys, o.served_model_name, o.model, *dir, o.drain_timeout_ms,
                      o.metrics_listen, "router", 0},
@@ -237,6 +266,7 @@ int run_worker(const WorkerOptions& o, std::ostream& out, std::ostream& err) {
   node_options.join_host = join->first;
   node_options.join_port = join->second;
   node_options.join_timeout = std::chrono::milliseconds(o.join_timeout_ms);
+  apply_cache_options(o.cache, node_options);
   auto node = actors::Node::start(node_options);
   if (!node.is_ok()) return fail(err, node.status());
   out << "deltaserve: " << (o.decode ? "decode" : "prefill") << " worker joined " << join->first << ":" << join->second

@@ -73,7 +73,20 @@ Result<ApiKeys> ApiKeys::parse(std::string_view json_text, std::string_view file
     const auto digest = parse_hex_digest(hash->get_ref<const std::string&>());
     if (!digest) return field_error(file_label, at + ".api_key_sha256", "must be 64 hex digits (a SHA-256)");
     if (!seen.insert(*digest).second) return field_error(file_label, at + ".api_key_sha256", "duplicate key");
-    keys.entries_.push_back({*digest, name->get<std::string>()});
+    std::string cache_namespace = name->get<std::string>();
+    if (const auto ns = entry.find("cache_namespace"); ns != entry.end()) {
+      if (!ns->is_string() || ns->get_ref<const std::string&>().empty()) {
+        return field_error(file_label, at + ".cache_namespace", "must be a non-empty string");
+      }
+      cache_namespace = ns->get<std::string>();
+    }
+    for (const Entry& other : keys.entries_) {
+      if (other.tenant == name->get_ref<const std::string&>() && other.cache_namespace != cache_namespace) {
+        return field_error(file_label, at + ".cache_namespace",
+                           "differs from an earlier entry of tenant '" + other.tenant + "'");
+      }
+    }
+    keys.entries_.push_back({*digest, name->get<std::string>(), std::move(cache_namespace)});
   }
   return keys;
 }
@@ -89,6 +102,13 @@ std::optional<std::string> ApiKeys::tenant_for(std::string_view bearer_key) cons
   }
   if (match == nullptr || bearer_key.empty()) return std::nullopt;
   return match->tenant;
+}
+
+std::string ApiKeys::cache_namespace_of(std::string_view tenant) const {
+  for (const Entry& entry : entries_) {
+    if (entry.tenant == tenant) return entry.cache_namespace;
+  }
+  return std::string(tenant);
 }
 
 std::optional<std::string_view> parse_bearer(std::string_view authorization) {

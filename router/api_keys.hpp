@@ -3,7 +3,9 @@
 //
 // Keys file (JSON):
 //   {"tenants": [{"name": "acme", "api_key_sha256": "<64 hex digits>"}, ...]}
-// `name` is the tenant (cache namespace): non-empty. Several keys may map to one tenant (repeat the
+// `name` is the tenant: non-empty. Optional "cache_namespace": the prefix-cache namespace of the tenant
+// (default: the tenant's name); tenants that name the same namespace share cached prompts, all others
+// are isolated. A tenant's entries must agree on it. Several keys may map to one tenant (repeat the
 // entry); the same digest twice is an error. Make a digest with `printf %s "$KEY" | sha256sum`.
 #pragma once
 
@@ -36,6 +38,9 @@ class ApiKeys {
   // Time depends on the number of keys only, not on which byte differs.
   std::optional<std::string> tenant_for(std::string_view bearer_key) const;
 
+  // The prefix-cache namespace of an authenticated tenant: its configured one, else the tenant name.
+  std::string cache_namespace_of(std::string_view tenant) const;
+
   bool enabled() const { return enabled_; }
   size_t size() const { return entries_.size(); }
 
@@ -43,6 +48,7 @@ class ApiKeys {
   struct Entry {
     Sha256Digest digest;
     std::string tenant;
+    std::string cache_namespace;
   };
 
   bool enabled_ = false;

@@ -31,6 +31,31 @@ TEST(ApiKeysTest, MapsKeysToTenantsAndRejectsOthers) {
   EXPECT_EQ(keys->tenant_for(sha256_hex("sk-acme")), std::nullopt);  // the digest is not the key
 }
 
+TEST(ApiKeysTest, CacheNamespacesDefaultToTheTenantAndCanBeShared) {
+  const std::string text = R"({"tenants": [{"name": "acme", "api_key_sha256": ")" + sha256_hex("sk-acme") +
+                           R"(", "cache_namespace": "shared"}, {"name": "initech", "api_key_sha256": ")" +
+                           sha256_hex("sk-initech") + R"(", "cache_namespace": "shared"}, {"name": "globex", )" +
+                           R"("api_key_sha256": ")" + sha256_hex("sk-globex") + R"("}]})";
+  auto keys = ApiKeys::parse(text, "keys.json");
+  ASSERT_TRUE(keys.is_ok()) << keys.status().to_string();
+  EXPECT_EQ(keys->cache_namespace_of("acme"), "shared");
+  EXPECT_EQ(keys->cache_namespace_of("initech"), "shared");
+  EXPECT_EQ(keys->cache_namespace_of("globex"), "globex");
+  EXPECT_EQ(ApiKeys::open().cache_namespace_of("default"), "default");
+
+  const std::string conflicting = R"({"tenants": [{"name": "a", "api_key_sha256": ")" + sha256_hex("k1") +
+                                  R"(", "cache_namespace": "x"}, {"name": "a", "api_key_sha256": ")" +
+                                  sha256_hex("k2") + R"(", "cache_namespace": "y"}]})";
+  auto bad = ApiKeys::parse(conflicting, "keys.json");
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.status().message().find("tenants[1].cache_namespace"), std::string::npos);
+  auto empty = ApiKeys::parse(
+      R"({"tenants": [{"name": "a", "api_key_sha256": ")" + sha256_hex("k1") + R"(", "cache_namespace": ""}]})",
+      "keys.json");
+  ASSERT_FALSE(empty.is_ok());
+  EXPECT_NE(empty.status().message().find("tenants[0].cache_namespace"), std::string::npos);
+}
+
 TEST(ApiKeysTest, LoadReadsFileAndErrorsNameFileAndField) {
   const auto dir = std::filesystem::temp_directory_path() / ("ds_keys_" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);

@@ -482,6 +482,7 @@ net::awaitable<bool> HttpServer::Impl::generate(ConnectionPtr connection, Endpoi
   options.context_length = model_.context_length;
   options.response_id = response_id;
   options.tenant = tenant;
+  options.cache_namespace = keys_.cache_namespace_of(tenant);
   options.random_seed = random_seed();
   options.stop_token_ids = eos_token_ids_;
   options.arrival_ns = arrival_ns;

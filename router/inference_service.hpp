@@ -17,7 +17,8 @@ namespace deltaserve::router {
 
 struct GenerationRequest {
   std::string request_id;               // unique per choice, e.g. "chatcmpl-<id>-<index>"; used by cancel()
-  std::string tenant;                   // authenticated tenant (cache namespace); "default" without API keys
+  std::string tenant;                   // authenticated tenant; "default" without API keys
+  std::string cache_namespace;          // prefix-cache namespace of the tenant (from auth, never the body)
   std::vector<int32_t> prompt;          // token ids, >= 1, already checked against the context limit
   engine::SamplingParams sampling;      // validated; seed fixed by the HTTP layer when the client gave none
   bool logprobs = false;                // report the chosen token's logprob (+ sampling.top_logprobs alternatives)

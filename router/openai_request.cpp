@@ -365,6 +365,7 @@ std::optional<ApiError> plan_generation(const OpenAiRequest& request, const toke
     GenerationRequest choice;
     choice.request_id = options.response_id + "-" + std::to_string(index);
     choice.tenant = options.tenant;
+    choice.cache_namespace = options.cache_namespace.empty() ? options.tenant : options.cache_namespace;
     choice.prompt = out.prompt;
     choice.sampling.temperature = request.temperature;
     choice.sampling.top_p = request.top_p;

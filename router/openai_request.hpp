@@ -77,6 +77,7 @@ struct PlanOptions {
   int64_t context_length = 0;           // prompt + max_tokens must not exceed it
   std::string response_id;              // "chatcmpl-..." / "cmpl-..."
   std::string tenant;                   // authenticated tenant
+  std::string cache_namespace;          // the tenant's prefix-cache namespace (from auth)
   uint64_t random_seed = 0;             // used when the request has no seed
   std::vector<int32_t> stop_token_ids;  // the model's end-of-sequence ids
   int64_t arrival_ns = 0;

@@ -1,0 +1,63 @@
+// Test helpers for gtest suites that drive a ClusterService: a sink that collects a request's chunks, and
+// a polling wait.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "router/inference_service.hpp"
+
+namespace deltaserve::actors::testing {
+
+// Collects one request's chunks (ClusterService sink) and waits for them.
+class CollectingSink : public router::GenerationSink {
+ public:
+  void on_chunk(router::GenerationChunk chunk) override {
+    std::lock_guard lock(mutex_);
+    EXPECT_FALSE(final_) << "chunk after the final chunk";
+    final_ = chunk.is_final();
+    chunks_.push_back(std::move(chunk));
+    cv_.notify_all();
+  }
+  bool wait_final(std::chrono::milliseconds timeout) {
+    std::unique_lock lock(mutex_);
+    return cv_.wait_for(lock, timeout, [&] { return final_; });
+  }
+  bool wait_chunks(size_t n, std::chrono::milliseconds timeout) {
+    std::unique_lock lock(mutex_);
+    return cv_.wait_for(lock, timeout, [&] { return chunks_.size() >= n || final_; });
+  }
+  std::vector<int32_t> tokens() {
+    std::lock_guard lock(mutex_);
+    std::vector<int32_t> out;
+    for (const auto& c : chunks_) out.insert(out.end(), c.tokens.begin(), c.tokens.end());
+    return out;
+  }
+  router::GenerationChunk last() {
+    std::lock_guard lock(mutex_);
+    return chunks_.back();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::vector<router::GenerationChunk> chunks_;
+  bool final_ = false;
+};
+
+inline bool wait_until(const std::function<bool()>& pred, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return pred();
+}
+
+}  // namespace deltaserve::actors::testing
