@@ -49,6 +49,7 @@ struct Node::Impl {
   caf::actor_system_config config;
   std::unique_ptr<caf::actor_system> system;
   registry_actor registry;
+  bool own_registry = false;  // spawned here (else a remote one: never stopped from here)
   router_actor router;
   std::shared_ptr<RouterGauges> gauges;
   std::vector<prefill_actor> prefill;
@@ -85,7 +86,7 @@ struct Node::Impl {
     for (auto& p : prefill) kill(p);
     for (auto& d : decode) kill(d);
     kill(router);
-    kill(registry);
+    if (own_registry) kill(registry);
     prefill.clear();
     decode.clear();
     router = nullptr;
@@ -163,6 +164,7 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
   if (role == NodeRole::kServe || (role == NodeRole::kRouter && !options.router_joins_registry)) {
     // Workers report every heartbeat_interval; ten missed reports and a worker counts as lost.
     n.registry = spawn_registry(sys, options.heartbeat_interval * 10);
+    n.own_registry = true;
   }
   if (joins_registry) {
     // Connect with backoff until the deadline: the router may still be starting.
