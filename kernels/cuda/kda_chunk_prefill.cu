@@ -87,7 +87,9 @@ struct StateArgs {
   bf16* o;
 };
 
-constexpr size_t kPrepSmem = size_t{kC} * kLdD * 2 * 2 + size_t{kKinvRows} * kLdD * 2 + size_t{kC} * kLdF * 4 + kC * 4;
+constexpr int kPrepThreads = 256;  // thread (c, half): key channel c, tokens [32 half, 32 half + 32)
+constexpr size_t kPrepSmem =
+    size_t{kC} * kLdD * 2 * 2 + size_t{kKinvRows} * kLdD * 2 + size_t{kC} * kLdF * 4 + kC * 4 + 4 * kD * 4;
 
 __device__ __forceinline__ float gate_value(float raw, int mode, float a, float bias, float lower_bound) {
   if (mode == kGatePrecomputed) return raw;
@@ -97,13 +99,14 @@ __device__ __forceinline__ float gate_value(float raw, int mode, float a, float 
   return -a * softplus;
 }
 
-__global__ void __launch_bounds__(128, 2) kda_chunk_prep_kernel(PrepArgs p) {
+__global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArgs p) {
   extern __shared__ __align__(16) uint8_t smem[];
   bf16* qd = reinterpret_cast<bf16*>(smem);                        // [64][kLdD] q e^(gc - r) (scaled)
   bf16* kd = qd + kC * kLdD;                                       // [64][kLdD] k e^(gc - r)
   bf16* kinv = kd + kC * kLdD;                                     // [160][kLdD] per row tile a: k_i e^(r_a - gc_i)
   float* akk = reinterpret_cast<float*>(kinv + kKinvRows * kLdD);  // [64][kLdF]
   float* beta_s = akk + kC * kLdF;                                 // [64]
+  float* ends = beta_s + kC;  // [4][128] gc at the end of each 16-token tile (ends[a - 1] = r_a)
   // Aliases once their owners are dead: T fp32 over qd, T bf16 + products scratch over kd,
   // beta K e^gc and beta V over kinv, the exact path's gc over kinv.
   float* t_f = reinterpret_cast<float*>(qd);
@@ -127,15 +130,15 @@ __global__ void __launch_bounds__(128, 2) kda_chunk_prep_kernel(PrepArgs p) {
   float* decay_out = reinterpret_cast<float*>(out + kOffDecay);
 
   // Stage the chunk's g (fp32, over kinv), q (over qd) and k (over kd) with every load in flight at once; rows past
-  // the sequence are zero-filled without being read. Thread c later rewrites element (t, c) of qd/kd in place.
+  // the sequence are zero-filled without being read. Thread (c, half) later rewrites its elements of qd/kd in place.
   const size_t row_stride = static_cast<size_t>(H) * kD;
   const size_t chunk_offset = static_cast<size_t>(chunk.token_begin) * row_stride + static_cast<size_t>(h) * kD;
   float* g_tile = reinterpret_cast<float*>(kinv);
-  for (int i = tid; i < kC * 32; i += 128) {
+  for (int i = tid; i < kC * 32; i += kPrepThreads) {
     const int r = i >> 5, s = (i & 31) * 4;
     cp_async16_zfill(g_tile + r * kD + s, p.g + chunk_offset + (r < n ? r * row_stride + s : 0), r < n);
   }
-  for (int i = tid; i < kC * 16; i += 128) {
+  for (int i = tid; i < kC * 16; i += kPrepThreads) {
     const int r = i >> 4, s = (i & 15) * 8;
     const size_t offset = chunk_offset + (r < n ? r * row_stride + s : 0);
     cp_async16_zfill(qd + r * kLdD + s, p.q + offset, r < n);
@@ -144,8 +147,7 @@ __global__ void __launch_bounds__(128, 2) kda_chunk_prep_kernel(PrepArgs p) {
   cp_async_commit();
   if (tid < kC) beta_s[tid] = tid < n ? p.beta[static_cast<size_t>(chunk.token_begin + tid) * H + h] : 0.0f;
 
-  // Thread = key channel c: cumulative log-decay and k of the 64 tokens in registers.
-  const int c = tid;
+  const int c = tid & (kD - 1), half = tid >> 7, t0 = half * 32;
   float a = 1.0f, bias = 0.0f;
   if (p.gate_mode != kGatePrecomputed) {
     a = __expf(p.a_log[h]);
@@ -153,20 +155,34 @@ __global__ void __launch_bounds__(128, 2) kda_chunk_prep_kernel(PrepArgs p) {
   }
   cp_async_wait<0>();
   __syncthreads();
-  float gc[kC], kr[kC];
+  // Cumulative log-decay and k of this thread's 32 tokens in registers; the second half adds the first's total.
+  float gc[32], kr[32];
   float running = 0.0f;
 #pragma unroll
-  for (int t = 0; t < kC; ++t) {
+  for (int j = 0; j < 32; ++j) {
+    const int t = t0 + j;
     const float g = t < n ? gate_value(g_tile[t * kD + c], p.gate_mode, a, bias, p.lower_bound) : 0.0f;
     running += g;
-    gc[t] = running;
-    kr[t] = __bfloat162float(kd[t * kLdD + c]);
+    gc[j] = running;
+    kr[j] = __bfloat162float(kd[t * kLdD + c]);
+  }
+  if (half == 0) {
+    ends[0 * kD + c] = gc[15];
+    ends[1 * kD + c] = gc[31];
+  }
+  __syncthreads();
+  const float r_first = half == 0 ? 0.0f : ends[1 * kD + c];  // reference of this thread's first tile
+  if (half == 1) {
+#pragma unroll
+    for (int j = 0; j < 32; ++j) gc[j] += r_first;
+    ends[2 * kD + c] = gc[15];
+    ends[3 * kD + c] = gc[31];
   }
   // Dense diagonal tiles when every 16-token tile (with its reference) spans at most kDenseSpan.
   bool ok = true;
 #pragma unroll
-  for (int tile = 0; tile < 4; ++tile) {
-    const float r = tile == 0 ? 0.0f : gc[tile * 16 - 1];
+  for (int tile = 0; tile < 2; ++tile) {
+    const float r = tile == 0 ? r_first : gc[15];
     float lo = r, hi = r;
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
@@ -177,40 +193,43 @@ __global__ void __launch_bounds__(128, 2) kda_chunk_prep_kernel(PrepArgs p) {
   }
   const bool dense = __syncthreads_and(ok) != 0;
 
-  const float gc_last = gc[kC - 1];
+  const float gc_last = ends[3 * kD + c];
 #pragma unroll
-  for (int t = 0; t < kC; ++t) {
-    const float r = t < 16 ? 0.0f : gc[(t / 16) * 16 - 1];
+  for (int j = 0; j < 32; ++j) {
+    const int t = t0 + j;
+    const float r = j < 16 ? r_first : gc[15];
     const float qv = __bfloat162float(qd[t * kLdD + c]) * p.q_scale;
-    const float e = __expf(gc[t] - r);
+    const float e = __expf(gc[j] - r);
     qd[t * kLdD + c] = __float2bfloat16(qv * e);
-    kd[t * kLdD + c] = __float2bfloat16(kr[t] * e);
-    qg_out[t * kD + c] = __float2bfloat16(qv * __expf(gc[t]));
-    kg_out[t * kD + c] = __float2bfloat16(kr[t] * __expf(gc_last - gc[t]));
+    kd[t * kLdD + c] = __float2bfloat16(kr[j] * e);
+    qg_out[t * kD + c] = __float2bfloat16(qv * __expf(gc[j]));
+    kg_out[t * kD + c] = __float2bfloat16(kr[j] * __expf(gc_last - gc[j]));
   }
-  decay_out[c] = __expf(gc_last);
+  if (half == 0) decay_out[c] = __expf(gc_last);
 
   if (!dense) {
-    // Exact pairwise decays inside the diagonal tiles: gc over kinv, one tile per warp.
+    // Exact pairwise decays inside the diagonal tiles: gc over kinv (g_tile is dead), a tile per warp of 0..3.
     float* gcs = reinterpret_cast<float*>(kinv);
 #pragma unroll
-    for (int t = 0; t < kC; ++t) gcs[t * kD + c] = gc[t];
+    for (int j = 0; j < 32; ++j) gcs[(t0 + j) * kD + c] = gc[j];
     __syncthreads();
-    const bf16* k_rows = p.k + (static_cast<size_t>(chunk.token_begin) * H + h) * kD;
-    const bf16* q_rows = p.q + (static_cast<size_t>(chunk.token_begin) * H + h) * kD;
-    const size_t row_stride = static_cast<size_t>(H) * kD;
-    for (int pair = lane; pair < 256; pair += 32) {
-      const int t = warp * 16 + pair / 16, i = warp * 16 + pair % 16;
-      float sq = 0.0f, sk = 0.0f;
-      if (i <= t && t < n) {
-        for (int ch = 0; ch < kD; ++ch) {
-          const float ki = __bfloat162float(k_rows[i * row_stride + ch]) * __expf(gcs[t * kD + ch] - gcs[i * kD + ch]);
-          sq += __bfloat162float(q_rows[t * row_stride + ch]) * ki;
-          sk += __bfloat162float(k_rows[t * row_stride + ch]) * ki;
+    if (warp < 4) {
+      const bf16* k_rows = p.k + chunk_offset;
+      const bf16* q_rows = p.q + chunk_offset;
+      for (int pair = lane; pair < 256; pair += 32) {
+        const int t = warp * 16 + pair / 16, i = warp * 16 + pair % 16;
+        float sq = 0.0f, sk = 0.0f;
+        if (i <= t && t < n) {
+          for (int ch = 0; ch < kD; ++ch) {
+            const float ki =
+                __bfloat162float(k_rows[i * row_stride + ch]) * __expf(gcs[t * kD + ch] - gcs[i * kD + ch]);
+            sq += __bfloat162float(q_rows[t * row_stride + ch]) * ki;
+            sk += __bfloat162float(k_rows[t * row_stride + ch]) * ki;
+          }
         }
+        akk[t * kLdF + i] = i < t ? beta_s[t] * sk : 0.0f;
+        aqk_out[t * kC + i] = __float2bfloat16(i <= t ? sq * p.q_scale : 0.0f);
       }
-      akk[t * kLdF + i] = i < t ? beta_s[t] * sk : 0.0f;
-      aqk_out[t * kC + i] = __float2bfloat16(i <= t ? sq * p.q_scale : 0.0f);
     }
     __syncthreads();
   }
@@ -218,21 +237,22 @@ __global__ void __launch_bounds__(128, 2) kda_chunk_prep_kernel(PrepArgs p) {
   // B operands of each row tile: k_i e^(r_a - gc_i) for i before the tile (and inside it when dense).
 #pragma unroll
   for (int tile = 0; tile < 4; ++tile) {
-    const float r = tile == 0 ? 0.0f : gc[tile * 16 - 1];
+    const float r = tile == 0 ? 0.0f : ends[(tile - 1) * kD + c];
+    const int limit = 16 * tile + (dense ? 16 : 0);
     bf16* rows = kinv + (8 * tile * (tile + 1)) * kLdD;
 #pragma unroll
-    for (int i = 0; i < 16 * (tile + 1); ++i) {
-      if (i < 16 * tile || dense) rows[i * kLdD + c] = __float2bfloat16(kr[i] * __expf(r - gc[i]));
+    for (int j = 0; j < 32; ++j) {
+      if (t0 + j < limit) rows[(t0 + j) * kLdD + c] = __float2bfloat16(kr[j] * __expf(r - gc[j]));
     }
   }
   __syncthreads();
 
-  // Akk and Aqk rows of tile `warp`.
+  // Akk and Aqk rows of tile warp % 4; the two warps of a tile take alternate column pairs.
   {
-    const int m0 = warp * 16;
-    const int columns = dense ? 16 * (warp + 1) : 16 * warp;
-    const bf16* b_rows = kinv + (8 * warp * (warp + 1)) * kLdD;
-    for (int n0 = 0; n0 < columns; n0 += 16) {
+    const int row_tile = warp & 3, m0 = row_tile * 16;
+    const int columns = dense ? 16 * (row_tile + 1) : 16 * row_tile;
+    const bf16* b_rows = kinv + (8 * row_tile * (row_tile + 1)) * kLdD;
+    for (int n0 = (warp >> 2) * 16; n0 < columns; n0 += 32) {
       float ck[2][4] = {}, cq[2][4] = {};
 #pragma unroll
       for (int k0 = 0; k0 < kD; k0 += 16) {
@@ -256,24 +276,26 @@ __global__ void __launch_bounds__(128, 2) kda_chunk_prep_kernel(PrepArgs p) {
       }
     }
     // Columns after the tile: zero.
-    const int first_zero = 16 * (warp + 1);
-    for (int index = lane; index < 16 * (kC - first_zero); index += 32) {
-      const int row = m0 + index / (kC - first_zero), col = first_zero + index % (kC - first_zero);
-      akk[row * kLdF + col] = 0.0f;
-      aqk_out[row * kC + col] = __float2bfloat16(0.0f);
+    if (warp < 4) {
+      const int first_zero = 16 * (row_tile + 1), width = kC - first_zero;
+      for (int index = lane; index < 16 * width; index += 32) {
+        const int row = m0 + index / width, col = first_zero + index % width;
+        akk[row * kLdF + col] = 0.0f;
+        aqk_out[row * kC + col] = __float2bfloat16(0.0f);
+      }
     }
   }
   __syncthreads();
 
   // Stage v into the beta-V area (kinv is dead now); it lands while T is computed.
-  for (int i = tid; i < kC * 16; i += 128) {
+  for (int i = tid; i < kC * 16; i += kPrepThreads) {
     const int r = i >> 4, s = (i & 15) * 8;
     cp_async16_zfill(bv + r * kLdD + s, p.v + chunk_offset + (r < n ? r * row_stride + s : 0), r < n);
   }
   cp_async_commit();
 
-  // T = (I + Akk)^-1: diagonal blocks by forward substitution (lane = column), then the blocks below.
-  if (lane < 16) {
+  // T = (I + Akk)^-1: diagonal blocks by forward substitution (warps 0..3, lane = column), then the blocks below.
+  if (warp < 4 && lane < 16) {
     const int m0 = warp * 16;
     float x[16];
 #pragma unroll
@@ -287,50 +309,56 @@ __global__ void __launch_bounds__(128, 2) kda_chunk_prep_kernel(PrepArgs p) {
     for (int t = 0; t < 16; ++t) t_f[(m0 + t) * kLdF + m0 + lane] = x[t];
   }
   __syncthreads();
-  // T[a][b] = -T[a][a] * sum_{b <= c < a} Akk[a][c] T[c][b], by increasing a - b.
-  float* warp_scratch = scratch + warp * 16 * 17;
+  // T[a][b] = -T[a][a] * sum_{b <= c < a} Akk[a][c] T[c][b], by increasing a - b; block warp % 4, rows split
+  // between the warp pair (8 rows each, 4 per lane).
   for (int distance = 1; distance < 4; ++distance) {
-    if (warp < 4 - distance) {
-      const int a0 = (warp + distance) * 16, b0 = warp * 16;
-      const int col = lane & 15, row_half = (lane >> 4) * 8;
+    const int block = warp & 3;
+    const bool active = block < 4 - distance;
+    const int a0 = (block + distance) * 16, b0 = block * 16;
+    const int col = lane & 15, row_base = (warp >> 2) * 8 + (lane >> 4) * 4;
+    float* block_scratch = scratch + block * 16 * 17;
+    if (active) {
 #pragma unroll
-      for (int m = 0; m < 8; ++m) {
-        const int row = row_half + m;
+      for (int m = 0; m < 4; ++m) {
+        const int row = row_base + m;
         float s = 0.0f;
         for (int cc = b0; cc < a0; ++cc) s += akk[(a0 + row) * kLdF + cc] * t_f[cc * kLdF + b0 + col];
-        warp_scratch[row * 17 + col] = s;
+        block_scratch[row * 17 + col] = s;
       }
-      __syncwarp();
+    }
+    __syncthreads();
+    if (active) {
 #pragma unroll
-      for (int m = 0; m < 8; ++m) {
-        const int row = row_half + m;
+      for (int m = 0; m < 4; ++m) {
+        const int row = row_base + m;
         float s = 0.0f;
 #pragma unroll
-        for (int i = 0; i < 16; ++i) s += t_f[(a0 + row) * kLdF + a0 + i] * warp_scratch[i * 17 + col];
+        for (int i = 0; i < 16; ++i) s += t_f[(a0 + row) * kLdF + a0 + i] * block_scratch[i * 17 + col];
         t_f[(a0 + row) * kLdF + b0 + col] = -s;
       }
     }
     __syncthreads();
   }
   // T to bf16 (zero above the diagonal); beta K e^gc and beta V over kinv.
-  for (int index = tid; index < kC * kC; index += 128) {
+  for (int index = tid; index < kC * kC; index += kPrepThreads) {
     const int row = index / kC, col = index % kC;
     t_b[row * kLdC + col] = __float2bfloat16(col <= row ? t_f[row * kLdF + col] : 0.0f);
   }
   cp_async_wait<0>();
   __syncthreads();
 #pragma unroll
-  for (int t = 0; t < kC; ++t) {
+  for (int j = 0; j < 32; ++j) {
+    const int t = t0 + j;
     const float vv = __bfloat162float(bv[t * kLdD + c]);
-    bk[t * kLdD + c] = __float2bfloat16(beta_s[t] * kr[t] * __expf(gc[t]));
+    bk[t * kLdD + c] = __float2bfloat16(beta_s[t] * kr[j] * __expf(gc[j]));
     bv[t * kLdD + c] = __float2bfloat16(beta_s[t] * vv);
   }
   __syncthreads();
 
-  // w = T bk, u = T bv for the rows of tile `warp` (T is lower triangular: k-steps up to the tile).
+  // w = T bk, u = T bv for the rows of tile warp % 4 and columns [64 (warp / 4), +64).
   {
-    const int m0 = warp * 16;
-    for (int n0 = 0; n0 < kD; n0 += 16) {
+    const int m0 = (warp & 3) * 16;
+    for (int n0 = (warp >> 2) * 64; n0 < (warp >> 2) * 64 + 64; n0 += 16) {
       float cw[2][4] = {}, cu[2][4] = {};
       for (int k0 = 0; k0 <= m0; k0 += 16) {
         uint32_t at[4], b[4];
@@ -345,21 +373,26 @@ __global__ void __launch_bounds__(128, 2) kda_chunk_prep_kernel(PrepArgs p) {
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = m0 + group + half * 8, col = n0 + j * 8 + quad * 2;
-          *reinterpret_cast<uint32_t*>(w_out + row * kD + col) = pack_bf16(cw[j][2 * half], cw[j][2 * half + 1]);
-          *reinterpret_cast<uint32_t*>(u_out + row * kD + col) = pack_bf16(cu[j][2 * half], cu[j][2 * half + 1]);
+        for (int half_row = 0; half_row < 2; ++half_row) {
+          const int row = m0 + group + half_row * 8, col = n0 + j * 8 + quad * 2;
+          *reinterpret_cast<uint32_t*>(w_out + row * kD + col) =
+              pack_bf16(cw[j][2 * half_row], cw[j][2 * half_row + 1]);
+          *reinterpret_cast<uint32_t*>(u_out + row * kD + col) =
+              pack_bf16(cu[j][2 * half_row], cu[j][2 * half_row + 1]);
         }
       }
     }
   }
 }
 
+constexpr int kStateThreads = 256;
 constexpr int kStageElements = 3 * kC * kLdD + kC * (kStateBv + 8) + kC * kLdC;  // bf16 elements per stage
 constexpr size_t kStageBytes = size_t{kStageElements} * 2 + kD * 4;
 constexpr size_t kStateSmem = 2 * kStageBytes + size_t{kD} * (kStateBv + 8) * 2 + size_t{kC} * (kStateBv + 8) * 2;
 
-__global__ void __launch_bounds__(128, 1) kda_chunk_state_kernel(StateArgs p) {
+// 8 warps: warp w owns state rows [16 w, 16 w + 16) x the slice's 32 columns; for the chunk's token rows, warp w
+// computes rows [16 (w % 4), +16) x columns [16 (w / 4), +16).
+__global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(StateArgs p) {
   constexpr int kBv = kStateBv, kNt = kBv / 8, kLdV = kBv + 8;
   extern __shared__ __align__(16) uint8_t smem[];
   const int H = p.num_heads;
@@ -387,17 +420,17 @@ __global__ void __launch_bounds__(128, 1) kda_chunk_state_kernel(StateArgs p) {
     const bf16* u = reinterpret_cast<const bf16*>(src + kOffU);
     const bf16* aqk = reinterpret_cast<const bf16*>(src + kOffAqk);
     const float* decay = reinterpret_cast<const float*>(src + kOffDecay);
-    for (int i = tid; i < kC * 16; i += 128) {
+    for (int i = tid; i < kC * 16; i += kStateThreads) {
       const int r = i >> 4, s = (i & 15) * 8;
       cp_async16(stage_w(stage) + r * kLdD + s, w + r * kD + s);
       cp_async16(stage_qg(stage) + r * kLdD + s, qg + r * kD + s);
       cp_async16(stage_kg(stage) + r * kLdD + s, kg + r * kD + s);
     }
-    for (int i = tid; i < kC * (kBv / 8); i += 128) {
+    for (int i = tid; i < kC * (kBv / 8); i += kStateThreads) {
       const int r = i / (kBv / 8), s = (i % (kBv / 8)) * 8;
       cp_async16(stage_u(stage) + r * kLdV + s, u + r * kD + slice * kBv + s);
     }
-    for (int i = tid; i < kC * 8; i += 128) {
+    for (int i = tid; i < kC * 8; i += kStateThreads) {
       const int r = i >> 3, s = (i & 7) * 8;
       cp_async16(stage_aqk(stage) + r * kLdC + s, aqk + r * kC + s);
     }
@@ -405,38 +438,35 @@ __global__ void __launch_bounds__(128, 1) kda_chunk_state_kernel(StateArgs p) {
     cp_async_commit();
   };
 
-  // State slice: warp owns key rows [32 warp, 32 warp + 32), value columns [slice * 32, +32).
-  float s[2][kNt][4];
+  // State rows [16 warp, +16), columns [slice * 32, +32): fragments s[n-tile][c0..c3].
+  float s[kNt][4];
   const size_t state_offset = (static_cast<size_t>(sequence) * H + h) * kD * kD + slice * kBv;
+  const int state_row = warp * 16 + group;
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
+  for (int nt = 0; nt < kNt; ++nt) {
 #pragma unroll
-    for (int nt = 0; nt < kNt; ++nt) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = warp * 32 + mt * 16 + group + half * 8, col = nt * 8 + quad * 2;
-        float2 value = make_float2(0.0f, 0.0f);
-        if (p.initial_state != nullptr)
-          value = *reinterpret_cast<const float2*>(p.initial_state + state_offset + row * kD + col);
-        s[mt][nt][2 * half] = value.x;
-        s[mt][nt][2 * half + 1] = value.y;
+    for (int half = 0; half < 2; ++half) {
+      const int row = state_row + half * 8, col = nt * 8 + quad * 2;
+      float2 value = make_float2(0.0f, 0.0f);
+      if (p.initial_state != nullptr) {
+        value = *reinterpret_cast<const float2*>(p.initial_state + state_offset + row * kD + col);
       }
+      s[nt][2 * half] = value.x;
+      s[nt][2 * half + 1] = value.y;
     }
   }
   auto store_state = [&](float* base) {
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
+    for (int nt = 0; nt < kNt; ++nt) {
 #pragma unroll
-      for (int nt = 0; nt < kNt; ++nt) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = warp * 32 + mt * 16 + group + half * 8, col = nt * 8 + quad * 2;
-          *reinterpret_cast<float2*>(base + row * kD + col) = make_float2(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]);
-        }
+      for (int half = 0; half < 2; ++half) {
+        const int row = state_row + half * 8, col = nt * 8 + quad * 2;
+        *reinterpret_cast<float2*>(base + row * kD + col) = make_float2(s[nt][2 * half], s[nt][2 * half + 1]);
       }
     }
   };
 
+  const int m0 = (warp & 3) * 16, n0 = (warp >> 2) * 16;
   if (seq.num_chunks > 0) load_stage(0, seq.first_chunk);
   for (int ci = 0; ci < seq.num_chunks; ++ci) {
     const int stage = ci & 1;
@@ -448,13 +478,10 @@ __global__ void __launch_bounds__(128, 1) kda_chunk_state_kernel(StateArgs p) {
     }
     // State to bf16 for the matmuls.
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-      for (int nt = 0; nt < kNt; ++nt) {
-        const int row = warp * 32 + mt * 16 + group, col = nt * 8 + quad * 2;
-        *reinterpret_cast<uint32_t*>(s_b + row * kLdV + col) = pack_bf16(s[mt][nt][0], s[mt][nt][1]);
-        *reinterpret_cast<uint32_t*>(s_b + (row + 8) * kLdV + col) = pack_bf16(s[mt][nt][2], s[mt][nt][3]);
-      }
+    for (int nt = 0; nt < kNt; ++nt) {
+      const int col = nt * 8 + quad * 2;
+      *reinterpret_cast<uint32_t*>(s_b + state_row * kLdV + col) = pack_bf16(s[nt][0], s[nt][1]);
+      *reinterpret_cast<uint32_t*>(s_b + (state_row + 8) * kLdV + col) = pack_bf16(s[nt][2], s[nt][3]);
     }
     __syncthreads();
 
@@ -464,54 +491,45 @@ __global__ void __launch_bounds__(128, 1) kda_chunk_state_kernel(StateArgs p) {
     const bf16* u = stage_u(stage);
     const bf16* aqk = stage_aqk(stage);
     const float* decay = stage_decay(stage);
-    const int m0 = warp * 16;
-    float cv[kNt][4] = {}, co[kNt][4] = {};
+    float cv[2][4] = {}, co[2][4] = {};
 #pragma unroll
     for (int k0 = 0; k0 < kD; k0 += 16) {
-      uint32_t aw[4], aq[4];
+      uint32_t aw[4], aq[4], b[4];
       load_a(aw, w, kLdD, m0, k0);
       load_a(aq, qg, kLdD, m0, k0);
-#pragma unroll
-      for (int np = 0; np < kNt / 2; ++np) {
-        uint32_t b[4];
-        load_b_kn(b, s_b, kLdV, np * 16, k0);
-        mma_bf16_16816(cv[2 * np], aw, b[0], b[1]);
-        mma_bf16_16816(cv[2 * np + 1], aw, b[2], b[3]);
-        mma_bf16_16816(co[2 * np], aq, b[0], b[1]);
-        mma_bf16_16816(co[2 * np + 1], aq, b[2], b[3]);
-      }
+      load_b_kn(b, s_b, kLdV, n0, k0);
+      mma_bf16_16816(cv[0], aw, b[0], b[1]);
+      mma_bf16_16816(cv[1], aw, b[2], b[3]);
+      mma_bf16_16816(co[0], aq, b[0], b[1]);
+      mma_bf16_16816(co[1], aq, b[2], b[3]);
     }
     // v_new = u - w S.
 #pragma unroll
-    for (int nt = 0; nt < kNt; ++nt) {
+    for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int row = m0 + group + half * 8, col = nt * 8 + quad * 2;
+        const int row = m0 + group + half * 8, col = n0 + nt * 8 + quad * 2;
         const float2 uu = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(u + row * kLdV + col));
         *reinterpret_cast<uint32_t*>(vn + row * kLdV + col) =
             pack_bf16(uu.x - cv[nt][2 * half], uu.y - cv[nt][2 * half + 1]);
       }
     }
     __syncthreads();
-    // o += Aqk v_new (causal: k-steps up to this warp's tile).
+    // o += Aqk v_new (causal: k-steps up to this warp's row tile).
     for (int k0 = 0; k0 <= m0; k0 += 16) {
-      uint32_t aa[4];
+      uint32_t aa[4], b[4];
       load_a(aa, aqk, kLdC, m0, k0);
-#pragma unroll
-      for (int np = 0; np < kNt / 2; ++np) {
-        uint32_t b[4];
-        load_b_kn(b, vn, kLdV, np * 16, k0);
-        mma_bf16_16816(co[2 * np], aa, b[0], b[1]);
-        mma_bf16_16816(co[2 * np + 1], aa, b[2], b[3]);
-      }
+      load_b_kn(b, vn, kLdV, n0, k0);
+      mma_bf16_16816(co[0], aa, b[0], b[1]);
+      mma_bf16_16816(co[1], aa, b[2], b[3]);
     }
     const int chunk_first = ci * kC;
     const int tokens = min(kC, seq.length - chunk_first);
 #pragma unroll
-    for (int nt = 0; nt < kNt; ++nt) {
+    for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int row = m0 + group + half * 8, col = slice * kBv + nt * 8 + quad * 2;
+        const int row = m0 + group + half * 8, col = slice * kBv + n0 + nt * 8 + quad * 2;
         if (row < tokens) {
           const size_t index = (static_cast<size_t>(seq.token_begin + chunk_first + row) * H + h) * kD + col;
           *reinterpret_cast<uint32_t*>(p.o + index) = pack_bf16(co[nt][2 * half], co[nt][2 * half + 1]);
@@ -519,31 +537,24 @@ __global__ void __launch_bounds__(128, 1) kda_chunk_state_kernel(StateArgs p) {
       }
     }
     // S = e^gc_last ⊙ S + kg^T v_new.
+    const float d0 = decay[state_row], d1 = decay[state_row + 8];
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-      const int row = warp * 32 + mt * 16 + group;
-      const float d0 = decay[row], d1 = decay[row + 8];
-#pragma unroll
-      for (int nt = 0; nt < kNt; ++nt) {
-        s[mt][nt][0] *= d0;
-        s[mt][nt][1] *= d0;
-        s[mt][nt][2] *= d1;
-        s[mt][nt][3] *= d1;
-      }
+    for (int nt = 0; nt < kNt; ++nt) {
+      s[nt][0] *= d0;
+      s[nt][1] *= d0;
+      s[nt][2] *= d1;
+      s[nt][3] *= d1;
     }
 #pragma unroll
     for (int k0 = 0; k0 < kC; k0 += 16) {
+      uint32_t ak[4];
+      load_a_trans(ak, kg, kLdD, warp * 16, k0);
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        uint32_t ak[4];
-        load_a_trans(ak, kg, kLdD, warp * 32 + mt * 16, k0);
-#pragma unroll
-        for (int np = 0; np < kNt / 2; ++np) {
-          uint32_t b[4];
-          load_b_kn(b, vn, kLdV, np * 16, k0);
-          mma_bf16_16816(s[mt][2 * np], ak, b[0], b[1]);
-          mma_bf16_16816(s[mt][2 * np + 1], ak, b[2], b[3]);
-        }
+      for (int np = 0; np < kNt / 2; ++np) {
+        uint32_t b[4];
+        load_b_kn(b, vn, kLdV, np * 16, k0);
+        mma_bf16_16816(s[2 * np], ak, b[0], b[1]);
+        mma_bf16_16816(s[2 * np + 1], ak, b[2], b[3]);
       }
     }
     if (p.checkpoint_interval > 0 && tokens == kC && (chunk_first + kC) % p.checkpoint_interval == 0) {
@@ -721,14 +732,14 @@ Status kda_chunk_prefill(const KdaPrefillParams& p, cudaStream_t stream) {
                   p.num_heads,
                   chunk_device,
                   data};
-    kda_chunk_prep_kernel<<<dim3(static_cast<unsigned>(chunks), static_cast<unsigned>(p.num_heads)), 128, kPrepSmem,
-                            stream>>>(prep);
+    kda_chunk_prep_kernel<<<dim3(static_cast<unsigned>(chunks), static_cast<unsigned>(p.num_heads)), kPrepThreads,
+                            kPrepSmem, stream>>>(prep);
     DS_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "kda_chunk_prefill: prep launch"));
   }
   StateArgs state{p.num_heads,           sequence_device,     data, p.initial_state, p.final_state,
                   p.checkpoint_interval, p.checkpoint_states, p.o};
   kda_chunk_state_kernel<<<dim3(kD / kStateBv, static_cast<unsigned>(p.num_heads), static_cast<unsigned>(sequences)),
-                           128, kStateSmem, stream>>>(state);
+                           kStateThreads, kStateSmem, stream>>>(state);
   return cuda_status(cudaGetLastError(), "kda_chunk_prefill: state launch");
 }
 

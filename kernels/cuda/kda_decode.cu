@@ -81,7 +81,7 @@ __device__ __forceinline__ float block_sum_128(float value, float* scratch) {
   return scratch[0] + scratch[1] + scratch[2] + scratch[3];
 }
 
-__global__ void __cluster_dims__(kSplit, 1, 1) __launch_bounds__(128) kda_decode_kernel(DecodeArgs p) {
+__global__ void __cluster_dims__(kSplit, 1, 1) __launch_bounds__(128, 8) kda_decode_kernel(DecodeArgs p) {
   __shared__ float q_s[kD], k_s[kD], decay_s[kD], v_s[kBv];
   __shared__ float reduce_ks[4][kBv], reduce_o[4][kBv], scratch[4];
   __shared__ float sum_squares_s;
