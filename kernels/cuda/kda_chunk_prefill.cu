@@ -1,7 +1,8 @@
 // KDA chunked prefill for sm_90a in two launches (see kda.hpp for the contract):
 //   1. prep, one CTA per (chunk of 64 tokens, head), fully parallel: the chunk's cumulative log-decay, the
 //      intra-chunk matrices Akk (strictly lower, beta-weighted) and Aqk (lower incl. diagonal) on tensor cores,
-//      the UT inverse T = (I + Akk)^-1 by 16x16 blocks, and w = T diag(beta) (K ⊙ e^gc), u = T diag(beta) V;
+//      the inverses of the 16x16 diagonal blocks of I + Akk, then w = (I + Akk)^-1 diag(beta) (K ⊙ e^gc) and
+//      u = (I + Akk)^-1 diag(beta) V by blocked forward substitution on tensor cores (the UT transform);
 //      writes w, u, q ⊙ e^gc, k ⊙ e^(gc_last - gc), Aqk (bf16) and e^gc_last (fp32) to the workspace.
 //   2. state pass, one CTA per (32 value columns, head, sequence), sequential over the sequence's chunks with
 //      the state slice [128 x 32] fp32 in registers: v_new = u - w S; o = (q e^gc) S + Aqk v_new;
@@ -30,6 +31,7 @@ constexpr int kC = kKdaChunk;
 constexpr int kLdD = kD + 8;         // bf16 row stride of [*, 128] smem tiles (conflict-free ldmatrix)
 constexpr int kLdC = kC + 8;         // bf16 row stride of [*, 64] smem tiles
 constexpr int kLdF = kC + 1;         // fp32 row stride of [64, 64] smem matrices
+constexpr int kLdR = 32 + 8;         // bf16 row stride of a warp's [16, 32] residual tile
 constexpr int kKinvRows = 160;       // 16 + 32 + 48 + 64: the B operands of the four row tiles
 constexpr float kDenseSpan = 85.0f;  // e^85 < fp32/bf16 max with margin
 constexpr int kStateBv = 32;         // value columns per state-pass CTA
@@ -107,11 +109,10 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
   float* akk = reinterpret_cast<float*>(kinv + kKinvRows * kLdD);  // [64][kLdF]
   float* beta_s = akk + kC * kLdF;                                 // [64]
   float* ends = beta_s + kC;  // [4][128] gc at the end of each 16-token tile (ends[a - 1] = r_a)
-  // Aliases once their owners are dead: T fp32 over qd, T bf16 + products scratch over kd,
+  // Aliases once their owners are dead: substitution residuals over qd, T_aa / Akk bf16 over kd,
   // beta K e^gc and beta V over kinv, the exact path's gc over kinv.
-  float* t_f = reinterpret_cast<float*>(qd);
-  bf16* t_b = kd;
-  float* scratch = reinterpret_cast<float*>(kd + kC * kLdC);
+  bf16* m_b = kd;  // [64][kLdC]: T_aa on the diagonal blocks, Akk below
+  bf16* r_b = qd;  // [8 warps][16][kLdR] residuals of the substitution
   bf16* bk = kinv;
   bf16* bv = kinv + kC * kLdD;
 
@@ -287,62 +288,34 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
   }
   __syncthreads();
 
-  // Stage v into the beta-V area (kinv is dead now); it lands while T is computed.
+  // Stage v into the beta-V area (kinv is dead now); it lands while the diagonal blocks are inverted.
   for (int i = tid; i < kC * 16; i += kPrepThreads) {
     const int r = i >> 4, s = (i & 15) * 8;
     cp_async16_zfill(bv + r * kLdD + s, p.v + chunk_offset + (r < n ? r * row_stride + s : 0), r < n);
   }
   cp_async_commit();
 
-  // T = (I + Akk)^-1: diagonal blocks by forward substitution (warps 0..3, lane = column), then the blocks below.
-  if (warp < 4 && lane < 16) {
-    const int m0 = warp * 16;
-    float x[16];
+  // m_b (bf16): diagonal blocks hold T_aa = (I + Akk_aa)^-1 (forward substitution in fp32, warps 0..3,
+  // lane = column), blocks below the diagonal hold Akk (warps 4..7).
+  if (warp < 4) {
+    if (lane < 16) {
+      const int m0 = warp * 16;
+      float x[16];
 #pragma unroll
-    for (int t = 0; t < 16; ++t) {
-      float s = t == lane ? 1.0f : 0.0f;
+      for (int t = 0; t < 16; ++t) {
+        float s = t == lane ? 1.0f : 0.0f;
 #pragma unroll
-      for (int i = 0; i < t; ++i) s -= akk[(m0 + t) * kLdF + m0 + i] * x[i];
-      x[t] = s;
-    }
-#pragma unroll
-    for (int t = 0; t < 16; ++t) t_f[(m0 + t) * kLdF + m0 + lane] = x[t];
-  }
-  __syncthreads();
-  // T[a][b] = -T[a][a] * sum_{b <= c < a} Akk[a][c] T[c][b], by increasing a - b; block warp % 4, rows split
-  // between the warp pair (8 rows each, 4 per lane).
-  for (int distance = 1; distance < 4; ++distance) {
-    const int block = warp & 3;
-    const bool active = block < 4 - distance;
-    const int a0 = (block + distance) * 16, b0 = block * 16;
-    const int col = lane & 15, row_base = (warp >> 2) * 8 + (lane >> 4) * 4;
-    float* block_scratch = scratch + block * 16 * 17;
-    if (active) {
-#pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        const int row = row_base + m;
-        float s = 0.0f;
-        for (int cc = b0; cc < a0; ++cc) s += akk[(a0 + row) * kLdF + cc] * t_f[cc * kLdF + b0 + col];
-        block_scratch[row * 17 + col] = s;
+        for (int i = 0; i < t; ++i) s -= akk[(m0 + t) * kLdF + m0 + i] * x[i];
+        x[t] = s;
       }
-    }
-    __syncthreads();
-    if (active) {
 #pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        const int row = row_base + m;
-        float s = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 16; ++i) s += t_f[(a0 + row) * kLdF + a0 + i] * block_scratch[i * 17 + col];
-        t_f[(a0 + row) * kLdF + b0 + col] = -s;
-      }
+      for (int t = 0; t < 16; ++t) m_b[(m0 + t) * kLdC + m0 + lane] = __float2bfloat16(x[t]);
     }
-    __syncthreads();
-  }
-  // T to bf16 (zero above the diagonal); beta K e^gc and beta V over kinv.
-  for (int index = tid; index < kC * kC; index += kPrepThreads) {
-    const int row = index / kC, col = index % kC;
-    t_b[row * kLdC + col] = __float2bfloat16(col <= row ? t_f[row * kLdF + col] : 0.0f);
+  } else {
+    for (int index = tid - 128; index < kC * kC; index += 128) {
+      const int row = index / kC, col = index % kC;
+      if (col < (row / 16) * 16) m_b[row * kLdC + col] = __float2bfloat16(akk[row * kLdF + col]);
+    }
   }
   cp_async_wait<0>();
   __syncthreads();
@@ -355,32 +328,60 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
   }
   __syncthreads();
 
-  // w = T bk, u = T bv for the rows of tile warp % 4 and columns [64 (warp / 4), +64).
+  // Blocked forward substitution of (I + Akk) [w | u] = [bk | bv], in place, each warp on its own 32 columns
+  // (warps 0..3: w, 4..7: u), so only warp-level ordering is needed:
+  //   W_a = T_aa (X_a - sum_{c < a} Akk_ac W_c).
   {
-    const int m0 = (warp & 3) * 16;
-    for (int n0 = (warp >> 2) * 64; n0 < (warp >> 2) * 64 + 64; n0 += 16) {
-      float cw[2][4] = {}, cu[2][4] = {};
-      for (int k0 = 0; k0 <= m0; k0 += 16) {
-        uint32_t at[4], b[4];
-        load_a(at, t_b, kLdC, m0, k0);
-        load_b_kn(b, bk, kLdD, n0, k0);
-        mma_bf16_16816(cw[0], at, b[0], b[1]);
-        mma_bf16_16816(cw[1], at, b[2], b[3]);
-        load_b_kn(b, bv, kLdD, n0, k0);
-        mma_bf16_16816(cu[0], at, b[0], b[1]);
-        mma_bf16_16816(cu[1], at, b[2], b[3]);
-      }
+    bf16* x = warp < 4 ? bk : bv;
+    bf16* out_rows = warp < 4 ? w_out : u_out;
+    const int col0 = (warp & 3) * 32;
+    bf16* residual = r_b + warp * 16 * kLdR;  // [16][kLdR] X_a - sum, bf16
+    for (int a0 = 0; a0 < kC; a0 += 16) {
+      float acc[4][4] = {};
+      for (int k0 = 0; k0 < a0; k0 += 16) {
+        uint32_t am[4];
+        load_a(am, m_b, kLdC, a0, k0);
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-#pragma unroll
-        for (int half_row = 0; half_row < 2; ++half_row) {
-          const int row = m0 + group + half_row * 8, col = n0 + j * 8 + quad * 2;
-          *reinterpret_cast<uint32_t*>(w_out + row * kD + col) =
-              pack_bf16(cw[j][2 * half_row], cw[j][2 * half_row + 1]);
-          *reinterpret_cast<uint32_t*>(u_out + row * kD + col) =
-              pack_bf16(cu[j][2 * half_row], cu[j][2 * half_row + 1]);
+        for (int np = 0; np < 2; ++np) {
+          uint32_t b[4];
+          load_b_kn(b, x, kLdD, col0 + np * 16, k0);
+          mma_bf16_16816(acc[2 * np], am, b[0], b[1]);
+          mma_bf16_16816(acc[2 * np + 1], am, b[2], b[3]);
         }
       }
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+        for (int half_row = 0; half_row < 2; ++half_row) {
+          const int row = group + half_row * 8, col = nt * 8 + quad * 2;
+          const float2 xv =
+              __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(x + (a0 + row) * kLdD + col0 + col));
+          *reinterpret_cast<uint32_t*>(residual + row * kLdR + col) =
+              pack_bf16(xv.x - acc[nt][2 * half_row], xv.y - acc[nt][2 * half_row + 1]);
+        }
+      }
+      __syncwarp();
+      float wa[4][4] = {};
+      uint32_t at[4];
+      load_a(at, m_b, kLdC, a0, a0);
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        uint32_t b[4];
+        load_b_kn(b, residual, kLdR, np * 16, 0);
+        mma_bf16_16816(wa[2 * np], at, b[0], b[1]);
+        mma_bf16_16816(wa[2 * np + 1], at, b[2], b[3]);
+      }
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+        for (int half_row = 0; half_row < 2; ++half_row) {
+          const int row = a0 + group + half_row * 8, col = col0 + nt * 8 + quad * 2;
+          const uint32_t packed = pack_bf16(wa[nt][2 * half_row], wa[nt][2 * half_row + 1]);
+          *reinterpret_cast<uint32_t*>(x + row * kLdD + col) = packed;
+          *reinterpret_cast<uint32_t*>(out_rows + row * kD + col) = packed;
+        }
+      }
+      __syncwarp();
     }
   }
 }
