@@ -562,7 +562,7 @@ net::awaitable<bool> HttpServer::Impl::generate(ConnectionPtr connection, Endpoi
     telemetry::FinishedRequest finished;
     finished.finished_reason = reason;
     finished.error_code = error_code;
-    finished.cache_namespace = tenant;
+    finished.cache_namespace = options.cache_namespace;  // the tenant's prefix-cache namespace
     finished.prompt_tokens = usage.prompt_tokens;
     finished.generation_tokens = timing[at].tokens;
     finished.cached_tokens = std::min(cached, usage.prompt_tokens);

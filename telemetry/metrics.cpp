@@ -69,13 +69,11 @@ struct Metrics::State : prometheus::Collectable {
         running(prometheus::BuildGauge()
                     .Name("vllm:num_requests_running")
                     .Help("Requests admitted and not finished (router view).")
-                    .Register(*registry)
-                    .Add(model)),
+                    .Register(*registry)),
         waiting(prometheus::BuildGauge()
                     .Name("vllm:num_requests_waiting")
                     .Help("Requests waiting before prefill (router queue).")
-                    .Register(*registry)
-                    .Add(model)),
+                    .Register(*registry)),
         kv_cache_usage(prometheus::BuildGauge()
                            .Name("vllm:kv_cache_usage_perc")
                            .Help("Fraction of MLA page groups in use, 0 to 1.")
@@ -83,23 +81,19 @@ struct Metrics::State : prometheus::Collectable {
         ttft(prometheus::BuildHistogram()
                  .Name("vllm:time_to_first_token_seconds")
                  .Help("Time from request arrival to the first generated token, per choice.")
-                 .Register(*registry)
-                 .Add(model, kTtftBuckets)),
+                 .Register(*registry)),
         inter_token(prometheus::BuildHistogram()
                         .Name("vllm:inter_token_latency_seconds")
                         .Help("Time between consecutive generated tokens, one observation per token.")
-                        .Register(*registry)
-                        .Add(model, kTokenLatencyBuckets)),
+                        .Register(*registry)),
         time_per_output_token(prometheus::BuildHistogram()
                                   .Name("vllm:request_time_per_output_token_seconds")
                                   .Help("Per choice: (e2e - ttft) / (generated tokens - 1).")
-                                  .Register(*registry)
-                                  .Add(model, kTokenLatencyBuckets)),
+                                  .Register(*registry)),
         e2e(prometheus::BuildHistogram()
                 .Name("vllm:e2e_request_latency_seconds")
                 .Help("Time from request arrival to the final chunk, per choice.")
-                .Register(*registry)
-                .Add(model, kRequestBuckets)),
+                .Register(*registry)),
         queue_time(prometheus::BuildHistogram()
                        .Name("vllm:request_queue_time_seconds")
                        .Help("Time a request waited before its prefill started.")
@@ -107,23 +101,19 @@ struct Metrics::State : prometheus::Collectable {
         prompt_tokens_hist(prometheus::BuildHistogram()
                                .Name("vllm:request_prompt_tokens")
                                .Help("Prompt tokens per choice.")
-                               .Register(*registry)
-                               .Add(model, kTokenCountBuckets)),
+                               .Register(*registry)),
         generation_tokens_hist(prometheus::BuildHistogram()
                                    .Name("vllm:request_generation_tokens")
                                    .Help("Generated tokens per choice.")
-                                   .Register(*registry)
-                                   .Add(model, kTokenCountBuckets)),
+                                   .Register(*registry)),
         prompt_tokens(prometheus::BuildCounter()
                           .Name("vllm:prompt_tokens_total")
                           .Help("Prompt tokens of finished choices.")
-                          .Register(*registry)
-                          .Add(model)),
+                          .Register(*registry)),
         generation_tokens(prometheus::BuildCounter()
                               .Name("vllm:generation_tokens_total")
                               .Help("Generated tokens delivered to clients.")
-                              .Register(*registry)
-                              .Add(model)),
+                              .Register(*registry)),
         success(prometheus::BuildCounter()
                     .Name("vllm:request_success_total")
                     .Help("Finished choices by finish reason (stop, length, abort).")
@@ -131,13 +121,11 @@ struct Metrics::State : prometheus::Collectable {
         prefix_queries(prometheus::BuildCounter()
                            .Name("vllm:prefix_cache_queries_total")
                            .Help("Prefix cache queries, in prompt tokens looked up.")
-                           .Register(*registry)
-                           .Add(model)),
+                           .Register(*registry)),
         prefix_hits(prometheus::BuildCounter()
                         .Name("vllm:prefix_cache_hits_total")
                         .Help("Prefix cache hits, in prompt tokens served from the cache.")
-                        .Register(*registry)
-                        .Add(model)),
+                        .Register(*registry)),
         // ---- ours ----
         build_info(prometheus::BuildGauge()
                        .Name("deltaserve_build_info")
@@ -267,6 +255,29 @@ struct Metrics::State : prometheus::Collectable {
               {"role", options.role},
               {"model_name", options.model_name}})
         .Set(1);
+    // A process with an HTTP front exports its request families from the start (at 0, as vLLM does);
+    // workers see no requests and do not export them at all.
+    if (options.role == "serve" || options.role == "router") {
+      of(running);
+      of(waiting);
+      of(ttft, kTtftBuckets);
+      of(inter_token, kTokenLatencyBuckets);
+      of(time_per_output_token, kTokenLatencyBuckets);
+      of(e2e, kRequestBuckets);
+      of(prompt_tokens_hist, kTokenCountBuckets);
+      of(generation_tokens_hist, kTokenCountBuckets);
+      of(prompt_tokens);
+      of(generation_tokens);
+      of(prefix_queries);
+      of(prefix_hits);
+    }
+  }
+
+  // The model_name series of a vLLM-compatible family (created on first use).
+  Gauge& of(Family<Gauge>& family) { return family.Add(model); }
+  Counter& of(Family<Counter>& family) { return family.Add(model); }
+  Histogram& of(Family<Histogram>& family, const Histogram::BucketBoundaries& buckets) {
+    return family.Add(model, buckets);
   }
 
   std::vector<prometheus::MetricFamily> Collect() const override {
@@ -293,21 +304,21 @@ struct Metrics::State : prometheus::Collectable {
   const std::shared_ptr<prometheus::Registry> registry;
   const prometheus::Labels model;
 
-  Gauge& running;
-  Gauge& waiting;
+  Family<Gauge>& running;
+  Family<Gauge>& waiting;
   Family<Gauge>& kv_cache_usage;
-  Histogram& ttft;
-  Histogram& inter_token;
-  Histogram& time_per_output_token;
-  Histogram& e2e;
+  Family<Histogram>& ttft;
+  Family<Histogram>& inter_token;
+  Family<Histogram>& time_per_output_token;
+  Family<Histogram>& e2e;
   Family<Histogram>& queue_time;
-  Histogram& prompt_tokens_hist;
-  Histogram& generation_tokens_hist;
-  Counter& prompt_tokens;
-  Counter& generation_tokens;
+  Family<Histogram>& prompt_tokens_hist;
+  Family<Histogram>& generation_tokens_hist;
+  Family<Counter>& prompt_tokens;
+  Family<Counter>& generation_tokens;
   Family<Counter>& success;
-  Counter& prefix_queries;
-  Counter& prefix_hits;
+  Family<Counter>& prefix_queries;
+  Family<Counter>& prefix_hits;
 
   Family<Gauge>& build_info;
   Family<Counter>& http_requests;
@@ -383,21 +394,22 @@ void Metrics::set_service_status(bool ready, int64_t running, int64_t waiting, i
                                  int64_t decode_slots_free) {
   State& s = *state_;
   s.ready.Add({}).Set(ready ? 1 : 0);
-  s.running.Set(static_cast<double>(running));
-  s.waiting.Set(static_cast<double>(waiting));
+  s.of(s.running).Set(static_cast<double>(running));
+  s.of(s.waiting).Set(static_cast<double>(waiting));
   s.router_decode_slots.Add({{"state", "free"}}).Set(static_cast<double>(decode_slots_free));
   s.router_decode_slots.Add({{"state", "used"}})
       .Set(static_cast<double>(std::max<int64_t>(0, decode_slots_total - decode_slots_free)));
 }
 
 void Metrics::observe_time_to_first_token(double seconds) {
-  state_->ttft.Observe(std::max(0.0, seconds));
+  state_->of(state_->ttft, kTtftBuckets).Observe(std::max(0.0, seconds));
 }
 
 void Metrics::observe_inter_token(double seconds, int64_t tokens) {
   if (tokens <= 0) return;
   const double each = std::max(0.0, seconds) / static_cast<double>(tokens);
-  for (int64_t i = 0; i < tokens; ++i) state_->inter_token.Observe(each);
+  Histogram& histogram = state_->of(state_->inter_token, kTokenLatencyBuckets);
+  for (int64_t i = 0; i < tokens; ++i) histogram.Observe(each);
 }
 
 void Metrics::observe_finished(const FinishedRequest& r) {
@@ -412,23 +424,24 @@ void Metrics::observe_finished(const FinishedRequest& r) {
     labels.emplace("finished_reason", std::string(r.finished_reason));
     s.success.Add(labels).Increment();
   }
-  s.prompt_tokens.Increment(static_cast<double>(prompt));
-  s.generation_tokens.Increment(static_cast<double>(generated));
-  s.prompt_tokens_hist.Observe(static_cast<double>(prompt));
-  s.generation_tokens_hist.Observe(static_cast<double>(generated));
-  s.e2e.Observe(std::max(0.0, r.e2e_seconds));
+  s.of(s.prompt_tokens).Increment(static_cast<double>(prompt));
+  s.of(s.generation_tokens).Increment(static_cast<double>(generated));
+  s.of(s.prompt_tokens_hist, kTokenCountBuckets).Observe(static_cast<double>(prompt));
+  s.of(s.generation_tokens_hist, kTokenCountBuckets).Observe(static_cast<double>(generated));
+  s.of(s.e2e, kRequestBuckets).Observe(std::max(0.0, r.e2e_seconds));
   if (r.ttft_seconds >= 0 && generated > 1) {
-    s.time_per_output_token.Observe(std::max(0.0, r.e2e_seconds - r.ttft_seconds) / static_cast<double>(generated - 1));
+    s.of(s.time_per_output_token, kTokenLatencyBuckets)
+        .Observe(std::max(0.0, r.e2e_seconds - r.ttft_seconds) / static_cast<double>(generated - 1));
   }
-  s.prefix_queries.Increment(static_cast<double>(prompt));
-  s.prefix_hits.Increment(static_cast<double>(cached));
+  s.of(s.prefix_queries).Increment(static_cast<double>(prompt));
+  s.of(s.prefix_hits).Increment(static_cast<double>(cached));
   const std::string space = s.namespace_label(r.cache_namespace);
   s.namespace_queries.Add({{"namespace", space}}).Increment(static_cast<double>(prompt));
   s.namespace_hits.Add({{"namespace", space}}).Increment(static_cast<double>(cached));
 }
 
 void Metrics::observe_queue_time(double seconds) {
-  state_->queue_time.Add(state_->model, kRequestBuckets).Observe(std::max(0.0, seconds));
+  state_->of(state_->queue_time, kRequestBuckets).Observe(std::max(0.0, seconds));
 }
 
 void Metrics::set_worker_gauges(const WorkerGaugeSnapshot& w) {

@@ -159,6 +159,16 @@ TEST(Metrics, HandoffsIndexAndRouterWorkers) {
   EXPECT_EQ(sample(text, R"(deltaserve_router_workers{role="prefill"})"), 1.0);
 }
 
+TEST(Metrics, WorkersDoNotExportRequestFamilies) {
+  MetricsOptions o = options();
+  o.role = "decode";
+  Metrics metrics(o);
+  const std::string text = metrics.serialize();
+  EXPECT_EQ(text.find("vllm:generation_tokens_total"), std::string::npos);
+  EXPECT_EQ(text.find("vllm:num_requests_running"), std::string::npos);
+  EXPECT_NE(text.find(R"(role="decode")"), std::string::npos);
+}
+
 TEST(Metrics, HttpResponsesByRouteAndCode) {
   Metrics metrics = make();
   metrics.observe_http_response("/v1/completions", 200, 0.01);
