@@ -1,12 +1,10 @@
-// Fused KDA decode step for sm_90a (contract in kda.hpp). One cluster of 4 CTAs per (batch row, head); CTA r of
-// the cluster owns value columns [32 r, 32 r + 32) of the head's state. Every CTA computes the short conv, L2
-// norm and gate of the head's 128 q/k channels (cheap, and it avoids a second launch); the old conv tails are
-// read by all four before any is overwritten (cluster barrier). The RMS of o spans the four CTAs and is summed
-// through distributed shared memory. State traffic: each CTA reads and writes its 128 x 32 fp32 slice once.
+// Fused KDA decode step for sm_90a (contract in kda.hpp). One CTA of 512 threads per (batch row, head): the
+// state's loads (64 KiB, 8 x 16 bytes per thread, streaming) are issued first, the short conv, L2 norms and gate
+// run while they land, then S^T k, u, the update and o = S^T q reduce over 16 row groups in shared memory, and the
+// gated RMSNorm of o finishes in the same CTA. Each byte of state is read once and written once.
 #include <cmath>
 #include <string>
 
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
 #include "kernels/cuda/kda.hpp"
@@ -14,12 +12,11 @@
 namespace deltaserve::kernels::cuda {
 namespace {
 
-namespace cg = cooperative_groups;
 using bf16 = __nv_bfloat16;
 
 constexpr int kD = kKdaHeadDim;
-constexpr int kSplit = 4;
-constexpr int kBv = kD / kSplit;  // 32 value columns per CTA
+constexpr int kThreads = 512;
+constexpr int kRowGroups = kThreads / 32;  // 16 groups of 8 state rows
 constexpr float kL2Eps = 1e-6f;
 
 struct DecodeArgs {
@@ -72,170 +69,129 @@ __device__ __forceinline__ float conv_step(const float* weight, float (&tail)[3]
   return silu(sum);
 }
 
-__device__ __forceinline__ float block_sum_128(float value, float* scratch) {
-  for (int offset = 16; offset > 0; offset >>= 1) value += __shfl_xor_sync(0xffffffffu, value, offset);
-  const int warp = threadIdx.x >> 5;
-  __syncthreads();
-  if ((threadIdx.x & 31) == 0) scratch[warp] = value;
-  __syncthreads();
-  return scratch[0] + scratch[1] + scratch[2] + scratch[3];
-}
-
-__global__ void __cluster_dims__(kSplit, 1, 1) __launch_bounds__(128, 8) kda_decode_kernel(DecodeArgs p) {
-  __shared__ float q_s[kD], k_s[kD], decay_s[kD], v_s[kBv];
-  __shared__ float reduce_ks[4][kBv], reduce_o[4][kBv], scratch[4];
-  __shared__ float sum_squares_s;
-  cg::cluster_group cluster = cg::this_cluster();
-  const int split = static_cast<int>(cluster.block_rank());
-  const int h = blockIdx.y, b = blockIdx.z;
+__global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(DecodeArgs p) {
+  __shared__ float x_s[3][kD];  // q, k, v after conv + SiLU (q, k then normalised)
+  __shared__ float decay_s[kD], u_s[kD];
+  __shared__ __align__(16) float partial[kRowGroups][kD];
+  __shared__ float sums[16];
+  const int h = blockIdx.x, b = blockIdx.y;
   const int H = p.num_heads, C = H * kD, K = p.conv_kernel;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int slot = p.slots[b];
-  const size_t out_row = static_cast<size_t>(b) * C + h * kD + split * kBv;
-  if (slot < 0 || slot >= p.num_slots) {  // uniform over the cluster (same row)
-    if (tid < kBv) p.out[out_row + tid] = __float2bfloat16(0.0f);
+  const size_t row = static_cast<size_t>(b) * C;
+  if (slot < 0 || slot >= p.num_slots) {
+    if (tid < kD) p.out[row + h * kD + tid] = __float2bfloat16(0.0f);
     return;
   }
-
-  // State slice first, so its loads overlap the conv and norms: thread owns columns 4 cg .. 4 cg + 3 of rows
-  // 8 rg .. 8 rg + 7.
-  const int cgi = tid & 7, rg = tid >> 3;
-  float* state = p.state + ((static_cast<size_t>(slot) * H + h) * kD) * kD + split * kBv + cgi * 4;
+  // State first, so its loads overlap the conv and norms: thread owns columns 4 cg .. 4 cg + 3 of rows
+  // 8 rg .. 8 rg + 7 (a warp is one row group: 32 x 16 bytes contiguous per row).
+  const int cgi = tid & 31, rg = tid >> 5;
+  float* state = p.state + ((static_cast<size_t>(slot) * H + h) * kD) * kD + cgi * 4;
   float4 s[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) s[i] = __ldcs(reinterpret_cast<const float4*>(state + (rg * 8 + i) * kD));
 
-  // Short conv + SiLU for q and k channel `tid`, and v channel split * 32 + tid.
-  const int channel = h * kD + tid;
-  const size_t tail_stride = static_cast<size_t>(K - 1);
-  float* tails = p.conv_state + static_cast<size_t>(slot) * 3 * C * tail_stride;
-  float tail_q[3] = {}, tail_k[3] = {}, tail_v[3] = {};
-#pragma unroll
-  for (int j = 0; j < 3; ++j) {
-    if (j < K - 1) {
-      tail_q[j] = tails[(0 * static_cast<size_t>(C) + channel) * tail_stride + j];
-      tail_k[j] = tails[(1 * static_cast<size_t>(C) + channel) * tail_stride + j];
-    }
-  }
-  const size_t row = static_cast<size_t>(b) * C;
-  float qv =
-      conv_step(p.q_conv_weight + static_cast<size_t>(channel) * K, tail_q, __bfloat162float(p.q_in[row + channel]), K);
-  float kv =
-      conv_step(p.k_conv_weight + static_cast<size_t>(channel) * K, tail_k, __bfloat162float(p.k_in[row + channel]), K);
-  const int v_channel = h * kD + split * kBv + tid;
-  if (tid < kBv) {
+  // Short conv + SiLU: threads 0..383 = (which in q, k, v) x channel; each updates its own tail.
+  const int which = tid >> 7, c = tid & (kD - 1), channel = h * kD + c;
+  if (which < 3) {
+    const size_t tail_stride = static_cast<size_t>(K - 1);
+    float* tail = p.conv_state + ((static_cast<size_t>(slot) * 3 + which) * C + channel) * tail_stride;
+    const bf16* input = which == 0 ? p.q_in : (which == 1 ? p.k_in : p.v_in);
+    const float* weight = (which == 0 ? p.q_conv_weight : (which == 1 ? p.k_conv_weight : p.v_conv_weight)) +
+                          static_cast<size_t>(channel) * K;
+    float t[3] = {};
 #pragma unroll
     for (int j = 0; j < 3; ++j) {
-      if (j < K - 1) tail_v[j] = tails[(2 * static_cast<size_t>(C) + v_channel) * tail_stride + j];
+      if (j < K - 1) t[j] = tail[j];
     }
-    v_s[tid] = conv_step(p.v_conv_weight + static_cast<size_t>(v_channel) * K, tail_v,
-                         __bfloat162float(p.v_in[row + v_channel]), K);
+    x_s[which][c] = conv_step(weight, t, __bfloat162float(input[row + channel]), K);
+#pragma unroll
+    for (int j = 0; j < 3; ++j) {
+      if (j < K - 1) tail[j] = t[j];
+    }
+  } else {
+    // Gate: decay = e^g.
+    const float x = __bfloat162float(p.gate_raw[row + channel]) + p.dt_bias[channel];
+    const float a = __expf(p.a_log[h]);
+    const float g = p.bounded ? p.lower_bound * sigmoid(a * x) : -a * (x > 20.0f ? x : log1pf(__expf(x)));
+    decay_s[c] = __expf(g);
   }
-  // L2 norm per head (q also scaled by d^-0.5), gate and beta.
-  const float q_sum = block_sum_128(qv * qv, scratch);
-  const float k_sum = block_sum_128(kv * kv, scratch);
-  qv *= rsqrtf(static_cast<float>(kD)) * rsqrtf(q_sum + kL2Eps);
-  kv *= rsqrtf(k_sum + kL2Eps);
-  const float x = __bfloat162float(p.gate_raw[row + channel]) + p.dt_bias[channel];
-  const float a = __expf(p.a_log[h]);
-  const float g = p.bounded ? p.lower_bound * sigmoid(a * x) : -a * (x > 20.0f ? x : log1pf(__expf(x)));
-  q_s[tid] = qv;
-  k_s[tid] = kv;
-  decay_s[tid] = __expf(g);
+  __syncthreads();
+  // L2 norms: warps 0..3 sum q^2, warps 4..7 k^2.
+  if (warp < 8) {
+    const float value = x_s[warp >> 2][c];
+    float square = value * value;
+    for (int offset = 16; offset > 0; offset >>= 1) square += __shfl_xor_sync(0xffffffffu, square, offset);
+    if (lane == 0) sums[warp] = square;
+  }
+  __syncthreads();
+  if (warp < 8) {
+    const int base = (warp >> 2) * 4;
+    const float total = sums[base] + sums[base + 1] + sums[base + 2] + sums[base + 3];
+    const float scale = warp < 4 ? rsqrtf(static_cast<float>(kD)) : 1.0f;
+    x_s[warp >> 2][c] *= scale * rsqrtf(total + kL2Eps);
+  }
   const float beta = sigmoid(__bfloat162float(p.beta_raw[static_cast<size_t>(b) * H + h]));
+  __syncthreads();
 
-  cluster.sync();  // every CTA has read the old tails (and this CTA's smem is written)
-  if (split == 0) {
-#pragma unroll
-    for (int j = 0; j < 3; ++j) {
-      if (j < K - 1) {
-        tails[(0 * static_cast<size_t>(C) + channel) * tail_stride + j] = tail_q[j];
-        tails[(1 * static_cast<size_t>(C) + channel) * tail_stride + j] = tail_k[j];
-      }
-    }
-  }
-  if (tid < kBv) {
-#pragma unroll
-    for (int j = 0; j < 3; ++j) {
-      if (j < K - 1) tails[(2 * static_cast<size_t>(C) + v_channel) * tail_stride + j] = tail_v[j];
-    }
-  }
-
-  // Recurrent update of the slice (its loads were issued first).
-  float ks[4] = {};
+  // S = Diag(e^g) S and the partial S^T k of this thread's rows.
+  float4 ks = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int r = rg * 8 + i;
-    const float d = decay_s[r], kr = k_s[r];
+    const float d = decay_s[r], kr = x_s[1][r];
     s[i].x *= d;
     s[i].y *= d;
     s[i].z *= d;
     s[i].w *= d;
-    ks[0] += kr * s[i].x;
-    ks[1] += kr * s[i].y;
-    ks[2] += kr * s[i].z;
-    ks[3] += kr * s[i].w;
+    ks.x += kr * s[i].x;
+    ks.y += kr * s[i].y;
+    ks.z += kr * s[i].z;
+    ks.w += kr * s[i].w;
   }
+  *reinterpret_cast<float4*>(&partial[rg][cgi * 4]) = ks;
+  __syncthreads();
+  if (tid < kD) {
+    float sk = 0.0f;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    ks[j] += __shfl_xor_sync(0xffffffffu, ks[j], 8);
-    ks[j] += __shfl_xor_sync(0xffffffffu, ks[j], 16);
-  }
-  if (lane < 8) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) reduce_ks[warp][cgi * 4 + j] = ks[j];
+    for (int r = 0; r < kRowGroups; ++r) sk += partial[r][tid];
+    u_s[tid] = beta * (x_s[2][tid] - sk);
   }
   __syncthreads();
-  float u[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int col = cgi * 4 + j;
-    const float sk = reduce_ks[0][col] + reduce_ks[1][col] + reduce_ks[2][col] + reduce_ks[3][col];
-    u[j] = beta * (v_s[col] - sk);
-  }
-  float o[4] = {};
+  const float4 u = *reinterpret_cast<const float4*>(&u_s[cgi * 4]);
+  float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int r = rg * 8 + i;
-    const float kr = k_s[r], qr = q_s[r];
-    s[i].x += kr * u[0];
-    s[i].y += kr * u[1];
-    s[i].z += kr * u[2];
-    s[i].w += kr * u[3];
-    o[0] += qr * s[i].x;
-    o[1] += qr * s[i].y;
-    o[2] += qr * s[i].z;
-    o[3] += qr * s[i].w;
+    const float kr = x_s[1][r], qr = x_s[0][r];
+    s[i].x += kr * u.x;
+    s[i].y += kr * u.y;
+    s[i].z += kr * u.z;
+    s[i].w += kr * u.w;
+    o.x += qr * s[i].x;
+    o.y += qr * s[i].y;
+    o.z += qr * s[i].z;
+    o.w += qr * s[i].w;
     __stcs(reinterpret_cast<float4*>(state + r * kD), s[i]);
   }
+  *reinterpret_cast<float4*>(&partial[rg][cgi * 4]) = o;
+  __syncthreads();
+  // Gated RMSNorm of o (warps 0..3, one column per thread).
+  float o_col = 0.0f;
+  if (tid < kD) {
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    o[j] += __shfl_xor_sync(0xffffffffu, o[j], 8);
-    o[j] += __shfl_xor_sync(0xffffffffu, o[j], 16);
-  }
-  if (lane < 8) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) reduce_o[warp][cgi * 4 + j] = o[j];
+    for (int r = 0; r < kRowGroups; ++r) o_col += partial[r][tid];
+    float square = o_col * o_col;
+    for (int offset = 16; offset > 0; offset >>= 1) square += __shfl_xor_sync(0xffffffffu, square, offset);
+    if (lane == 0) sums[8 + warp] = square;
   }
   __syncthreads();
-  float o_col = 0.0f;
-  if (warp == 0) {
-    o_col = reduce_o[0][lane] + reduce_o[1][lane] + reduce_o[2][lane] + reduce_o[3][lane];
-    float squares = o_col * o_col;
-    for (int offset = 16; offset > 0; offset >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, offset);
-    if (lane == 0) sum_squares_s = squares;
-  }
-  cluster.sync();  // partial sums of squares visible cluster-wide
-  if (warp == 0) {
-    float total = 0.0f;
-#pragma unroll
-    for (int r = 0; r < kSplit; ++r) total += *cluster.map_shared_rank(&sum_squares_s, r);
-    const int col = split * kBv + lane;
+  if (tid < kD) {
+    const float total = sums[8] + sums[9] + sums[10] + sums[11];
     const float inverse_rms = rsqrtf(total / static_cast<float>(kD) + p.rms_eps);
-    const float gate = sigmoid(__bfloat162float(p.out_gate[row + h * kD + col]));
-    p.out[out_row + lane] = __float2bfloat16(o_col * inverse_rms * p.o_norm_weight[col] * gate);
+    const float gate = sigmoid(__bfloat162float(p.out_gate[row + h * kD + tid]));
+    p.out[row + h * kD + tid] = __float2bfloat16(o_col * inverse_rms * p.o_norm_weight[tid] * gate);
   }
-  cluster.sync();  // peers finished reading this CTA's shared memory
 }
 
 bool aligned16(const void* pointer) {
@@ -305,8 +261,8 @@ Status kda_decode_step(const KdaDecodeParams& p, cudaStream_t stream) {
                   p.conv_state,
                   p.state,
                   p.out};
-  kda_decode_kernel<<<dim3(kSplit, static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch)), 128, 0,
-                      stream>>>(args);
+  kda_decode_kernel<<<dim3(static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch)), kThreads, 0, stream>>>(
+      args);
   const cudaError_t error = cudaGetLastError();
   if (error != cudaSuccess) {
     return internal_error(std::string("kda_decode_step: launch: ") + cudaGetErrorName(error) + " (" +
