@@ -33,7 +33,8 @@ def complete(url: str, prompt: str, max_tokens: int, stream: bool = False, chat:
     if r.status_code != 200 or not stream:
         return r.status_code, (r.json().get("usage") or {}) if r.status_code == 200 else {}
     usage = {}
-    for line in r.iter_lines(decode_unicode=True):
+    for raw in r.iter_lines():  # bytes: str.splitlines would also split inside text at U+0085 and kin
+        line = raw.decode("utf-8")
         if line.startswith("data: ") and line != "data: [DONE]":
             event = json.loads(line[6:])
             if event.get("usage"):
