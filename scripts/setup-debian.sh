@@ -15,6 +15,8 @@ packages=(
   libspdlog-dev libfmt-dev nlohmann-json3-dev libcli11-dev
   # tests and benchmarks
   libgtest-dev libgmock-dev googletest libbenchmark-dev
+  # ops checks: promtool and a real Prometheus server (tests/ops)
+  prometheus
 )
 
 missing=()
