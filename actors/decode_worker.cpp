@@ -39,6 +39,7 @@ struct DecodeState {
   std::map<caf::actor_addr, std::string> by_sink;
   std::deque<Pending> pending;
   std::unordered_set<std::string> tombstones;
+  std::unordered_map<std::string, int64_t> dropped;  // request id -> handoffs of attempts <= this are dropped
   std::deque<std::string> tombstone_order;
   bool step_pending = false;
   bool draining = false;
@@ -220,6 +221,10 @@ decode_actor::behavior_type decode_impl(DecodePointer self, std::shared_ptr<cons
         auto& s = self->state;
         HandoffEnvelope& envelope = handoff.envelope;
         const std::string id = envelope.request.request_id;
+        if (auto d = s.dropped.find(id); d != s.dropped.end() && envelope.attempt <= d->second) {
+          s.dropped.erase(d);  // a stale attempt: the router prefilled the request again
+          return;
+        }
         if (s.tombstones.erase(id) != 0) {  // cancelled while in transfer
           send_chunk(self, envelope.sink, abort_chunk(id, static_cast<int64_t>(envelope.request.prompt.size())));
           return;
@@ -234,10 +239,18 @@ decode_actor::behavior_type decode_impl(DecodePointer self, std::shared_ptr<cons
             std::span<const std::byte>(reinterpret_cast<const std::byte*>(handoff.state.data()), handoff.state.size()));
         if (!state.is_ok()) {
           ++s.stats.rejected;
-          send_chunk(self, envelope.sink, error_chunk(id, state.status().with_context("handoff " + id)));
+          const Status why = state.status().with_context("handoff " + id + " at " + s.config.name);
+          if (envelope.router) {  // the router prefills it again elsewhere
+            self->send(caf::actor_cast<router_actor>(envelope.router), failed_atom::value, id, envelope.attempt,
+                       static_cast<int32_t>(why.code()), why.message());
+          } else {
+            send_chunk(self, envelope.sink, error_chunk(id, why));
+          }
           return;
         }
         ++s.stats.handoffs;
+        if (envelope.router)
+          self->send(caf::actor_cast<router_actor>(envelope.router), admitted_atom::value, id, envelope.attempt);
         if (s.batcher->free_slots() > 0 && s.pending.empty()) {
           admit(self, std::move(envelope), std::move(state).value());
         } else {
@@ -270,6 +283,11 @@ decode_actor::behavior_type decode_impl(DecodePointer self, std::shared_ptr<cons
             s.tombstone_order.pop_front();
           }
         }
+      },
+      [self](drop_atom, const std::string& id, int64_t attempt) {
+        auto& s = self->state;
+        if (s.dropped.size() >= kMaxTombstones) s.dropped.clear();  // bounded; a stale handoff is then decoded
+        s.dropped[id] = std::max(s.dropped[id], attempt);
       },
       [self](step_atom) { run_step(self); },
       [self](drain_atom) {

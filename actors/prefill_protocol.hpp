@@ -32,11 +32,12 @@ struct PrefillJob {
   caf::actor decode_worker;  // decode_actor
   caf::actor sink;           // sink_actor: receives chunks (errors from here, tokens from the decode worker)
   caf::actor router;         // router_actor: receives prefilled(); may be null (tests)
+  int64_t attempt = 0;       // the router's dispatch attempt of this request (echoed in every reply)
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, PrefillJob& x) {
-  return f(caf::meta::type_name("PrefillJob"), x.request, x.decode_worker, x.sink, x.router);
+  return f(caf::meta::type_name("PrefillJob"), x.request, x.decode_worker, x.sink, x.router, x.attempt);
 }
 
 using prefill_actor =

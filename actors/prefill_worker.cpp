@@ -212,6 +212,9 @@ void hand_off(PrefillPointer self) {
   envelope.handoff_id = s.next_handoff_id++;
   envelope.next_token = prompt.back();
   envelope.sink = job.job.sink;
+  envelope.router = job.job.router;
+  envelope.attempt = job.job.attempt;
+  const int64_t attempt = job.job.attempt;
   envelope.cached_tokens = job.cached_tokens;
   const std::string id = job.job.request.request_id;
   const caf::actor sink = job.job.sink, router = job.job.router, decode_worker = job.job.decode_worker;
@@ -233,7 +236,7 @@ void hand_off(PrefillPointer self) {
               << " us\n";
   }
   if (router) {
-    self->send(caf::actor_cast<router_actor>(router), prefilled_atom::value, id, num_bytes, micros);
+    self->send(caf::actor_cast<router_actor>(router), prefilled_atom::value, id, attempt, num_bytes, micros);
   }
 }
 

@@ -68,6 +68,29 @@ Handoff make_handoff(const engine::Model& model, const router::GenerationRequest
   return h;
 }
 
+// The CAF transport with faults: the first `corrupt` handoffs get one flipped payload byte.
+class FaultyTransport final : public Transport {
+ public:
+  explicit FaultyTransport(int corrupt) : corrupt_(corrupt) {}
+  Status send_state(const caf::actor& decode_worker, HandoffEnvelope envelope, std::vector<uint8_t> state) override {
+    if (corrupt_ > 0 && !state.empty()) {
+      --corrupt_;
+      state[state.size() / 2] ^= 0x5a;
+    }
+    return inner_->send_state(decode_worker, std::move(envelope), std::move(state));
+  }
+
+ private:
+  int corrupt_;
+  std::shared_ptr<Transport> inner_ = make_caf_transport();
+};
+
+std::vector<int32_t> streamed_tokens(const Chunks& chunks) {
+  std::vector<int32_t> tokens;
+  for (const auto& c : chunks) tokens.insert(tokens.end(), c.tokens.begin(), c.tokens.end());
+  return tokens;
+}
+
 // One message per scheduling of an actor, so a self-sent step does not run the whole generation at once.
 struct OneMessageConfig : caf::actor_system_config {
   OneMessageConfig() { set("scheduler.max-throughput", size_t{1}); }
@@ -340,6 +363,96 @@ CAF_TEST(prefill_chunks_then_hands_off) {
   std::vector<int32_t> tokens_one;
   for (const auto& c : *out_one) tokens_one.insert(tokens_one.end(), c.tokens.begin(), c.tokens.end());
   CAF_CHECK(tokens_one == testing::reference_greedy(*tiny.model, one.prompt, 3, 3));
+}
+
+// A handoff that does not check out at the decode worker is prefilled again; the stream is the same as
+// if nothing had happened. When every attempt fails, the client gets one clean error and nothing decoded.
+CAF_TEST(corrupt_handoffs_are_prefilled_again_then_given_up) {
+  std::string error;
+  const auto& tiny = testing::tiny_model(&error);
+  CAF_REQUIRE(tiny.model != nullptr);
+  for (int corrupt : {2, 5}) {
+    auto router = spawn_router(sys, RouterConfig{}, registry_actor{}, nullptr);
+    auto decode = spawn_decode_worker(sys, tiny.model, tiny.tokenizer, registry_actor{},
+                                      DecodeWorkerConfig{"decode-0", 2, std::chrono::milliseconds(0)});
+    auto prefill = spawn_prefill_worker(sys, tiny.model, registry_actor{},
+                                        PrefillWorkerConfig{"prefill-0", 4, std::chrono::milliseconds(0)},
+                                        std::make_shared<FaultyTransport>(corrupt));
+    auto out = std::make_shared<Chunks>();
+    auto sink = sys.spawn(recording_sink, out);
+    for (const caf::actor& a : {caf::actor_cast<caf::actor>(router), caf::actor_cast<caf::actor>(decode),
+                                caf::actor_cast<caf::actor>(prefill), sink}) {
+      kill_at_end(a);
+    }
+    self->send(router, workers_atom::value,
+               std::vector<WorkerInfo>{{"decode-0", kDecodeRole, caf::actor_cast<caf::actor>(decode), 2, {}},
+                                       {"prefill-0", kPrefillRole, caf::actor_cast<caf::actor>(prefill), 4, {}}});
+    const auto req = testing::greedy_request("r", {5, 6, 7, 8, 9, 10, 11}, 5);
+    self->send(router, submit_atom::value, req, sink);
+    run();
+    const auto router_stats = request<RouterStats>(router, stats_atom::value);
+    const auto decode_stats = request<WorkerStats>(decode, stats_atom::value);
+    if (corrupt < 3) {  // max_attempts = 3
+      CAF_CHECK_EQUAL(router_stats.retried, corrupt);
+      CAF_CHECK_EQUAL(decode_stats.rejected, corrupt);
+      CAF_REQUIRE(!out->empty());
+      CAF_CHECK(out->back().error.is_ok());
+      CAF_CHECK(streamed_tokens(*out) == testing::reference_greedy(*tiny.model, req.prompt, 5, 4));
+    } else {
+      CAF_CHECK_EQUAL(router_stats.retried, 2);
+      CAF_CHECK_EQUAL(router_stats.failed, 1);
+      CAF_CHECK_EQUAL(decode_stats.rejected, 3);
+      CAF_CHECK_EQUAL(decode_stats.steps, 0);
+      CAF_REQUIRE_EQUAL(out->size(), 1u);
+      CAF_CHECK(out->at(0).error.code() == StatusCode::kDataLoss);
+      CAF_CHECK(out->at(0).error.message().find("gave up after 3 attempts") != std::string::npos);
+    }
+  }
+}
+
+// A prefill worker lost before its handoff: the request is prefilled again on another worker, and the
+// decode worker is told to drop a stale handoff of the first attempt.
+CAF_TEST(request_on_a_lost_prefill_worker_is_prefilled_again) {
+  std::string error;
+  const auto& tiny = testing::tiny_model(&error);
+  CAF_REQUIRE(tiny.model != nullptr);
+  auto router = spawn_router(sys, RouterConfig{}, registry_actor{}, nullptr);
+  auto decode = spawn_decode_worker(sys, tiny.model, tiny.tokenizer, registry_actor{},
+                                    DecodeWorkerConfig{"decode-0", 2, std::chrono::milliseconds(0)});
+  auto jobs = std::make_shared<std::vector<PrefillJob>>();
+  auto cancels = std::make_shared<std::vector<std::string>>();
+  auto silent = sys.spawn(fake_prefill, jobs, cancels);  // takes the job and never hands off
+  auto prefill = spawn_prefill_worker(sys, tiny.model, registry_actor{},
+                                      PrefillWorkerConfig{"prefill-b", 4, std::chrono::milliseconds(0)});
+  auto out = std::make_shared<Chunks>();
+  auto sink = sys.spawn(recording_sink, out);
+  for (const caf::actor& a : {caf::actor_cast<caf::actor>(router), caf::actor_cast<caf::actor>(decode), silent,
+                              caf::actor_cast<caf::actor>(prefill), sink}) {
+    kill_at_end(a);
+  }
+  self->send(router, workers_atom::value,
+             std::vector<WorkerInfo>{{"decode-0", kDecodeRole, caf::actor_cast<caf::actor>(decode), 2, {}},
+                                     {"prefill-a", kPrefillRole, silent, 4, {}},
+                                     {"prefill-b", kPrefillRole, caf::actor_cast<caf::actor>(prefill), 4, {}}});
+  const auto req = testing::greedy_request("r", {9, 8, 7, 6, 5}, 4);
+  self->send(router, submit_atom::value, req, sink);
+  run();
+  CAF_REQUIRE_EQUAL(jobs->size(), 1u);  // placed on prefill-a (ties break by name)
+  CAF_CHECK(out->empty());
+  // A stale handoff of attempt 1 (as if prefill-a had sent it just before dying) must not be decoded.
+  auto stale = make_handoff(*tiny.model, req, sink);
+  stale.envelope.attempt = 1;
+  self->send(router, lost_atom::value, std::string("prefill-a"));
+  run();
+  self->send(decode, handoff_atom::value, stale);
+  run();
+  const auto router_stats = request<RouterStats>(router, stats_atom::value);
+  CAF_CHECK_EQUAL(router_stats.retried, 1);
+  CAF_CHECK_EQUAL(router_stats.failed, 0);
+  CAF_REQUIRE(!out->empty());
+  CAF_CHECK(out->back().error.is_ok());
+  CAF_CHECK(streamed_tokens(*out) == testing::reference_greedy(*tiny.model, req.prompt, 4, 4));
+  CAF_CHECK_EQUAL(request<WorkerStats>(decode, stats_atom::value).handoffs, 1);
 }
 
 CAF_TEST_FIXTURE_SCOPE_END()

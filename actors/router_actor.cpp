@@ -13,12 +13,15 @@
 namespace deltaserve::actors {
 namespace {
 
-enum class Stage { kWaiting, kPrefill, kDecode };
+// kTransfer: prefilled, the state is on its way to the decode worker; kDecode: the decode worker admitted
+// it (tokens may have been streamed from then on).
+enum class Stage { kWaiting, kPrefill, kTransfer, kDecode };
 
 struct Entry {
-  router::GenerationRequest request;  // prompt dropped once dispatched
+  router::GenerationRequest request;  // prompt kept until a decode worker admitted the state
   caf::actor sink;
   Stage stage = Stage::kWaiting;
+  int64_t attempt = 0;  // dispatches so far
   std::string prefill_worker, decode_worker;
   int64_t prefill_tokens = 0;  // prompt tokens the prefill worker is expected to compute (load accounting)
 };
@@ -160,9 +163,8 @@ bool try_dispatch_one(RouterPointer self, Entry& entry) {
     s.totals.expected_cached_tokens += choice.hit_tokens;
   }
   if (!choice.reason.empty()) std::cerr << "debug: route " << entry.request.request_id << ": " << choice.reason << "\n";
-  PrefillJob job{entry.request, decode->handle, entry.sink, caf::actor_cast<caf::actor>(self)};
-  entry.request.prompt = {};
-  entry.request.prompt.shrink_to_fit();
+  ++entry.attempt;
+  PrefillJob job{entry.request, decode->handle, entry.sink, caf::actor_cast<caf::actor>(self), entry.attempt};
   self->send(caf::actor_cast<prefill_actor>(prefill->handle), prefill_atom::value, std::move(job));
   return true;
 }
@@ -194,6 +196,31 @@ void release(RouterState& s, const std::string& id) {
   if (e.stage == Stage::kWaiting) std::erase(s.queue, id);
   s.by_sink.erase(e.sink.address());
   s.requests.erase(it);
+}
+
+// Gives a dispatched, not yet admitted request back to the front of the queue (its worker reservations
+// released) for another prefill; after max_attempts the sink gets `why`.
+void retry(RouterPointer self, const std::string& id, const Status& why) {
+  auto& s = self->state;
+  auto it = s.requests.find(id);
+  if (it == s.requests.end()) return;
+  Entry& e = it->second;
+  if (e.attempt >= s.config.max_attempts) {
+    ++s.totals.failed;
+    send_final(self, e.sink,
+               error_chunk(id, why.with_context("gave up after " + std::to_string(e.attempt) + " attempts")));
+    return;  // the sink quits after its final chunk; its down message releases the entry
+  }
+  ++s.totals.retried;
+  if (e.stage == Stage::kPrefill && s.prefill_outstanding[e.prefill_worker] > 0) {
+    --s.prefill_outstanding[e.prefill_worker];
+    s.prefill_tokens[e.prefill_worker] = std::max<int64_t>(s.prefill_tokens[e.prefill_worker] - e.prefill_tokens, 0);
+  }
+  if (s.decode_assigned[e.decode_worker] > 0) --s.decode_assigned[e.decode_worker];
+  e.stage = Stage::kWaiting;
+  e.prefill_worker.clear();
+  e.decode_worker.clear();
+  s.queue.push_front(id);
 }
 
 void cancel_on_workers(RouterPointer self, const Entry& e) {
@@ -294,14 +321,40 @@ router_actor::behavior_type router_impl(RouterPointer self, RouterConfig config,
         }
         cancel_on_workers(self, it->second);  // the worker holding it sends "abort"; the sink's exit releases it
       },
-      [self](prefilled_atom, const std::string& id, int64_t /*bytes*/, int64_t /*micros*/) {
+      [self](prefilled_atom, const std::string& id, int64_t attempt, int64_t /*bytes*/, int64_t /*micros*/) {
         auto& s = self->state;
         auto it = s.requests.find(id);
-        if (it == s.requests.end() || it->second.stage != Stage::kPrefill) return;
+        if (it == s.requests.end() || it->second.stage != Stage::kPrefill || it->second.attempt != attempt) return;
         const std::string& worker = it->second.prefill_worker;
         if (s.prefill_outstanding[worker] > 0) --s.prefill_outstanding[worker];
         s.prefill_tokens[worker] = std::max<int64_t>(s.prefill_tokens[worker] - it->second.prefill_tokens, 0);
-        it->second.stage = Stage::kDecode;
+        it->second.stage = Stage::kTransfer;
+        dispatch_waiting(self);
+      },
+      [self](admitted_atom, const std::string& id, int64_t attempt) {
+        auto& s = self->state;
+        auto it = s.requests.find(id);
+        if (it == s.requests.end() || it->second.attempt != attempt || it->second.stage == Stage::kWaiting) return;
+        Entry& e = it->second;
+        if (e.stage == Stage::kPrefill && s.prefill_outstanding[e.prefill_worker] > 0) {  // admitted overtook prefilled
+          --s.prefill_outstanding[e.prefill_worker];
+          s.prefill_tokens[e.prefill_worker] =
+              std::max<int64_t>(s.prefill_tokens[e.prefill_worker] - e.prefill_tokens, 0);
+        }
+        e.stage = Stage::kDecode;
+        e.request.prompt = {};
+        e.request.prompt.shrink_to_fit();
+        dispatch_waiting(self);
+      },
+      [self](failed_atom, const std::string& id, int64_t attempt, int32_t code, const std::string& message) {
+        auto& s = self->state;
+        auto it = s.requests.find(id);
+        if (it == s.requests.end() || it->second.attempt != attempt) return;
+        if (it->second.stage != Stage::kPrefill && it->second.stage != Stage::kTransfer) return;
+        const auto status_code = code >= 0 && code <= static_cast<int32_t>(StatusCode::kCancelled)
+                                     ? static_cast<StatusCode>(code)
+                                     : StatusCode::kInternal;
+        retry(self, id, Status(status_code, message));
         dispatch_waiting(self);
       },
       [self](workers_atom, const std::vector<WorkerInfo>& workers) {
@@ -331,13 +384,25 @@ router_actor::behavior_type router_impl(RouterPointer self, RouterConfig config,
         auto& s = self->state;
         s.prefill_workers.erase(name);
         s.decode_workers.erase(name);
+        std::vector<std::string> again;
         for (auto& [id, e] : s.requests) {
           const bool on_prefill = e.stage == Stage::kPrefill && e.prefill_worker == name;
           const bool on_decode = e.stage != Stage::kWaiting && e.decode_worker == name;
           if (!on_prefill && !on_decode) continue;
+          if (e.stage != Stage::kDecode) {  // nothing streamed yet: prefill it again elsewhere
+            if (on_prefill) {  // it may have handed off just before: that decode worker drops the stale handoff
+              if (auto d = s.decode_workers.find(e.decode_worker); d != s.decode_workers.end()) {
+                self->send(caf::actor_cast<decode_actor>(d->second.handle), drop_atom::value, id, e.attempt);
+              }
+            }
+            again.push_back(id);
+            continue;
+          }
           ++s.totals.failed;
-          if (on_prefill) cancel_on_workers(self, e);  // the decode worker may still get a handoff: drop it there
           send_final(self, e.sink, error_chunk(id, Status(StatusCode::kUnavailable, "worker " + name + " went down")));
+        }
+        for (const std::string& id : again) {
+          retry(self, id, Status(StatusCode::kUnavailable, "worker " + name + " went down"));
         }
         s.prefill_outstanding.erase(name);
         s.prefill_tokens.erase(name);

@@ -22,6 +22,7 @@ struct RouterConfig {
   std::shared_ptr<kvstore::PrefixIndex> index;  // null: no index (placement by load only)
   kvstore::SipKey hash_key{};                   // must equal the workers' key for the index to match
   int64_t block_tokens = kvstore::kDefaultBlockTokens;
+  int64_t max_attempts = 3;  // prefills of one request at most (a failed/lost handoff is prefilled again)
 };
 
 // Written by the router actor after every change, read by any thread (ClusterService::status()).

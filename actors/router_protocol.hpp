@@ -8,13 +8,21 @@
 //                                    kResourceExhausted at once. A duplicate id fails with kInvalidArgument.
 //   cancel(request_id)               queued: final chunk "abort" from the router; dispatched: forwarded to
 //                                    its prefill and decode workers, which send the "abort" chunk.
-//   prefilled(request_id, bytes, us) from the prefill worker after the handoff left (stage → decode).
-//   workers(list) / lost(name)       from the registry subscription; requests placed on a lost worker fail
-//                                    with kUnavailable (re-prefill/migration is a later issue).
+//   prefilled(id, attempt, bytes, us) from the prefill worker after the handoff left (stage → transfer).
+//   admitted(id, attempt)            from the decode worker once the state checked out (stage → decode).
+//   handoff_failed(id, attempt, code, msg) from the decode worker: the state did not check out. The request is
+//                                    prefilled again (another attempt, up to max_attempts), else failed.
+//                                    (Transfer deadlines belong to the transport: a transfer that does not
+//                                    complete in time is reported by the decode side as handoff_failed.)
+//   workers(list) / lost(name)       from the registry subscription. Requests not yet admitted by a decode
+//                                    worker survive the loss of their workers: they are prefilled again.
+//                                    Admitted ones may have streamed tokens: they fail with kUnavailable.
 //   cache(CacheEventBatch)           prefix-cache events of a worker (via the registry): applied to the index.
 //   stats()                          -> RouterStats.
 // The router monitors every sink: a sink that goes down ends the request's bookkeeping (and, if the
 // request is still on a worker, cancels it there).
+//
+// Replies carry the dispatch attempt they belong to; replies of an earlier attempt are ignored.
 //
 // Sink protocol: chunk(GenerationChunk), in order; the sink quits after the first final chunk and
 // ignores anything else.
@@ -29,6 +37,8 @@ namespace deltaserve::actors {
 using submit_atom = caf::atom_constant<caf::atom("submit")>;
 using prefilled_atom = caf::atom_constant<caf::atom("prefilled")>;
 using chunk_atom = caf::atom_constant<caf::atom("chunk")>;
+using admitted_atom = caf::atom_constant<caf::atom("admitted")>;
+using failed_atom = caf::atom_constant<caf::atom("hofailed")>;
 
 struct RouterStats {
   int64_t running = 0;  // dispatched to workers, not finished
@@ -37,7 +47,8 @@ struct RouterStats {
   int64_t decode_workers = 0;
   int64_t admitted = 0;  // total
   int64_t rejected = 0;  // total, queue full
-  int64_t failed = 0;    // total, worker lost
+  int64_t failed = 0;    // total, worker lost or handoff attempts exhausted
+  int64_t retried = 0;   // total, prefilled again after a failed, late or lost handoff
   // Prefix-aware placement:
   int64_t routed_to_hit = 0;           // requests placed on a worker the index says holds a usable prefix
   int64_t expected_cached_tokens = 0;  // the prompt tokens those hits cover, in total (the worker verifies)
@@ -48,14 +59,16 @@ struct RouterStats {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, RouterStats& x) {
   return f(caf::meta::type_name("RouterStats"), x.running, x.waiting, x.prefill_workers, x.decode_workers, x.admitted,
-           x.rejected, x.failed, x.routed_to_hit, x.expected_cached_tokens, x.index_events, x.index_errors);
+           x.rejected, x.failed, x.retried, x.routed_to_hit, x.expected_cached_tokens, x.index_events, x.index_errors);
 }
 
 using sink_actor = caf::typed_actor<caf::reacts_to<chunk_atom, router::GenerationChunk>>;
 
 using router_actor = caf::typed_actor<
     caf::reacts_to<submit_atom, router::GenerationRequest, caf::actor>, caf::reacts_to<cancel_atom, std::string>,
-    caf::reacts_to<prefilled_atom, std::string, int64_t, int64_t>,
+    caf::reacts_to<prefilled_atom, std::string, int64_t, int64_t, int64_t>,
+    caf::reacts_to<admitted_atom, std::string, int64_t>,
+    caf::reacts_to<failed_atom, std::string, int64_t, int32_t, std::string>,
     caf::reacts_to<workers_atom, std::vector<WorkerInfo>>, caf::reacts_to<lost_atom, std::string>,
     caf::reacts_to<cache_atom, kvstore::CacheEventBatch>, caf::replies_to<stats_atom>::with<RouterStats>>;
 

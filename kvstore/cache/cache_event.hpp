@@ -13,8 +13,8 @@ namespace deltaserve::kvstore {
 
 struct CacheEvent {
   enum class Kind : uint8_t {
-    kStored = 0,   // pages up to the boundary are held; has_checkpoint says whether a KDA checkpoint is too
-    kEvicted = 1,  // nothing is held at the boundary any more (pages and checkpoint)
+    kStored = 0,             // pages up to the boundary are held; has_checkpoint says whether a KDA checkpoint is too
+    kEvicted = 1,            // nothing is held at the boundary any more (pages and checkpoint)
     kCheckpointEvicted = 2,  // the pages stay, the checkpoint at the boundary is gone
   };
   Kind kind = Kind::kStored;
