@@ -90,21 +90,47 @@ class ProcessMetrics {
     hook_ = 0;
   }
 
-  // At each scrape: this node's worker counters (Node::worker_stats, a bounded wait on local actors).
-  // `slots_total`: decode state slots of this node's workers; `count_handoffs`: false when prefill and
-  // decode workers share the node (both count the same handoff).
-  void read_workers(actors::Node& node, int64_t slots_total, bool count_handoffs) {
-    hook_ = metrics_->add_collect_hook([this, &node, slots_total, count_handoffs] {
+  // What the node's worker counters cannot say by themselves.
+  struct WorkerLayout {
+    int64_t decode_slots_total = 0;       // decode state slots of this node's decode workers
+    int64_t prefill_workers = 0;          // prefill workers in this node (their pools are summed)
+    int64_t checkpoint_budget_bytes = 0;  // per prefill worker, when its prefix cache is on
+    bool count_handoffs = true;           // false when prefill and decode share the node (both count one)
+  };
+
+  // At each scrape: this node's worker counters (Node::worker_stats) and, with `router`, the router's
+  // totals (Node::router_stats); bounded waits on local actors.
+  void read_node(actors::Node& node, const WorkerLayout& layout, bool router) {
+    hook_ = metrics_->add_collect_hook([this, &node, layout, router] {
+      if (router) {
+        const actors::NodeRouterStats r = node.router_stats();
+        metrics_->set_router_totals(
+            {r.admitted, r.routed_to_hit, r.expected_cached_tokens, r.index_events, r.index_errors});
+      }
+      if (layout.decode_slots_total == 0 && layout.prefill_workers == 0) return;
       const actors::NodeWorkerStats stats = node.worker_stats();
       telemetry::WorkerGaugeSnapshot w;
       w.requests_active = stats.active;
       w.requests_queued = stats.queued;
-      if (slots_total > 0) {
-        w.state_slots_total = slots_total;
+      if (layout.decode_slots_total > 0) {
+        w.state_slots_total = layout.decode_slots_total;
         w.state_slots_free = stats.free_slots;
       }
+      if (layout.prefill_workers > 0) {
+        w.prefill_slots_total = stats.slots_total;
+        w.prefill_slots_free = stats.slots_free;
+        if (layout.checkpoint_budget_bytes > 0) {
+          w.pages_total = stats.pages_total;
+          w.pages_free = stats.pages_free;
+          w.cache_entries = stats.cache_entries;
+          w.checkpoints_stored = stats.checkpoints;
+          w.checkpoint_bytes = stats.checkpoint_bytes;
+          w.checkpoint_budget_bytes = layout.checkpoint_budget_bytes * layout.prefill_workers;
+          w.cache_evictions_total = stats.cache_evictions;
+        }
+      }
       w.steps_total = stats.steps;
-      if (count_handoffs) w.handoffs_total = stats.handoffs;
+      if (layout.count_handoffs) w.handoffs_total = stats.handoffs;
       w.handoffs_failed_total = stats.rejected;
       w.handoff_bytes_total = stats.handoff_bytes;
       w.handoff_seconds_total = static_cast<double>(stats.handoff_us) * 1e-6;
@@ -139,8 +165,8 @@ struct FrontOptions {
   std::filesystem::path dir;
   int64_t drain_timeout_ms;
   std::optional<std::string> metrics_listen;
-  std::string role;                // "serve" | "router" (deltaserve_build_info)
-  int64_t decode_slots_total = 0;  // serve: this node's decode state slots (its workers are read at each scrape)
+  std::string role;                      // "serve" | "router" (deltaserve_build_info)
+  ProcessMetrics::WorkerLayout workers;  // serve: this node's workers (read at each scrape)
 };
 
 // Runs the HTTP front over `node` until a signal, then drains. Returns the exit code.
@@ -160,7 +186,7 @@ int serve_http(actors::Node& node, const FrontOptions& o, SignalWaiter& signals,
   info.context_length = config->max_position_embeddings;
   info.created_unix = static_cast<int64_t>(std::time(nullptr));
   ProcessMetrics metrics(info.id, o.role);
-  if (o.role == "serve") metrics.read_workers(node, o.decode_slots_total, /*count_handoffs=*/false);
+  metrics.read_node(node, o.workers, /*router=*/true);
   if (Status listening = metrics.listen(o.metrics_listen, out); !listening.is_ok()) return fail(err, listening);
   router::HttpServerConfig http;
   http.host = o.host;
@@ -213,8 +239,17 @@ int run_serve(const ServeOptions& o, std::ostream& out, std::ostream& err) {
   auto node = actors::Node::start(node_options);
   if (!node.is_ok()) return fail(err, node.status());
   return serve_http(**node,
-                    {o.host, o.port, o.api_keys, o.served_model_name, o.model, *dir, o.drain_timeout_ms,
-                     o.metrics_listen, "serve", o.decode_workers * o.max_batch},
+                    {o.host,
+                     o.port,
+                     o.api_keys,
+                     o.served_model_name,
+                     o.model,
+                     *dir,
+                     o.drain_timeout_ms,
+                     o.metrics_listen,
+                     "serve",
+                     {o.decode_workers * o.max_batch, o.prefill_workers,
+                      o.cache.prefix_cache ? o.cache.checkpoint_memory_mb << 20 : 0, /*count_handoffs=*/false}},
                     signals, out, err);
 }
 
@@ -247,8 +282,16 @@ int run_router(const RouterOptions& o, std::ostream& out, std::ostream& err) {
         << std::flush;
   }
   return serve_http(**node,
-                    {o.host, o.port, o.api_keys, o.served_model_name, o.model, *dir, o.drain_timeout_ms,
-                     o.metrics_listen, "router", 0},
+                    {o.host,
+                     o.port,
+                     o.api_keys,
+                     o.served_model_name,
+                     o.model,
+                     *dir,
+                     o.drain_timeout_ms,
+                     o.metrics_listen,
+                     "router",
+                     {}},
                     signals, out, err);
 }
 
@@ -275,7 +318,11 @@ int run_worker(const WorkerOptions& o, std::ostream& out, std::ostream& err) {
   std::optional<ProcessMetrics> metrics;
   if (o.metrics_listen && !o.metrics_listen->empty()) {
     metrics.emplace(served_name(std::nullopt, o.model, *dir), o.decode ? "decode" : "prefill");
-    metrics->read_workers(**node, o.decode ? o.max_batch : 0, /*count_handoffs=*/true);
+    ProcessMetrics::WorkerLayout layout;
+    layout.decode_slots_total = o.decode ? o.max_batch : 0;
+    layout.prefill_workers = o.decode ? 0 : 1;
+    layout.checkpoint_budget_bytes = o.cache.prefix_cache ? o.cache.checkpoint_memory_mb << 20 : 0;
+    metrics->read_node(**node, layout, /*router=*/false);
     if (Status listening = metrics->listen(o.metrics_listen, out); !listening.is_ok()) {
       metrics.reset();
       (*node)->shutdown();

@@ -159,6 +159,13 @@ def router() -> Dashboard:
         description="The first 16 namespaces seen by a process have their own series; the rest are 'other'.")
     d.panel("Cached prompt tokens/s by namespace", [
         (f"sum by (namespace) (rate(deltaserve_prefix_cache_hit_tokens_total{{{INST}}}[{RATE}]))", "{{namespace}}")])
+    d.panel("Placements on a cached prefix", [
+        (f"sum(rate(deltaserve_router_routed_to_cache_total{{{INST}}}[{RATE}])) / "
+         f"sum(rate(deltaserve_router_admitted_total{{{INST}}}[{RATE}]))", "placed on a hit / admitted")],
+        unit="percentunit")
+    d.panel("Expected vs. served cached tokens/s", [
+        (f"sum(rate(deltaserve_router_expected_cached_tokens_total{{{INST}}}[{RATE}]))", "expected at placement"),
+        (f"sum(rate(vllm:prefix_cache_hits_total{{{INST}}}[{RATE}]))", "served")])
     d.panel("Index lookups (tokens/s)", [
         (f"sum by (result) (rate(deltaserve_prefix_index_lookup_tokens_total{{{INST}}}[{RATE}]))", "{{result}}")])
     d.row("Routing inputs (worker load reports)")
@@ -169,12 +176,14 @@ def router() -> Dashboard:
     d.panel("Live workers by role", [
         (f"sum by (role) (deltaserve_router_workers{{{INST}}})", "{{role}}")])
     d.row("Prefix index (RocksDB)")
+    d.panel("Index events applied/s", [
+        (f"sum(rate(deltaserve_prefix_index_events_total{{{INST}}}[{RATE}]))", "events")])
     d.panel("Index entries / bytes", [
         (f"sum(deltaserve_prefix_index_entries{{{INST}}})", "entries"),
         (f"sum(deltaserve_prefix_index_bytes{{{INST}}})", "bytes")])
     d.panel("Write latency", quantiles("deltaserve_prefix_index_write_duration_seconds", INST), unit="s")
-    d.panel("Write errors/s", [
-        (f"sum(rate(deltaserve_prefix_index_write_errors_total{{{INST}}}[{RATE}]))", "errors")])
+    d.panel("Index errors/s (lookups, writes, reconciles)", [
+        (f"sum(rate(deltaserve_prefix_index_errors_total{{{INST}}}[{RATE}]))", "errors")])
     return d
 
 
@@ -191,19 +200,20 @@ def workers() -> Dashboard:
     d.panel("Generated tokens/s (cluster)", [
         (f"sum(rate(vllm:generation_tokens_total[{RATE}]))", "tokens/s")])
     d.row("Memory: state slots, MLA pages, KDA checkpoints")
-    d.panel("KDA state slots", [
-        (f"sum by (state) (deltaserve_kda_state_slots{{{INST}}})", "{{state}}")])
+    d.panel("State slots (decode: KDA batch; prefill: fixed pool)", [
+        (f"sum by (role, state) (deltaserve_kda_state_slots{{{INST}}})", "{{role}} {{state}}")])
     d.panel("MLA page groups", [
         (f"sum by (state) (deltaserve_mla_pages{{{INST}}})", "{{state}}"),
     ])
     d.panel("KV cache usage", [(f"vllm:kv_cache_usage_perc{{{INST}}}", "{{instance}}")], unit="percentunit")
-    d.panel("KDA checkpoints", [
-        (f"sum(deltaserve_kda_checkpoints{{{INST}}})", "stored")])
+    d.panel("Prefix cache: entries and KDA checkpoints", [
+        (f"sum(deltaserve_prefix_cache_entries{{{INST}}})", "entries (block boundaries with pages)"),
+        (f"sum(deltaserve_kda_checkpoints{{{INST}}})", "checkpoints")])
     d.panel("KDA checkpoint bytes / budget", [
         (f"sum(deltaserve_kda_checkpoint_bytes{{{INST}}})", "bytes"),
         (f"sum(deltaserve_kda_checkpoint_budget_bytes{{{INST}}})", "budget")], unit="bytes")
-    d.panel("Checkpoint evictions/s", [
-        (f"sum(rate(deltaserve_kda_checkpoint_evictions_total{{{INST}}}[{RATE}]))", "evictions")])
+    d.panel("Prefix-cache evictions/s", [
+        (f"sum(rate(deltaserve_prefix_cache_evictions_total{{{INST}}}[{RATE}]))", "entries + checkpoints")])
     d.row("Handoffs (prefill to decode: MLA pages + KDA states)")
     d.panel("Handoffs/s by result", [
         (f"sum by (transport, result) (rate(deltaserve_handoffs_total{{{INST}}}[{RATE}]))",

@@ -45,11 +45,8 @@ class CumulativeCounter {
  public:
   explicit CumulativeCounter(Counter& counter) : counter_(counter) {}
   void update(double total) {
-    if (total >= last_) {
-      counter_.Increment(total - last_);
-    } else {
-      counter_.Increment(total);  // the source restarted from zero
-    }
+    if (total <= last_) return;  // same-process sources never go down: a lower value is a failed read
+    counter_.Increment(total - last_);
     last_ = total;
   }
 
@@ -179,12 +176,17 @@ struct Metrics::State : prometheus::Collectable {
                             .Register(*registry)),
         state_slots(prometheus::BuildGauge()
                         .Name("deltaserve_kda_state_slots")
-                        .Help("KDA state slots of this process's decode workers: state=used or free.")
+                        .Help("Request state slots of this process's workers by role (decode: KDA batch slots; "
+                              "prefill: the fixed pool): state=used or free.")
                         .Register(*registry)),
         pages(prometheus::BuildGauge()
                   .Name("deltaserve_mla_pages")
-                  .Help("MLA page groups of this process's pools: state=used or free.")
+                  .Help("MLA page groups of this process's prefix-cache pools: state=used or free.")
                   .Register(*registry)),
+        cache_entries(prometheus::BuildGauge()
+                          .Name("deltaserve_prefix_cache_entries")
+                          .Help("Block boundaries whose MLA pages this process's prefix caches hold.")
+                          .Register(*registry)),
         checkpoints(prometheus::BuildGauge()
                         .Name("deltaserve_kda_checkpoints")
                         .Help("KDA checkpoints held by the checkpoint store.")
@@ -197,10 +199,10 @@ struct Metrics::State : prometheus::Collectable {
                                     .Name("deltaserve_kda_checkpoint_budget_bytes")
                                     .Help("The checkpoint store's byte budget.")
                                     .Register(*registry)),
-        checkpoint_evictions(prometheus::BuildCounter()
-                                 .Name("deltaserve_kda_checkpoint_evictions_total")
-                                 .Help("KDA checkpoints evicted by the store's LRU.")
-                                 .Register(*registry)),
+        cache_evictions(prometheus::BuildCounter()
+                            .Name("deltaserve_prefix_cache_evictions_total")
+                            .Help("Prefix-cache entries and KDA checkpoints evicted by the LRU.")
+                            .Register(*registry)),
         worker_steps(prometheus::BuildCounter()
                          .Name("deltaserve_worker_steps_total")
                          .Help("Decode steps and prefill chunks run by this process's workers.")
@@ -233,10 +235,26 @@ struct Metrics::State : prometheus::Collectable {
                                  .Name("deltaserve_prefix_index_write_duration_seconds")
                                  .Help("Duration of one synced prefix-index write batch.")
                                  .Register(*registry)),
-        index_write_errors(prometheus::BuildCounter()
-                               .Name("deltaserve_prefix_index_write_errors_total")
-                               .Help("Prefix-index write batches that failed.")
-                               .Register(*registry)),
+        index_errors(prometheus::BuildCounter()
+                         .Name("deltaserve_prefix_index_errors_total")
+                         .Help("Prefix-index lookups, writes and reconciles that failed.")
+                         .Register(*registry)),
+        index_events(prometheus::BuildCounter()
+                         .Name("deltaserve_prefix_index_events_total")
+                         .Help("Cache events (blocks stored or evicted on a worker) applied to the prefix index.")
+                         .Register(*registry)),
+        router_admitted(prometheus::BuildCounter()
+                            .Name("deltaserve_router_admitted_total")
+                            .Help("Requests admitted into the router queue.")
+                            .Register(*registry)),
+        router_routed_to_cache(prometheus::BuildCounter()
+                                   .Name("deltaserve_router_routed_to_cache_total")
+                                   .Help("Choices placed on a prefill worker that holds a cached prefix of them.")
+                                   .Register(*registry)),
+        router_expected_cached_tokens(prometheus::BuildCounter()
+                                          .Name("deltaserve_router_expected_cached_tokens_total")
+                                          .Help("Prompt tokens those placements expected to find cached.")
+                                          .Register(*registry)),
         router_worker_load(prometheus::BuildGauge()
                                .Name("deltaserve_router_worker_load")
                                .Help("Requests active + queued on each worker, from its latest load report.")
@@ -334,10 +352,11 @@ struct Metrics::State : prometheus::Collectable {
   Family<Gauge>& worker_requests;
   Family<Gauge>& state_slots;
   Family<Gauge>& pages;
+  Family<Gauge>& cache_entries;
   Family<Gauge>& checkpoints;
   Family<Gauge>& checkpoint_bytes;
   Family<Gauge>& checkpoint_budget_bytes;
-  Family<Counter>& checkpoint_evictions;
+  Family<Counter>& cache_evictions;
   Family<Counter>& worker_steps;
   Family<Counter>& handoffs;
   Family<Counter>& handoff_bytes;
@@ -346,7 +365,11 @@ struct Metrics::State : prometheus::Collectable {
   Family<Gauge>& index_entries;
   Family<Gauge>& index_bytes;
   Family<Histogram>& index_write_duration;
-  Family<Counter>& index_write_errors;
+  Family<Counter>& index_errors;
+  Family<Counter>& index_events;
+  Family<Counter>& router_admitted;
+  Family<Counter>& router_routed_to_cache;
+  Family<Counter>& router_expected_cached_tokens;
   Family<Gauge>& router_worker_load;
   Family<Gauge>& router_worker_free_slots;
   Family<Gauge>& router_workers;
@@ -451,17 +474,21 @@ void Metrics::set_worker_gauges(const WorkerGaugeSnapshot& w) {
   };
   set(s.worker_requests, {{"state", "active"}}, w.requests_active);
   set(s.worker_requests, {{"state", "queued"}}, w.requests_queued);
-  if (w.state_slots_total && w.state_slots_free) {
-    s.state_slots.Add({{"state", "free"}}).Set(static_cast<double>(*w.state_slots_free));
-    s.state_slots.Add({{"state", "used"}})
-        .Set(static_cast<double>(std::max<int64_t>(0, *w.state_slots_total - *w.state_slots_free)));
-  }
+  auto set_slots = [&](const char* role, const std::optional<int64_t>& total, const std::optional<int64_t>& free) {
+    if (!total || !free) return;
+    s.state_slots.Add({{"role", role}, {"state", "free"}}).Set(static_cast<double>(*free));
+    s.state_slots.Add({{"role", role}, {"state", "used"}})
+        .Set(static_cast<double>(std::max<int64_t>(0, *total - *free)));
+  };
+  set_slots("decode", w.state_slots_total, w.state_slots_free);
+  set_slots("prefill", w.prefill_slots_total, w.prefill_slots_free);
   if (w.pages_total && w.pages_free) {
     const int64_t used = std::max<int64_t>(0, *w.pages_total - *w.pages_free);
     s.pages.Add({{"state", "free"}}).Set(static_cast<double>(*w.pages_free));
     s.pages.Add({{"state", "used"}}).Set(static_cast<double>(used));
     s.kv_cache_usage.Add(s.model).Set(*w.pages_total > 0 ? static_cast<double>(used) / *w.pages_total : 0.0);
   }
+  set(s.cache_entries, {}, w.cache_entries);
   set(s.checkpoints, {}, w.checkpoints_stored);
   set(s.checkpoint_bytes, {}, w.checkpoint_bytes);
   set(s.checkpoint_budget_bytes, {}, w.checkpoint_budget_bytes);
@@ -471,7 +498,7 @@ void Metrics::set_worker_gauges(const WorkerGaugeSnapshot& w) {
     if (value) s.cumulative_counter(key, family.Add(labels)).update(static_cast<double>(*value));
   };
   update("steps", s.worker_steps, {}, w.steps_total);
-  update("evictions", s.checkpoint_evictions, {}, w.checkpoint_evictions_total);
+  update("evictions", s.cache_evictions, {}, w.cache_evictions_total);
   update("handoffs_ok", s.handoffs, {{"transport", "caf"}, {"result", "ok"}}, w.handoffs_total);
   update("handoffs_failed", s.handoffs, {{"transport", "caf"}, {"result", "failed"}}, w.handoffs_failed_total);
   update("handoff_bytes", s.handoff_bytes, {{"transport", "caf"}}, w.handoff_bytes_total);
@@ -502,14 +529,20 @@ void Metrics::set_index_stats(const IndexStats& stats) {
   state_->index_bytes.Add({}).Set(static_cast<double>(stats.bytes_on_disk));
 }
 
-void Metrics::observe_index_write(double seconds, bool ok) {
+void Metrics::observe_index_write(double seconds) {
+  state_->index_write_duration.Add({}, kIndexWriteBuckets).Observe(std::max(0.0, seconds));
+}
+
+void Metrics::set_router_totals(const RouterTotals& t) {
   State& s = *state_;
-  if (!ok) {
-    s.index_write_errors.Add({}).Increment();
-    return;
-  }
-  s.index_write_errors.Add({});  // the series exists (at 0) once writes happen, for rate() in alerts
-  s.index_write_duration.Add({}, kIndexWriteBuckets).Observe(std::max(0.0, seconds));
+  std::lock_guard lock(s.cumulative_mutex);
+  s.cumulative_counter("router_admitted", s.router_admitted.Add({})).update(static_cast<double>(t.admitted_total));
+  s.cumulative_counter("router_routed_to_cache", s.router_routed_to_cache.Add({}))
+      .update(static_cast<double>(t.routed_to_cache_total));
+  s.cumulative_counter("router_expected_cached_tokens", s.router_expected_cached_tokens.Add({}))
+      .update(static_cast<double>(t.expected_cached_tokens_total));
+  s.cumulative_counter("index_events", s.index_events.Add({})).update(static_cast<double>(t.index_events_total));
+  s.cumulative_counter("index_errors", s.index_errors.Add({})).update(static_cast<double>(t.index_errors_total));
 }
 
 void Metrics::set_router_workers(const std::vector<RouterWorkerView>& workers) {

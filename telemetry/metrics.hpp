@@ -90,7 +90,10 @@ class Metrics {
   // counters are fed by observe_finished from what the request really reused.
   void observe_prefix_lookup(std::string_view cache_namespace, int64_t query_tokens, int64_t hit_tokens);
   void set_index_stats(const IndexStats& stats);
-  void observe_index_write(double seconds, bool ok);
+  // One successful prefix-index write batch (failures are counted in RouterTotals::index_errors_total).
+  void observe_index_write(double seconds);
+  // The router's totals; call whenever convenient (cli reads Node::router_stats at each scrape).
+  void set_router_totals(const RouterTotals& totals);
   // The router's current view of every worker; workers missing from `workers` lose their series.
   void set_router_workers(const std::vector<RouterWorkerView>& workers);
 

@@ -125,13 +125,16 @@ TEST(Metrics, CumulativeWorkerTotalsBecomeMonotonicCounters) {
   metrics.set_worker_gauges(w);
   w.steps_total = 15;
   metrics.set_worker_gauges(w);
-  w.steps_total = 3;  // the worker restarted
+  w.steps_total = 0;  // a failed read: ignored
+  metrics.set_worker_gauges(w);
+  w.steps_total = 16;
   metrics.set_worker_gauges(w);
   const std::string text = metrics.serialize();
-  EXPECT_EQ(sample(text, "deltaserve_worker_steps_total"), 18.0);
+  EXPECT_EQ(sample(text, "deltaserve_worker_steps_total"), 16.0);
   EXPECT_EQ(sample(text, R"(deltaserve_worker_requests{state="active"})"), 3.0);
   EXPECT_EQ(text.find(R"(deltaserve_worker_requests{state="queued"})"), std::string::npos);  // not known
-  EXPECT_EQ(sample(text, R"(deltaserve_kda_state_slots{state="used"})"), 3.0);
+  EXPECT_EQ(sample(text, R"(deltaserve_kda_state_slots{role="decode",state="used"})"), 3.0);
+  EXPECT_EQ(text.find(R"(role="prefill")"), std::string::npos);  // not known
   EXPECT_EQ(sample(text, R"(deltaserve_mla_pages{state="free"})"), 6.0);
   EXPECT_NEAR(*sample(text, R"(vllm:kv_cache_usage_perc{model_name="m"})"), 0.4, 1e-12);
 }
@@ -140,8 +143,9 @@ TEST(Metrics, HandoffsIndexAndRouterWorkers) {
   Metrics metrics = make();
   metrics.observe_handoff("ucx", 1000, 0.002, true);
   metrics.observe_handoff("ucx", 500, 0.5, false);
-  metrics.observe_index_write(0.0003, true);
-  metrics.observe_index_write(0.0, false);
+  metrics.observe_index_write(0.0003);
+  metrics.set_router_totals({10, 4, 2048, 7, 1});
+  metrics.set_router_totals({12, 4, 2048, 9, 0});  // a failed read (lower): ignored
   metrics.set_index_stats({42, 4096});
   metrics.set_router_workers(
       {{"d0", "decode", 2, 6, true}, {"d1", "decode", 0, 8, false}, {"p0", "prefill", 1, 0, true}});
@@ -150,7 +154,10 @@ TEST(Metrics, HandoffsIndexAndRouterWorkers) {
   EXPECT_EQ(sample(text, R"(deltaserve_handoffs_total{result="ok",transport="ucx"})"), 1.0);
   EXPECT_EQ(sample(text, R"(deltaserve_handoffs_total{result="failed",transport="ucx"})"), 1.0);
   EXPECT_EQ(sample(text, R"(deltaserve_handoff_bytes_total{transport="ucx"})"), 1000.0);
-  EXPECT_EQ(sample(text, "deltaserve_prefix_index_write_errors_total"), 1.0);
+  EXPECT_EQ(sample(text, "deltaserve_prefix_index_errors_total"), 1.0);
+  EXPECT_EQ(sample(text, "deltaserve_prefix_index_events_total"), 9.0);
+  EXPECT_EQ(sample(text, "deltaserve_router_admitted_total"), 12.0);
+  EXPECT_EQ(sample(text, "deltaserve_router_expected_cached_tokens_total"), 2048.0);
   EXPECT_EQ(sample(text, "deltaserve_prefix_index_write_duration_seconds_count"), 1.0);
   EXPECT_EQ(sample(text, "deltaserve_prefix_index_entries"), 42.0);
   EXPECT_EQ(sample(text, R"(deltaserve_router_worker_load{role="decode",worker="d0"})"), 1.0);

@@ -13,25 +13,37 @@ namespace deltaserve::telemetry {
 
 // What one process's workers hold now (a prefill or decode process, or every worker of `serve`).
 // Gauges are set to these values; the *_total fields are cumulative since the worker started and
-// become counter increments (Metrics keeps the last value seen; a value that goes down is taken as a
-// restart and counted from zero).
+// become counter increments (Metrics keeps the highest value seen and adds the growth; a lower value is
+// ignored: the workers live in the same process as the Metrics, so a lower value is a failed read).
 struct WorkerGaugeSnapshot {
   std::optional<int64_t> requests_active;    // decode: requests in the batch; prefill: prompts being prefilled
   std::optional<int64_t> requests_queued;    // waiting inside the worker (handoffs without a slot, queued prompts)
-  std::optional<int64_t> state_slots_total;  // KDA state slots (decode)
+  std::optional<int64_t> state_slots_total;  // KDA state slots of the decode workers (one per request in the batch)
   std::optional<int64_t> state_slots_free;
-  std::optional<int64_t> pages_total;  // MLA page groups in the pool
+  std::optional<int64_t> prefill_slots_total;  // request state slots of the prefill workers' fixed pools
+  std::optional<int64_t> prefill_slots_free;
+  std::optional<int64_t> pages_total;  // MLA page groups of the prefix-cache pools
   std::optional<int64_t> pages_free;
-  std::optional<int64_t> checkpoints_stored;       // KDA checkpoints held by the checkpoint store
+  std::optional<int64_t> cache_entries;            // block boundaries whose pages the prefix caches hold
+  std::optional<int64_t> checkpoints_stored;       // KDA checkpoints held by the checkpoint stores
   std::optional<int64_t> checkpoint_bytes;         // bytes they take
-  std::optional<int64_t> checkpoint_budget_bytes;  // the store's byte budget
+  std::optional<int64_t> checkpoint_budget_bytes;  // the stores' byte budget
   // Cumulative:
-  std::optional<int64_t> steps_total;                 // decode steps / prefill chunks run
-  std::optional<int64_t> checkpoint_evictions_total;  // checkpoints evicted by the store's LRU
-  std::optional<int64_t> handoffs_total;              // prefill: states sent; decode: states accepted
-  std::optional<int64_t> handoff_bytes_total;         // bytes sent in handoffs
-  std::optional<double> handoff_seconds_total;        // time spent encoding + sending them
-  std::optional<int64_t> handoffs_failed_total;       // handoffs rejected or failed
+  std::optional<int64_t> steps_total;            // decode steps / prefill chunks run
+  std::optional<int64_t> cache_evictions_total;  // prefix-cache entries + KDA checkpoints evicted
+  std::optional<int64_t> handoffs_total;         // prefill: states sent; decode: states accepted
+  std::optional<int64_t> handoff_bytes_total;    // bytes sent in handoffs
+  std::optional<double> handoff_seconds_total;   // time spent encoding + sending them
+  std::optional<int64_t> handoffs_failed_total;  // handoffs rejected or failed
+};
+
+// The router's cumulative counters (same rules as the *_total fields above).
+struct RouterTotals {
+  int64_t admitted_total = 0;                // requests admitted into the router queue
+  int64_t routed_to_cache_total = 0;         // choices placed on a prefill worker holding a cached prefix
+  int64_t expected_cached_tokens_total = 0;  // prompt tokens those placements expected to find cached
+  int64_t index_events_total = 0;            // cache events applied to the prefix index
+  int64_t index_errors_total = 0;            // prefix-index lookups, writes and reconciles that failed
 };
 
 // The prefix index (RocksDB) as one process sees it.

@@ -25,18 +25,11 @@ METRICS_CPP = os.path.join(REPO, "telemetry", "metrics.cpp")
 # have started to appear so this list can shrink.
 PENDING_ACTOR_WIRING = {
     "vllm:request_queue_time_seconds",  # Metrics::observe_queue_time (router actor)
-    "vllm:kv_cache_usage_perc",  # set_worker_gauges pages_* (prefill worker's page pool)
-    "deltaserve_mla_pages",
-    "deltaserve_kda_checkpoints",  # set_worker_gauges checkpoint_* (checkpoint store)
-    "deltaserve_kda_checkpoint_bytes",
-    "deltaserve_kda_checkpoint_budget_bytes",
-    "deltaserve_kda_checkpoint_evictions_total",
     "deltaserve_handoff_duration_seconds",  # observe_handoff (per transfer)
     "deltaserve_prefix_index_lookup_tokens_total",  # observe_prefix_lookup (router actor)
     "deltaserve_prefix_index_entries",  # set_index_stats / observe_index_write (prefix index)
     "deltaserve_prefix_index_bytes",
     "deltaserve_prefix_index_write_duration_seconds",
-    "deltaserve_prefix_index_write_errors_total",
     "deltaserve_router_worker_load",  # set_router_workers (registry / router actor)
     "deltaserve_router_worker_free_slots",
     "deltaserve_router_workers",

@@ -110,7 +110,17 @@ def test_serve_metrics_match_the_traffic(serve):
     # Gauges read at scrape time: idle, ready, every decode slot free again.
     assert v(s, "deltaserve_ready") == 1 and v(s, "deltaserve_draining") == 0
     assert v(s, "vllm:num_requests_running") == 0 and v(s, "vllm:num_requests_waiting") == 0
-    assert v(s, "deltaserve_kda_state_slots", state="free") == 32 and v(s, "deltaserve_kda_state_slots", state="used") == 0
+    assert v(s, "deltaserve_kda_state_slots", role="decode", state="free") == 32
+    assert v(s, "deltaserve_kda_state_slots", role="decode", state="used") == 0
+    assert v(s, "deltaserve_kda_state_slots", role="prefill", state="used") == 0
+    assert v(s, "deltaserve_kda_state_slots", role="prefill", state="free") > 0
+    # The prefill worker's prefix cache (on by default) and the router's totals.
+    pages = v(s, "deltaserve_mla_pages")
+    assert pages > 0 and v(s, "vllm:kv_cache_usage_perc") == v(s, "deltaserve_mla_pages", state="used") / pages
+    assert "deltaserve_prefix_cache_entries" in s  # 0 here: these prompts are shorter than one 512-token block
+    assert v(s, "deltaserve_kda_checkpoint_budget_bytes") == 256 << 20  # --checkpoint-memory-mb default
+    assert v(s, "deltaserve_router_admitted_total") == choices
+    assert v(s, "deltaserve_prefix_index_errors_total") == 0
     assert v(s, "deltaserve_router_decode_slots", state="free") == 32
     assert v(s, "deltaserve_worker_steps_total") > 0
     assert v(s, "deltaserve_handoff_bytes_total") > 0
@@ -159,9 +169,12 @@ def test_multi_process_metrics_listeners(ops_env, ops_logdir, ops_model_dir):
             assert "vllm:generation_tokens_total" not in text  # workers see no HTTP requests
             check_promtool(text)
         text, s = scrape(listeners["decode0"], "text/plain")
-        assert opslib.value(s, "deltaserve_kda_state_slots", state="free") == 4
+        assert opslib.value(s, "deltaserve_kda_state_slots", role="decode", state="free") == 4
+        assert "role=\"prefill\"" not in text
         text, s = scrape(listeners["prefill0"], "text/plain")
         assert opslib.value(s, "deltaserve_handoff_bytes_total") > 0
+        assert opslib.value(s, "deltaserve_kda_state_slots", role="prefill", state="used") == 0
+        assert opslib.value(s, "deltaserve_mla_pages") > 0
     finally:
         problems = c.stop(check=False)
     assert not problems, "\n".join(problems)

@@ -135,6 +135,8 @@ def test_prometheus_scrapes_what_clients_saw(ops_env, ops_logdir, ops_model_dir,
         ttft_p99 = prom.scalar("histogram_quantile(0.99, sum by (le) (vllm:time_to_first_token_seconds_bucket))")
         assert ttft_p99 is not None and 0 < ttft_p99 < 60, ttft_p99
         assert prom.scalar("deltaserve_ready") == 1
+        if cached > 0:  # the repeated long prompt was served from the cache, so the cache holds its blocks
+            assert prom.scalar("sum(deltaserve_prefix_cache_entries)") > 0
 
         # The rules load and evaluate without error against real series.
         def rules_healthy():
