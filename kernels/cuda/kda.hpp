@@ -107,4 +107,24 @@ struct KdaDecodeParams {
 
 [[nodiscard]] Status kda_decode_step(const KdaDecodeParams& params, cudaStream_t stream);
 
+// ---- speculative decoding ---------------------------------------------------------------------------------
+// Device buffers of one verify/commit pair (kept by the caller between the two calls).
+struct KdaSpecBuffers {
+  int max_draft_tokens = 0;     // k_max in [1, 16]
+  float* saved = nullptr;       // [B, k, H, 3, d] fp32: each draft token's k (L2-normalised), v (after conv), e^g
+  float* saved_beta = nullptr;  // [B, k, H] fp32
+};
+
+// Verify k draft tokens per row: with KdaDecodeParams' activations read as [B, k, H*d] ([B, k, H] for beta_raw)
+// and `out` written as [B, k, H*d], runs the tokens in order from the committed state exactly like k decode
+// steps, but leaves `state` and `conv_state` untouched; saves the projected inputs into `buffers`.
+[[nodiscard]] Status kda_spec_verify(const KdaDecodeParams& params, int draft_tokens, const KdaSpecBuffers& buffers,
+                                     cudaStream_t stream);
+
+// Commit the first accepted[b] (device int32 [B], clamped to [0, k]) draft tokens of each row: rebuilds the state
+// from the saved inputs and shifts the accepted raw q/k/v inputs (the verify call's q_in/k_in/v_in) into the conv
+// tails. The result equals running only the accepted tokens through kda_decode_step. Graph-capturable.
+[[nodiscard]] Status kda_spec_commit(const KdaDecodeParams& params, int draft_tokens, const int32_t* accepted,
+                                     const KdaSpecBuffers& buffers, cudaStream_t stream);
+
 }  // namespace deltaserve::kernels::cuda

@@ -8,66 +8,12 @@
 #include <cuda_bf16.h>
 
 #include "kernels/cuda/kda.hpp"
+#include "kernels/cuda/kda_decode_common.cuh"
 
 namespace deltaserve::kernels::cuda {
 namespace {
 
-using bf16 = __nv_bfloat16;
-
-constexpr int kD = kKdaHeadDim;
-constexpr int kThreads = 512;
-constexpr int kRowGroups = kThreads / 32;  // 16 groups of 8 state rows
-constexpr float kL2Eps = 1e-6f;
-
-struct DecodeArgs {
-  int num_heads;
-  int conv_kernel;
-  int num_slots;
-  const int32_t* slots;
-  const bf16* q_in;
-  const bf16* k_in;
-  const bf16* v_in;
-  const bf16* gate_raw;
-  const bf16* beta_raw;
-  const bf16* out_gate;
-  const float* q_conv_weight;
-  const float* k_conv_weight;
-  const float* v_conv_weight;
-  const float* a_log;
-  const float* dt_bias;
-  int bounded;
-  float lower_bound;
-  const float* o_norm_weight;
-  float rms_eps;
-  float* conv_state;
-  float* state;
-  bf16* out;
-};
-
-__device__ __forceinline__ float silu(float x) {
-  return x / (1.0f + __expf(-x));
-}
-__device__ __forceinline__ float sigmoid(float x) {
-  return 1.0f / (1.0f + __expf(-x));
-}
-
-// Causal depthwise conv of one channel: taps weight[0..K-1] over (tail[0..K-2], x); new tail in `tail`.
-__device__ __forceinline__ float conv_step(const float* weight, float (&tail)[3], float x, int kernel) {
-  float sum = weight[kernel - 1] * x;
-#pragma unroll
-  for (int j = 0; j < 3; ++j) {
-    if (j < kernel - 1) sum += weight[j] * tail[j];
-  }
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    if (j + 1 < kernel - 1) tail[j] = tail[j + 1];
-  }
-#pragma unroll
-  for (int j = 0; j < 3; ++j) {
-    if (j == kernel - 2) tail[j] = x;
-  }
-  return silu(sum);
-}
+using namespace detail;  // NOLINT(google-build-using-namespace)
 
 __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(DecodeArgs p) {
   __shared__ float x_s[3][kD];  // q, k, v after conv + SiLU (q, k then normalised)
@@ -194,73 +140,12 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(DecodeArgs p) {
   }
 }
 
-bool aligned16(const void* pointer) {
-  return (reinterpret_cast<uintptr_t>(pointer) & 15u) == 0;
-}
-
-Status check_pointer(const void* pointer, const char* name) {
-  if (pointer == nullptr) return invalid_argument(std::string("kda_decode_step: ") + name + " is null");
-  if (!aligned16(pointer)) return invalid_argument(std::string("kda_decode_step: ") + name + " is not 16-byte aligned");
-  return Status::ok();
-}
-
 }  // namespace
 
 Status kda_decode_step(const KdaDecodeParams& p, cudaStream_t stream) {
-  if (p.batch < 0 || p.batch > 65535) return invalid_argument("kda_decode_step: batch must be in [0, 65535]");
-  if (p.num_heads <= 0 || p.num_heads > 65535) return invalid_argument("kda_decode_step: num_heads must be >= 1");
-  if (p.head_dim != kD)
-    return unimplemented("kda_decode_step: head_dim must be 128, got " + std::to_string(p.head_dim));
-  if (p.conv_kernel < 1 || p.conv_kernel > 4) {
-    return unimplemented("kda_decode_step: conv_kernel must be in [1, 4], got " + std::to_string(p.conv_kernel));
-  }
-  if (p.num_slots <= 0) return invalid_argument("kda_decode_step: num_slots must be >= 1");
-  if (!(p.rms_eps > 0.0f && std::isfinite(p.rms_eps))) return invalid_argument("kda_decode_step: rms_eps must be > 0");
-  if (p.lower_bound && !(std::isfinite(*p.lower_bound) && *p.lower_bound < 0.0f)) {
-    return invalid_argument("kda_decode_step: lower_bound must be finite and < 0");
-  }
+  DS_RETURN_IF_ERROR(validate_decode_params(p, "kda_decode_step"));
   if (p.batch == 0) return Status::ok();
-  const std::pair<const void*, const char*> pointers[] = {
-      {p.slots, "slots"},
-      {p.q_in, "q_in"},
-      {p.k_in, "k_in"},
-      {p.v_in, "v_in"},
-      {p.gate_raw, "gate_raw"},
-      {p.beta_raw, "beta_raw"},
-      {p.out_gate, "out_gate"},
-      {p.q_conv_weight, "q_conv_weight"},
-      {p.k_conv_weight, "k_conv_weight"},
-      {p.v_conv_weight, "v_conv_weight"},
-      {p.a_log, "a_log"},
-      {p.dt_bias, "dt_bias"},
-      {p.o_norm_weight, "o_norm_weight"},
-      {p.state, "state"},
-      {p.out, "out"},
-  };
-  for (const auto& [pointer, name] : pointers) DS_RETURN_IF_ERROR(check_pointer(pointer, name));
-  if (p.conv_kernel > 1) DS_RETURN_IF_ERROR(check_pointer(p.conv_state, "conv_state"));  // K = 1 keeps no tails
-  DecodeArgs args{p.num_heads,
-                  p.conv_kernel,
-                  p.num_slots,
-                  p.slots,
-                  p.q_in,
-                  p.k_in,
-                  p.v_in,
-                  p.gate_raw,
-                  p.beta_raw,
-                  p.out_gate,
-                  p.q_conv_weight,
-                  p.k_conv_weight,
-                  p.v_conv_weight,
-                  p.a_log,
-                  p.dt_bias,
-                  p.lower_bound ? 1 : 0,
-                  p.lower_bound.value_or(0.0f),
-                  p.o_norm_weight,
-                  p.rms_eps,
-                  p.conv_state,
-                  p.state,
-                  p.out};
+  const DecodeArgs args = make_decode_args(p);
   kda_decode_kernel<<<dim3(static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch)), kThreads, 0, stream>>>(
       args);
   const cudaError_t error = cudaGetLastError();
