@@ -238,19 +238,13 @@ int run_serve(const ServeOptions& o, std::ostream& out, std::ostream& err) {
   apply_cache_options(o.cache, node_options);
   auto node = actors::Node::start(node_options);
   if (!node.is_ok()) return fail(err, node.status());
-  return serve_http(**node,
-                    {o.host,
-                     o.port,
-                     o.api_keys,
-                     o.served_model_name,
-                     o.model,
-                     *dir,
-                     o.drain_timeout_ms,
-                     o.metrics_listen,
-                     "serve",
-                     {o.decode_workers * o.max_batch, o.prefill_workers,
-                      o.cache.prefix_cache ? o.cache.checkpoint_memory_mb << 20 : 0, /*count_handoffs=*/false}},
-                    signals, out, err);
+  FrontOptions front{o.host,           o.port,  o.api_keys, o.served_model_name, o.model, *dir, o.drain_timeout_ms,
+                     o.metrics_listen, "serve", {}};
+  front.workers.decode_slots_total = o.decode_workers * o.max_batch;
+  front.workers.prefill_workers = o.prefill_workers;
+  front.workers.checkpoint_budget_bytes = o.cache.prefix_cache ? o.cache.checkpoint_memory_mb << 20 : 0;
+  front.workers.count_handoffs = false;  // prefill and decode workers both count each handoff
+  return serve_http(**node, front, signals, out, err);
 }
 
 int run_router(const RouterOptions& o, std::ostream& out, std::ostream& err) {
@@ -281,18 +275,10 @@ int run_router(const RouterOptions& o, std::ostream& out, std::ostream& err) {
     out << "deltaserve: cluster listening on " << o.cluster_host << ":" << (*node)->cluster_port() << "\n"
         << std::flush;
   }
-  return serve_http(**node,
-                    {o.host,
-                     o.port,
-                     o.api_keys,
-                     o.served_model_name,
-                     o.model,
-                     *dir,
-                     o.drain_timeout_ms,
-                     o.metrics_listen,
-                     "router",
-                     {}},
-                    signals, out, err);
+  const FrontOptions front{o.host,   o.port, o.api_keys,         o.served_model_name,
+                           o.model,  *dir,   o.drain_timeout_ms, o.metrics_listen,
+                           "router", {}};
+  return serve_http(**node, front, signals, out, err);
 }
 
 int run_worker(const WorkerOptions& o, std::ostream& out, std::ostream& err) {
