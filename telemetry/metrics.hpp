@@ -79,6 +79,19 @@ class Metrics {
   void observe_finished(const FinishedRequest& request);
 
   // ---- the actors' side (plain snapshots; see snapshots.hpp) ------------------------------------
+  // Fed today by cli/serve_command.cpp at each scrape: set_worker_gauges (Node::worker_stats) and
+  // set_router_totals (Node::router_stats). Not called yet; where they belong (actors get the Metrics
+  // through a std::shared_ptr in actors::NodeOptions):
+  //   observe_queue_time     router_actor.cpp try_dispatch_one(), when a queued entry is sent to prefill:
+  //                          (steady now - request.arrival_ns) / 1e9 (arrival_ns is the HTTP front's clock,
+  //                          valid in the process that accepted the request)
+  //   observe_prefix_lookup  router_actor.cpp pick_prefill(), after index->lookup(): usable_blocks * block
+  //                          tokens looked up, the deepest usable match in tokens, namespace ns
+  //   observe_index_write    router_actor.cpp cache_atom handler: the duration of index->apply(batch) when ok
+  //   set_index_stats        with the router's totals (a PrefixIndex size accessor is needed)
+  //   observe_handoff        router_actor.cpp prefilled_atom handler (num_bytes, micros / 1e6, ok) with
+  //                          transport "caf", or kvstore/transfer per transfer with "ucx"
+  //   set_router_workers     from the registry's worker list on each heartbeat / publish (name, role, load)
   // Time a request waited before its prefill started (the router/prefill queue).
   void observe_queue_time(double seconds);
   // This process's workers now. Call whenever convenient (each load report, or from a collect hook).
