@@ -69,6 +69,17 @@ int64_t kda_prefill_checkpoint_count(const std::vector<int32_t>& cu_seqlens, int
 // cudaMemcpyAsync from pageable memory, which stages them before returning).
 [[nodiscard]] Status kda_chunk_prefill(const KdaPrefillParams& params, cudaStream_t stream);
 
+// ---- context parallel ---------------------------------------------------------------------------------------
+// A segment of a sequence maps its incoming state affinely: S_out = M S_in + S0 (per head, [d_k, d_v] fp32).
+//   S0: kda_chunk_prefill of the segment with initial_state = nullptr (its final_state);
+//   M:  kda_chunk_prefill of the same segment with v = 0 and initial_state = the identity per head (u = 0, so each
+//       chunk applies only its transition Diag(e^gc_last) - (K e^(gc_last - gc))^T W); its o is meaningless.
+// Devices exchange the fixed-size (M, S0) pairs (independent of length), compose left to right with
+// kda_compose_segment, then rerun their segment with the composed incoming state for the outputs.
+// s_out = m s_in + s0 for num_heads heads; s_out may alias s0, not m or s_in. Asynchronous.
+[[nodiscard]] Status kda_compose_segment(const float* m, const float* s_in, const float* s0, float* s_out,
+                                         int num_heads, cudaStream_t stream);
+
 // ---- fused decode step ------------------------------------------------------------------------------------
 // One token per batch row; each row's recurrent state and conv tails live in a slot pool and are updated in
 // place. Fuses: short conv + SiLU (q, k, v), L2 norm (q scaled by d^-0.5), gate, beta = sigmoid, the
