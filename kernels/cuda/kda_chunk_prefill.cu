@@ -392,7 +392,7 @@ constexpr size_t kStageBytes = size_t{kStageElements} * 2 + kD * 4;
 constexpr size_t kStateSmem = 2 * kStageBytes + size_t{kD} * (kStateBv + 8) * 2 + size_t{kC} * (kStateBv + 8) * 2;
 
 // 8 warps: warp w owns state rows [16 w, 16 w + 16) x the slice's 64 columns; for the chunk's token rows, warp w
-// computes rows [16 (w % 4), +16) x columns [16 (w / 4), +16).
+// computes rows [16 (w % 4), +16) x columns [32 (w / 4), +32).
 __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(StateArgs p) {
   constexpr int kBv = kStateBv, kNt = kBv / 8, kLdV = kBv + 8;
   extern __shared__ __align__(16) uint8_t smem[];
