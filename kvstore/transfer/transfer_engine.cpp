@@ -27,6 +27,7 @@ using Clock = std::chrono::steady_clock;
 constexpr unsigned kAmId = 0x5D5;                          // every control message travels on this active-message id
 constexpr auto kSendDrainGrace = std::chrono::seconds(1);  // see Transfer::drain_deadline
 constexpr auto kShutdownWait = std::chrono::seconds(2);
+constexpr size_t kRkeyCacheEntries = 256;  // unpacked rkeys kept (LRU among unused ones)
 
 Status ucx_status(StatusCode code, const std::string& what, ucs_status_t status) {
   return Status(code, what + ": " + ucs_status_string(status));
@@ -51,6 +52,7 @@ class UcxEngine;
 // One endpoint to one remote worker, shared by every transfer with that worker.
 struct Peer : std::enable_shared_from_this<Peer> {
   UcxEngine* engine = nullptr;
+  uint64_t serial = 0;  // unique per engine, never reused (keys the rkey cache)
   std::string address;
   ucp_ep_h ep = nullptr;
   Status failure;  // set by the error handler (or a local decision); the endpoint is then closed
@@ -71,8 +73,27 @@ struct Op {
   std::vector<std::byte> buffer;  // kMessage payload; kPut fault byte
   bool counted = false;           // counted in the in-flight figures (UCX returned a request)
   Peer* peer = nullptr;           // the endpoint it was issued on (compared, never dereferenced)
-  std::shared_ptr<Peer> closing;  // kClose: the peer being closed
+  std::shared_ptr<Peer> target;   // kClose: the peer being closed
   bool orphaned = false;          // its endpoint was closed without completing it (see close_endpoint)
+  void* request = nullptr;        // the UCX request while counted
+  bool request_released = false;  // ucp_request_free already called (engine shutdown)
+};
+
+// An unpacked remote key, shared by the transfers to one peer that name the same packed rkey (a decode
+// worker's page pool stays registered, so its rkey repeats). Unpacking over shared memory maps the
+// peer's segment, and first touches of a fresh mapping page-fault: caching keeps one mapping warm.
+struct CachedRkey {
+  ucp_rkey_h rkey = nullptr;
+  int64_t uses = 0;        // transfers holding it
+  bool stale = false;      // its peer failed: destroyed at the last release
+  uint64_t last_used = 0;  // LRU among unused entries
+};
+using RkeyKey = std::pair<uint64_t, std::string>;  // peer serial, packed rkey
+
+struct QueuedPiece {
+  uint32_t seq = 0;
+  std::vector<std::span<const std::byte>> sources;
+  std::optional<uint64_t> checksum;
 };
 
 struct DelayedNotice {
@@ -106,12 +127,21 @@ struct Transfer {
   TransferId remote_id = 0;
   std::vector<std::vector<Segment>> remote_pieces;
   std::vector<uint64_t> remote_bases;
-  std::vector<ucp_rkey_h> rkeys;
-  uint32_t notices_sent = 0;  // includes pieces dropped by fault injection
+  std::vector<ucp_rkey_h> rkeys;   // [region]
+  std::vector<RkeyKey> rkey_keys;  // cache entries this transfer holds a use of
+  uint32_t notices_sent = 0;       // includes pieces dropped by fault injection
   bool finish_requested = false;
   bool finish_sent = false;
   Clock::time_point drain_deadline;  // decided with requests in flight: force-close the endpoint then
   std::vector<DelayedNotice> delayed;
+  std::vector<QueuedPiece> queued;  // passed to send_piece before kAccept
+  // The receiver answered kBegin. Puts are posted only after: UCX 1.13 keeps RMA requests posted
+  // before the endpoint's wire-up reply in a pending queue that a force close neither cancels nor
+  // drops (it replays them later), so a put posted to a peer that never answers could read user memory
+  // and use a destroyed rkey after its transfer failed. The receiver answers wire-up before it handles
+  // kBegin, and both answers reach this worker in order, so after kAccept the endpoint is wired up and
+  // puts over shared memory complete locally. Until then send_piece queues.
+  bool accepted = false;
 };
 
 struct Region {
@@ -139,7 +169,8 @@ class UcxEngine final : public TransferEngine {
   Result<ExpectedTransfer> expect(ReceiveSpec spec) override;
   std::optional<uint32_t> pieces_verified(TransferId id) const override;
   Result<TransferId> start_send(std::span<const std::byte> descriptor, DoneCallback on_done) override;
-  Status send_piece(TransferId id, uint32_t seq, std::span<const std::span<const std::byte>> sources) override;
+  Status send_piece(TransferId id, uint32_t seq, std::span<const std::span<const std::byte>> sources,
+                    std::optional<uint64_t> checksum) override;
   Status finish_send(TransferId id) override;
   void abort(TransferId id, Status reason) override;
   int progress() override;
@@ -157,6 +188,13 @@ class UcxEngine final : public TransferEngine {
   Result<std::shared_ptr<Peer>> connect(const std::string& address);
   void close_endpoint(Peer& peer, bool force);
   void orphan_requests_of(const Peer* peer);
+  bool has_outstanding(const Peer& peer) const;
+  void issue_queued_pieces();
+  void issue_piece(Transfer& t, uint32_t seq, std::span<const std::span<const std::byte>> sources,
+                   std::optional<uint64_t> checksum);
+  Result<ucp_rkey_h> acquire_rkey(Peer& peer, const RkeyKey& key);
+  void release_rkey(const RkeyKey& key);
+  void purge_rkeys_of(const Peer& peer);
   void submit(ucs_status_ptr_t request, Op* op);
   void send_message(const std::shared_ptr<Peer>& peer, const Message& message);
   Message message_for(const Transfer& t, MessageKind kind) const;
@@ -187,15 +225,18 @@ class UcxEngine final : public TransferEngine {
   std::map<RegionId, Region> regions_;
   RegionId next_region_ = 1;
   std::map<std::string, std::shared_ptr<Peer>> peers_;
-  std::vector<std::shared_ptr<Peer>> closing_;  // failed peers whose endpoints are being closed
   std::map<TransferId, Transfer> transfers_;
   std::unordered_map<uint64_t, TransferId> send_by_token_;
   TransferId next_transfer_ = 1;
   std::mt19937_64 token_rng_;
   std::vector<std::vector<std::byte>> inbox_;  // control messages received, handled after the progress call
   bool peers_failed_ = false;
+  bool pieces_queued_ = false;
+  bool shutting_down_ = false;
   int64_t requests_in_flight_ = 0;
-  int64_t rkeys_ = 0;
+  std::map<RkeyKey, CachedRkey> rkey_cache_;
+  uint64_t rkey_clock_ = 0;
+  uint64_t next_peer_serial_ = 1;
   int64_t endpoints_ = 0;
   uint64_t bytes_sent_ = 0;
   uint64_t bytes_received_ = 0;
@@ -218,8 +259,9 @@ Op* new_op(UcxEngine* engine, OpKind kind, TransferId transfer = 0, uint32_t seq
 
 void on_request_done(void* request, ucs_status_t status, void* user_data) {
   auto* op = static_cast<Op*>(user_data);
-  op->engine->complete_op(op, status);
-  ucp_request_free(request);
+  const bool released = op->request_released;
+  op->engine->complete_op(op, status);  // deletes op
+  if (!released) ucp_request_free(request);
 }
 
 ucs_status_t on_am(void* arg, const void* /*header*/, size_t /*header_length*/, void* data, size_t length,
@@ -326,10 +368,19 @@ UcxEngine::~UcxEngine() {
     for (auto& [address, peer] : peers_) close_endpoint(*peer, config_.detect_peer_failure);
     while (Clock::now() < until && requests_in_flight_ > 0) progress_locked();
     for (auto& [id, t] : transfers_) {
-      for (ucp_rkey_h rkey : t.rkeys) ucp_rkey_destroy(rkey);
+      t.rkeys.clear();
     }
+    for (auto& [key, cached] : rkey_cache_) ucp_rkey_destroy(cached.rkey);
+    rkey_cache_.clear();
     for (auto& [id, region] : regions_) ucp_mem_unmap(context_, region.memh);
-    ucp_worker_destroy(worker_);  // releases requests still outstanding after kShutdownWait
+    // Requests still outstanding (a peer that never answered): hand them back to UCX, which must hold
+    // no unreleased request at ucp_worker_destroy; callbacks that still come only free their Op.
+    shutting_down_ = true;
+    for (Op* op : outstanding_) {
+      op->request_released = true;
+      ucp_request_free(op->request);
+    }
+    ucp_worker_destroy(worker_);
     for (Op* op : outstanding_) delete op;
   }
   if (context_ != nullptr) ucp_cleanup(context_);
@@ -429,6 +480,7 @@ Result<std::shared_ptr<Peer>> UcxEngine::connect(const std::string& address) {
   if (it != peers_.end() && it->second->failure.is_ok()) return it->second;
   auto peer = std::make_shared<Peer>();
   peer->engine = this;
+  peer->serial = next_peer_serial_++;
   peer->address = address;
   ucp_ep_params_t params{};
   params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
@@ -449,7 +501,7 @@ Result<std::shared_ptr<Peer>> UcxEngine::connect(const std::string& address) {
 void UcxEngine::close_endpoint(Peer& peer, bool force) {
   if (peer.ep == nullptr) return;
   auto* op = new_op(this, OpKind::kClose);
-  op->closing = peer.shared_from_this();
+  op->target = peer.shared_from_this();
   ucp_request_param_t param{};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
   param.cb.send = on_request_done;
@@ -464,18 +516,75 @@ void UcxEngine::submit(ucs_status_ptr_t request, Op* op) {
   if (request == nullptr) return complete_op(op, UCS_OK);
   if (UCS_PTR_IS_ERR(request)) return complete_op(op, UCS_PTR_STATUS(request));
   op->counted = true;
+  op->request = request;
   outstanding_.insert(op);
   ++requests_in_flight_;
   if (Transfer* t = find(op->transfer)) ++t->in_flight;
 }
 
+Result<ucp_rkey_h> UcxEngine::acquire_rkey(Peer& peer, const RkeyKey& key) {
+  auto it = rkey_cache_.find(key);
+  if (it == rkey_cache_.end()) {
+    ucp_rkey_h rkey = nullptr;
+    const ucs_status_t s = ucp_ep_rkey_unpack(peer.ep, key.second.data(), &rkey);
+    if (s != UCS_OK) return ucx_status(StatusCode::kInvalidArgument, "ucp_ep_rkey_unpack", s);
+    it = rkey_cache_.emplace(key, CachedRkey{.rkey = rkey}).first;
+    if (rkey_cache_.size() > kRkeyCacheEntries) {  // evict the least recently used unused entry
+      auto victim = rkey_cache_.end();
+      for (auto c = rkey_cache_.begin(); c != rkey_cache_.end(); ++c) {
+        if (c->second.uses == 0 && c != it &&
+            (victim == rkey_cache_.end() || c->second.last_used < victim->second.last_used)) {
+          victim = c;
+        }
+      }
+      if (victim != rkey_cache_.end()) {
+        ucp_rkey_destroy(victim->second.rkey);
+        rkey_cache_.erase(victim);
+      }
+    }
+  }
+  ++it->second.uses;
+  it->second.last_used = ++rkey_clock_;
+  return it->second.rkey;
+}
+
+void UcxEngine::release_rkey(const RkeyKey& key) {
+  auto it = rkey_cache_.find(key);
+  if (it == rkey_cache_.end()) return;
+  if (--it->second.uses == 0 && it->second.stale) {
+    ucp_rkey_destroy(it->second.rkey);
+    rkey_cache_.erase(it);
+  }
+}
+
+void UcxEngine::purge_rkeys_of(const Peer& peer) {
+  for (auto it = rkey_cache_.lower_bound({peer.serial, std::string()});
+       it != rkey_cache_.end() && it->first.first == peer.serial;) {
+    if (it->second.uses == 0) {
+      ucp_rkey_destroy(it->second.rkey);
+      it = rkey_cache_.erase(it);
+    } else {
+      it->second.stale = true;
+      ++it;
+    }
+  }
+}
+
 // UCX 1.13 does not complete requests that were still waiting for the endpoint's wire-up (peer never
-// answered) when the endpoint is force-closed. The endpoint is gone, so they can no longer touch
-// memory: stop counting them, so their transfers finish; their Op stays owned here until UCX calls
-// back or the worker is destroyed.
+// answered) when the endpoint is force-closed. Control requests (messages, flushes) reference only
+// memory this engine owns: stop counting them so their transfers finish, and keep their Op until UCX
+// calls back or the worker is destroyed. Puts are not orphaned (and are posted only after wire-up).
+bool UcxEngine::has_outstanding(const Peer& peer) const {
+  for (const Op* op : outstanding_) {
+    if (op->peer == &peer && !op->orphaned) return true;
+  }
+  return false;
+}
+
 void UcxEngine::orphan_requests_of(const Peer* peer) {
   for (Op* op : outstanding_) {
-    if (op->peer != peer || op->orphaned) continue;
+    // Puts are never orphaned: they may still read user memory (and use an rkey) when replayed.
+    if (op->peer != peer || op->orphaned || op->kind == OpKind::kPut) continue;
     op->orphaned = true;
     --requests_in_flight_;
     if (Transfer* t = find(op->transfer)) --t->in_flight;
@@ -485,6 +594,10 @@ void UcxEngine::orphan_requests_of(const Peer* peer) {
 
 void UcxEngine::complete_op(Op* op, ucs_status_t status) {
   std::unique_ptr<Op> owned(op);
+  if (shutting_down_) {
+    outstanding_.erase(op);
+    return;
+  }
   Transfer* t = find(op->transfer);
   if (op->counted) outstanding_.erase(op);
   if (op->orphaned) return;  // already uncounted when its endpoint was closed
@@ -495,7 +608,7 @@ void UcxEngine::complete_op(Op* op, ucs_status_t status) {
   switch (op->kind) {
     case OpKind::kClose:
       --endpoints_;
-      orphan_requests_of(op->closing.get());
+      orphan_requests_of(op->target.get());
       return;
     case OpKind::kMessage:
       return;  // a lost control message shows up as the peer's deadline
@@ -658,6 +771,17 @@ void UcxEngine::verify_piece(Transfer& t, const Message& m) {
 }
 
 void UcxEngine::handle_message(const Message& m) {
+  if (m.kind == MessageKind::kAccept) {
+    auto it = send_by_token_.find(m.token);
+    Transfer* t = it == send_by_token_.end() ? nullptr : find(it->second);
+    if (t == nullptr || t->remote_id != m.transfer_id || t->decided || t->accepted) {
+      ++messages_ignored_;
+      return;
+    }
+    t->accepted = true;
+    pieces_queued_ = true;
+    return;
+  }
   if (m.kind == MessageKind::kResult) {
     auto it = send_by_token_.find(m.token);
     Transfer* t = it == send_by_token_.end() ? nullptr : find(it->second);
@@ -683,6 +807,7 @@ void UcxEngine::handle_message(const Message& m) {
   }
   switch (m.kind) {
     case MessageKind::kBegin:
+      send_message(t->peer, message_for(*t, MessageKind::kAccept));
       return;
     case MessageKind::kPiece:
       return verify_piece(*t, m);
@@ -700,6 +825,7 @@ void UcxEngine::handle_message(const Message& m) {
     case MessageKind::kAbort:
       return decide(*t, Status(code_from_wire(m.seq), "sender aborted: " + blob_text(m.blob)), false);
     case MessageKind::kResult:
+    case MessageKind::kAccept:
       return;
   }
 }
@@ -713,16 +839,15 @@ Result<TransferId> UcxEngine::start_send(std::span<const std::byte> bytes, DoneC
   DS_ASSIGN_OR_RETURN_CTX(std::shared_ptr<Peer> peer, connect(blob_text(d.receiver_address)), "start_send");
   Transfer t;
   for (size_t i = 0; i < d.regions.size(); ++i) {
-    ucp_rkey_h rkey = nullptr;
-    const ucs_status_t s = ucp_ep_rkey_unpack(peer->ep, d.regions[i].rkey.data(), &rkey);
-    if (s != UCS_OK) {
-      for (ucp_rkey_h r : t.rkeys) ucp_rkey_destroy(r);
-      rkeys_ -= static_cast<int64_t>(t.rkeys.size());
-      return ucx_status(StatusCode::kInvalidArgument, "start_send: rkey of region " + std::to_string(i), s);
+    RkeyKey key{peer->serial, blob_text(d.regions[i].rkey)};
+    auto cached = acquire_rkey(*peer, key);
+    if (!cached.is_ok()) {
+      for (const RkeyKey& k : t.rkey_keys) release_rkey(k);
+      return cached.status().with_context("start_send: rkey of region " + std::to_string(i));
     }
-    t.rkeys.push_back(rkey);
+    t.rkeys.push_back(*cached);
+    t.rkey_keys.push_back(std::move(key));
     t.remote_bases.push_back(d.regions[i].base);
-    ++rkeys_;
   }
   t.id = next_transfer_++;
   t.role = Role::kSend;
@@ -744,7 +869,8 @@ Result<TransferId> UcxEngine::start_send(std::span<const std::byte> bytes, DoneC
   return id;
 }
 
-Status UcxEngine::send_piece(TransferId id, uint32_t seq, std::span<const std::span<const std::byte>> sources) {
+Status UcxEngine::send_piece(TransferId id, uint32_t seq, std::span<const std::span<const std::byte>> sources,
+                             std::optional<uint64_t> checksum) {
   std::lock_guard lock(mu_);
   Transfer* t = find(id);
   if (t == nullptr || t->role != Role::kSend) return not_found("send_piece: no send transfer " + std::to_string(id));
@@ -771,6 +897,31 @@ Status UcxEngine::send_piece(TransferId id, uint32_t seq, std::span<const std::s
     maybe_send_finish(*t);
     return Status::ok();
   }
+  if (!t->accepted) {  // puts wait for the receiver's kAccept: see Transfer::accepted
+    t->queued.push_back({seq, {sources.begin(), sources.end()}, checksum});
+    return Status::ok();
+  }
+  issue_piece(*t, seq, sources, checksum);
+  return t->decided && !t->status.is_ok() ? t->status : Status::ok();
+}
+
+void UcxEngine::issue_queued_pieces() {
+  for (auto& [id, t] : transfers_) {
+    if (t.queued.empty() || t.decided || !t.accepted) continue;
+    std::vector<QueuedPiece> queued;
+    queued.swap(t.queued);
+    for (const QueuedPiece& q : queued) {
+      if (t.decided) break;
+      issue_piece(t, q.seq, q.sources, q.checksum);
+    }
+  }
+}
+
+void UcxEngine::issue_piece(Transfer& transfer, uint32_t seq, std::span<const std::span<const std::byte>> sources,
+                            std::optional<uint64_t> checksum) {
+  Transfer* t = &transfer;
+  const TransferId id = t->id;
+  const uint64_t bytes = piece_bytes(t->remote_pieces[seq]);
   const std::shared_ptr<Peer> peer = t->peer;
   auto put = [&](const std::byte* source, uint64_t length, uint64_t remote, ucp_rkey_h rkey, Op* op) {
     ucp_request_param_t param{};
@@ -798,14 +949,17 @@ Status UcxEngine::send_piece(TransferId id, uint32_t seq, std::span<const std::s
       const uint64_t run = std::min<uint64_t>(left, sources[si].size() - source_offset);
       put(sources[si].data() + source_offset, run, remote, t->rkeys[segment.region],
           new_op(this, OpKind::kPut, id, seq));
-      if (t->decided) return t->status;  // an immediate put failure
+      if (t->decided) return;  // an immediate put failure
       source_offset += run;
       remote += run;
       left -= run;
     }
   }
-  Checksum64 checksum;
-  for (const auto& s : sources) checksum.update(s);
+  if (!checksum) {
+    Checksum64 sum;
+    for (const auto& s : sources) sum.update(s);
+    checksum = sum.finish();
+  }
   bytes_sent_ += bytes;
   if (fault(FaultPoint::kCorruptByte, seq) != nullptr) {
     // Overwrite one byte in the middle of the first segment with its complement, after the real puts.
@@ -827,14 +981,13 @@ Status UcxEngine::send_piece(TransferId id, uint32_t seq, std::span<const std::s
   }
   auto* flush = new_op(this, OpKind::kFlush, id, seq);
   flush->bytes = bytes;
-  flush->checksum = checksum.finish();
+  flush->checksum = *checksum;
   ucp_request_param_t param{};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   param.cb.send = on_request_done;
   param.user_data = flush;
   flush->peer = peer.get();
   submit(ucp_ep_flush_nbx(peer->ep, &param), flush);
-  return t->decided && !t->status.is_ok() ? t->status : Status::ok();
 }
 
 void UcxEngine::emit_notice(Transfer& t, uint32_t seq, uint64_t bytes, uint64_t checksum) {
@@ -896,6 +1049,7 @@ void UcxEngine::decide(Transfer& t, Status status, bool notify_peer) {
     send_message(t.peer, m);
   }
   t.delayed.clear();
+  t.queued.clear();
   t.drain_deadline = Clock::now() + kSendDrainGrace;
 }
 
@@ -932,6 +1086,7 @@ void UcxEngine::handle_failed_peers() {
     for (auto& [id, t] : transfers_) {
       if (t.peer == peer && !t.decided) decide(t, peer->failure, false);
     }
+    purge_rkeys_of(*peer);
     // Force: outstanding requests on it complete now with UCS_ERR_CANCELED, so transfers can finish.
     close_endpoint(*peer, true);
   }
@@ -961,6 +1116,9 @@ void UcxEngine::check_timers() {
                           std::to_string(t.num_pieces) + what),
                true);
         t.drain_deadline = now;
+        // Requests still waiting on this peer at the deadline (it never completed wire-up, or stopped
+        // draining): treat it as unresponsive and close its endpoint, which releases them.
+        if (t.peer && t.peer->failure.is_ok() && has_outstanding(*t.peer)) to_fail.push_back(t.peer);
       } else if (t.finish_seen && now >= t.grace_end) {
         std::string missing;
         for (uint32_t i = 0, shown = 0; i < t.num_pieces && shown < 8; ++i) {
@@ -975,14 +1133,15 @@ void UcxEngine::check_timers() {
     }
   }
   for (const auto& peer : to_fail) {
-    fail_peer(peer, Status(StatusCode::kUnavailable, "endpoint closed to cancel requests of a failed transfer"));
+    fail_peer(peer, Status(StatusCode::kUnavailable,
+                           "peer unresponsive: endpoint closed to release requests of a failed transfer"));
   }
 }
 
 void UcxEngine::finalize(Transfer& t) {
   t.finalized = true;
-  for (ucp_rkey_h rkey : t.rkeys) ucp_rkey_destroy(rkey);
-  rkeys_ -= static_cast<int64_t>(t.rkeys.size());
+  for (const RkeyKey& key : t.rkey_keys) release_rkey(key);
+  t.rkey_keys.clear();
   t.rkeys.clear();
   for (RegionId r : t.regions_used) --regions_[r].uses;
   t.regions_used.clear();
@@ -1020,6 +1179,10 @@ int UcxEngine::progress_locked() {
     if (n == 0) break;
   }
   handle_failed_peers();
+  if (pieces_queued_) {
+    pieces_queued_ = false;
+    issue_queued_pieces();
+  }
   while (!inbox_.empty()) {
     std::vector<std::vector<std::byte>> batch;
     batch.swap(inbox_);
@@ -1032,6 +1195,10 @@ int UcxEngine::progress_locked() {
       handle_message(*m);
       ++events;
     }
+  }
+  if (pieces_queued_) {
+    pieces_queued_ = false;
+    issue_queued_pieces();
   }
   check_timers();
   handle_failed_peers();
@@ -1075,7 +1242,8 @@ EngineStats UcxEngine::stats() const {
   s.regions = static_cast<int64_t>(regions_.size());
   for (const auto& [id, region] : regions_) s.region_uses += region.uses;
   s.requests_in_flight = requests_in_flight_;
-  s.rkeys = rkeys_;
+  s.rkeys = static_cast<int64_t>(rkey_cache_.size());
+  for (const auto& [key, cached] : rkey_cache_) s.rkey_uses += cached.uses;
   s.endpoints = endpoints_;
   s.transfers = static_cast<int64_t>(transfers_.size());
   for (const auto& [id, t] : transfers_) s.transfers_pending += t.decided ? 0 : 1;

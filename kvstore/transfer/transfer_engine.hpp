@@ -81,7 +81,8 @@ struct EngineStats {
   int64_t regions = 0;             // registered regions
   int64_t region_uses = 0;         // sum of transfers' uses of regions
   int64_t requests_in_flight = 0;  // UCX requests not yet completed (puts, flushes, messages, closes)
-  int64_t rkeys = 0;               // unpacked remote keys
+  int64_t rkeys = 0;               // unpacked remote keys (cached per peer and packed rkey, LRU-bounded)
+  int64_t rkey_uses = 0;           // transfers' uses of them
   int64_t endpoints = 0;           // open endpoints
   int64_t transfers = 0;           // transfers not yet taken by the user (pending or finished)
   int64_t transfers_pending = 0;   // transfers whose status is not decided
@@ -142,9 +143,13 @@ class TransferEngine {
   // stay valid and unchanged until the transfer finishes (wait/try_take/on_done).
   // on_done as in ReceiveSpec.
   virtual Result<TransferId> start_send(std::span<const std::byte> descriptor, DoneCallback on_done = {}) = 0;
-  // `sources` (gathered in order) must hold exactly the piece's bytes. Returns the transfer's failure
-  // if it has already failed, so a producer can stop early.
-  virtual Status send_piece(TransferId id, uint32_t seq, std::span<const std::span<const std::byte>> sources) = 0;
+  // `sources` (gathered in order) must hold exactly the piece's bytes. `checksum`: checksum64 of those
+  // bytes when the producer already has it (computed as it wrote the layer, or cached with immutable
+  // prefix-cache pages), which saves the sender a pass over the bytes; the receiver verifies either
+  // way, so a wrong value fails the transfer with kDataLoss. Returns the transfer's failure if it has
+  // already failed, so a producer can stop early.
+  virtual Status send_piece(TransferId id, uint32_t seq, std::span<const std::span<const std::byte>> sources,
+                            std::optional<uint64_t> checksum = std::nullopt) = 0;
   virtual Status finish_send(TransferId id) = 0;  // after every piece was passed to send_piece
 
   // Either side: fail the transfer now with `reason` (kCancelled if OK), telling the peer.

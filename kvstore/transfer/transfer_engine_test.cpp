@@ -6,6 +6,8 @@
 
 #include <gtest/gtest.h>
 
+#include "kvstore/transfer/checksum.hpp"
+
 namespace deltaserve::kvstore::transfer {
 namespace {
 
@@ -37,7 +39,7 @@ void expect_released(TransferEngine& engine, int64_t regions) {
   EXPECT_EQ(s.regions, regions);
   EXPECT_EQ(s.region_uses, 0);
   EXPECT_EQ(s.requests_in_flight, 0);
-  EXPECT_EQ(s.rkeys, 0);
+  EXPECT_EQ(s.rkey_uses, 0);
   EXPECT_EQ(s.transfers, 0);
   EXPECT_EQ(s.transfers_pending, 0);
 }
@@ -241,6 +243,7 @@ TEST(TransferEngine, KilledEndpointFailsSenderAtOnceAndReceiverByItsDeadline) {
   expect_released(*pair.receiver, 1);
   expect_released(*pair.sender, 1);
   EXPECT_EQ(pair.sender->stats().endpoints, 0);
+  EXPECT_EQ(pair.sender->stats().rkeys, 0);  // the failed peer's cached rkeys are destroyed
 }
 
 TEST(TransferEngine, SenderThatNeverFinishesHitsTheDeadline) {
@@ -250,6 +253,23 @@ TEST(TransferEngine, SenderThatNeverFinishesHitsTheDeadline) {
   EXPECT_EQ(r.code(), StatusCode::kDeadlineExceeded) << r.to_string();
   EXPECT_NE(r.message().find("6/6 pieces verified"), std::string::npos) << r.to_string();
   EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded);
+  expect_released(*pair.receiver, 1);
+  expect_released(*pair.sender, 1);
+}
+
+TEST(TransferEngine, PrecomputedChecksumsAreVerifiedToo) {
+  Pair pair;
+  for (uint32_t p = 0; p < kPieces; ++p) {
+    auto sources = pair.piece_sources(p);
+    Checksum64 sum;
+    for (auto s : sources) sum.update(s);
+    const uint64_t value = p == 1 ? sum.finish() ^ 1 : sum.finish();  // piece 1 carries a wrong value
+    ASSERT_TRUE(pair.sender->send_piece(pair.send_id, p, sources, value).is_ok());
+  }
+  ASSERT_TRUE(pair.sender->finish_send(pair.send_id).is_ok());
+  auto [r, s] = pair.run();
+  EXPECT_EQ(r.code(), StatusCode::kDataLoss) << r.to_string();
+  EXPECT_NE(r.message().find("piece 1: checksum mismatch"), std::string::npos) << r.to_string();
   expect_released(*pair.receiver, 1);
   expect_released(*pair.sender, 1);
 }

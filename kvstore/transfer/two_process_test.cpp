@@ -202,7 +202,7 @@ struct Receiver {
     const EngineStats s = engine->stats();
     EXPECT_EQ(s.region_uses, 0);
     EXPECT_EQ(s.requests_in_flight, 0);
-    EXPECT_EQ(s.rkeys, 0);
+    EXPECT_EQ(s.rkey_uses, 0);
     EXPECT_EQ(s.transfers, 0);
     EXPECT_EQ(s.transfers_pending, 0);
   }
@@ -324,8 +324,11 @@ TEST_P(TwoProcessTransfer, HungReceiverFailsTheSenderWithinTheDeadline) {
   EXPECT_LE(Clock::now() - start, std::chrono::milliseconds(deadline_ms) + 300ms);
   const EngineStats stats = engine->stats();
   EXPECT_EQ(stats.requests_in_flight, 0);
-  EXPECT_EQ(stats.rkeys, 0);
+  EXPECT_EQ(stats.rkey_uses, 0);
   EXPECT_EQ(stats.transfers, 0);
+  // The receiver never answered, so its endpoint was closed and its rkeys destroyed.
+  EXPECT_EQ(stats.endpoints, 0);
+  EXPECT_EQ(stats.rkeys, 0);
   child.kill_now();
   EXPECT_TRUE(engine->release_region(source).is_ok());
 }

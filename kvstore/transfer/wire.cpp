@@ -199,7 +199,7 @@ Result<Message> decode_message(std::span<const std::byte> bytes) {
   if (r.u32("magic") != kMessageMagic || !r.ok()) return bad(r.ok() ? "bad magic" : r.error());
   Message m;
   const uint8_t kind = r.u8("kind");
-  if (r.ok() && (kind < 1 || kind > 5)) return bad("unknown kind " + std::to_string(kind));
+  if (r.ok() && (kind < 1 || kind > 6)) return bad("unknown kind " + std::to_string(kind));
   m.kind = static_cast<MessageKind>(kind);
   m.transfer_id = r.u64("transfer_id");
   m.token = r.u64("token");

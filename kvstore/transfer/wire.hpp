@@ -66,6 +66,7 @@ enum class MessageKind : uint8_t {
   kFinish = 3,  // sender → receiver: all `count` pieces were announced
   kResult = 4,  // receiver → sender: final status (`code`; 0 = every piece verified); text follows
   kAbort = 5,   // sender → receiver: the sender gave up (`code`); text follows
+  kAccept = 6,  // receiver → sender: kBegin seen; puts may start (the sender's endpoint is wired up)
 };
 
 struct Message {
