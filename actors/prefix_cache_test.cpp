@@ -30,7 +30,7 @@ NodeOptions cache_options(int64_t checkpoint_interval) {
   o.tokenizer = tiny.tokenizer;
   o.max_batch = 4;
   o.prefill_chunk = 512;
-  o.heartbeat_interval = 100ms;
+  o.heartbeat_interval = 500ms;  // expiry after 5 s without reports: CI machines stall for seconds
   o.cache_page_tokens = 1024;
   o.checkpoint_interval_blocks = checkpoint_interval;
   o.model_id = "tiny-linear-test";

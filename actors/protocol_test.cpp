@@ -251,6 +251,17 @@ CAF_TEST(registry_expires_workers_that_stop_reporting) {
   CAF_REQUIRE_EQUAL(log->lost.size(), 1u);
   CAF_CHECK_EQUAL(log->lost[0], "w");
   CAF_CHECK(log->lists.back().empty());
+
+  // It was only stalled: its next heartbeat registers it again (same handle); a name that never joined
+  // stays unknown.
+  self->send(registry, heartbeat_atom::value, std::string("w"), WorkerLoad{3, 2, 0, 1});
+  self->send(registry, heartbeat_atom::value, std::string("stranger"), WorkerLoad{});
+  sched.run();
+  CAF_REQUIRE_EQUAL(log->lists.back().size(), 1u);
+  CAF_CHECK_EQUAL(log->lists.back()[0].name, "w");
+  CAF_CHECK(log->lists.back()[0].handle == w);
+  CAF_CHECK_EQUAL(log->lists.back()[0].load.queue_length, 3);
+  CAF_CHECK_EQUAL(log->lost.size(), 1u);
 }
 
 CAF_TEST(decode_step_loop_join_and_cancel_between_steps) {

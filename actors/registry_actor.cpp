@@ -12,7 +12,12 @@ struct RegistryState {
   std::chrono::milliseconds expiry{0};                            // 0 = no heartbeat expiry
   std::vector<registry_subscriber> subscribers;
   std::string label;
+  // Workers dropped for missed heartbeats whose actor did not go down: a heartbeat brings them back
+  // (a worker stalled by a long step, or a slow network, is not dead). Bounded.
+  std::map<std::string, WorkerInfo> expired;
 };
+
+constexpr size_t kMaxExpired = 1024;
 
 using RegistryPointer = registry_actor::stateful_pointer<RegistryState>;
 
@@ -30,12 +35,17 @@ void publish(RegistryPointer self) {
 }
 
 // Removes workers that are gone without leaving and tells the subscribers, which fail their requests.
-void drop_lost(RegistryPointer self, const std::vector<std::string>& lost) {
+// `revivable`: they only stopped reporting (their actor did not go down); a later heartbeat restores them.
+void drop_lost(RegistryPointer self, const std::vector<std::string>& lost, bool revivable) {
   auto& state = self->state;
   if (lost.empty()) return;
   for (const std::string& name : lost) {
     if (auto it = state.workers.find(name); it != state.workers.end()) {
       self->demonitor(it->second.handle);
+      if (revivable) {
+        if (state.expired.size() >= kMaxExpired) state.expired.clear();
+        state.expired[name] = it->second;
+      }
       state.workers.erase(it);
     }
     state.last_seen.erase(name);
@@ -62,11 +72,15 @@ registry_actor::behavior_type registry_impl(RegistryPointer self, const std::str
     for (const auto& [name, info] : state.workers) {
       if (info.handle.address() == down.source) lost.push_back(name);
     }
-    drop_lost(self, lost);
+    drop_lost(self, lost, false);
+    for (auto it = state.expired.begin(); it != state.expired.end();) {
+      it = it->second.handle.address() == down.source ? state.expired.erase(it) : std::next(it);
+    }
   });
   return {
       [self](join_atom, WorkerInfo info) -> uint64_t {
         auto& workers = self->state.workers;
+        self->state.expired.erase(info.name);
         if (auto it = workers.find(info.name); it != workers.end() && it->second.handle != info.handle) {
           self->demonitor(it->second.handle);
         }
@@ -78,12 +92,19 @@ registry_actor::behavior_type registry_impl(RegistryPointer self, const std::str
       },
       [self](heartbeat_atom, const std::string& name, WorkerLoad load) {
         auto it = self->state.workers.find(name);
-        if (it == self->state.workers.end()) return;
+        if (it == self->state.workers.end()) {
+          auto back = self->state.expired.find(name);
+          if (back == self->state.expired.end()) return;  // unknown, left, or down: ignored
+          if (back->second.handle) self->monitor(back->second.handle);
+          it = self->state.workers.emplace(name, std::move(back->second)).first;
+          self->state.expired.erase(back);
+        }
         self->state.last_seen[name] = self->clock().now();
         it->second.load = load;
         publish(self);
       },
       [self](leave_atom, const std::string& name) {
+        self->state.expired.erase(name);
         auto it = self->state.workers.find(name);
         if (it == self->state.workers.end()) return;
         self->demonitor(it->second.handle);
@@ -99,7 +120,7 @@ registry_actor::behavior_type registry_impl(RegistryPointer self, const std::str
         for (const auto& [name, seen] : state.last_seen) {
           if (now - seen > state.expiry) expired.push_back(name);
         }
-        drop_lost(self, expired);
+        drop_lost(self, expired, true);
         self->delayed_send(self, state.expiry / 4, tick_atom::value);
       },
       [self](subscribe_atom, caf::actor subscriber) {

@@ -4,7 +4,9 @@
 // Protocol (all messages one-way except join and list):
 //   join(WorkerInfo)          -> uint64_t workers now registered. Monitors the worker; a worker that
 //                                joins again under the same name replaces its old entry.
-//   heartbeat(name, load)     updates the load of a registered worker (unknown names are ignored).
+//   heartbeat(name, load)     updates the load of a registered worker. A worker dropped for missed
+//                             heartbeats (its actor still up) is registered again by its next heartbeat;
+//                             other unknown names are ignored.
 //   leave(name)               removes the worker (graceful: its in-flight requests continue).
 //   list()                    -> std::vector<WorkerInfo>, sorted by name.
 //   subscribe(actor)          the subscriber receives (workers_atom, std::vector<WorkerInfo>) now and after
