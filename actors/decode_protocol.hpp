@@ -17,6 +17,16 @@
 //   drain()              leaves the registry; active requests finish.
 //   stats()              -> WorkerStats.
 //   tick()               internal heartbeat timer.
+// UCX handoff path (actors/ucx_transport.hpp; a worker spawned without a UcxLink answers reserve with
+// kFailedPrecondition):
+//   reserve(ReserveRequest) -> ReserveReply   a receive region + expected transfer for the request's state.
+//   handoff_ucx(envelope, transfer)  the envelope of a reserved transfer; the state is decoded once the
+//                        transfer also reported OK (either order). Then as handoff(): admitted/handoff_failed.
+//   transfer_done(transfer, code, message)   internal: the engine's on_done, posted from its thread.
+//   transfer_timer(transfer)   internal: the reservation's last chance (deadline + reserve timeout): a transfer
+//                        still without its envelope or completion fails (handoff_failed to the router).
+//   region_free(region)  internal: a quarantined region of a failed transfer is released.
+// Every failed UCX handoff counts in WorkerStats::rejected; nothing of it is decoded.
 // The worker monitors each request's sink: a sink that goes down is treated as cancel (no chunk sent).
 #pragma once
 
@@ -58,10 +68,46 @@ typename Inspector::result_type inspect(Inspector& f, Handoff& x) {
 }
 
 using drop_atom = caf::atom_constant<caf::atom("drop")>;
+using reserve_atom = caf::atom_constant<caf::atom("reserve")>;
+using handoff_ucx_atom = caf::atom_constant<caf::atom("houcx")>;
+using transfer_done_atom = caf::atom_constant<caf::atom("xferdone")>;
+using transfer_timer_atom = caf::atom_constant<caf::atom("xfertimer")>;
+using region_free_atom = caf::atom_constant<caf::atom("regionfree")>;
 
-using decode_actor = caf::typed_actor<caf::reacts_to<handoff_atom, Handoff>, caf::reacts_to<cancel_atom, std::string>,
-                                      caf::reacts_to<drop_atom, std::string, int64_t>, caf::reacts_to<drain_atom>,
-                                      caf::replies_to<stats_atom>::with<WorkerStats>, caf::reacts_to<step_atom>,
-                                      caf::reacts_to<tick_atom>>;
+// The sender's request for a place to put a request's encoded state (UCX path).
+struct ReserveRequest {
+  std::string request_id;
+  int64_t attempt = 0;  // the router's dispatch attempt (echoed in handoff_failed)
+  uint64_t bytes = 0;   // encoded state size; 0 is refused
+  caf::actor router;    // told handoff_failed() when the transfer fails; may be null (tests)
+  caf::actor sink;      // gets the error when there is no router
+};
+
+struct ReserveReply {
+  int32_t code = 0;  // StatusCode; 0 = reserved
+  std::string message;
+  uint64_t transfer = 0;            // the receiver's transfer id (names the transfer in handoff_ucx)
+  std::vector<uint8_t> descriptor;  // kvstore/transfer/wire.hpp descriptor for start_send
+  uint64_t piece_bytes = 0;         // pieces are `piece_bytes` long, the last one the rest
+};
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, ReserveRequest& x) {
+  return f(caf::meta::type_name("ReserveRequest"), x.request_id, x.attempt, x.bytes, x.router, x.sink);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, ReserveReply& x) {
+  return f(caf::meta::type_name("ReserveReply"), x.code, x.message, x.transfer, x.descriptor, x.piece_bytes);
+}
+
+using decode_actor =
+    caf::typed_actor<caf::reacts_to<handoff_atom, Handoff>, caf::reacts_to<cancel_atom, std::string>,
+                     caf::reacts_to<drop_atom, std::string, int64_t>, caf::reacts_to<drain_atom>,
+                     caf::replies_to<stats_atom>::with<WorkerStats>, caf::reacts_to<step_atom>,
+                     caf::reacts_to<tick_atom>, caf::replies_to<reserve_atom, ReserveRequest>::with<ReserveReply>,
+                     caf::reacts_to<handoff_ucx_atom, HandoffEnvelope, uint64_t>,
+                     caf::reacts_to<transfer_done_atom, uint64_t, int32_t, std::string>,
+                     caf::reacts_to<transfer_timer_atom, uint64_t>, caf::reacts_to<region_free_atom, uint32_t>>;
 
 }  // namespace deltaserve::actors

@@ -1,10 +1,14 @@
 #include "actors/decode_worker.hpp"
 
+#include <cstring>
 #include <deque>
+#include <iostream>
 #include <map>
+#include <optional>
 #include <unordered_map>
 #include <unordered_set>
 
+#include "actors/ucx_transport.hpp"
 #include "engine/decode_batcher.hpp"
 #include "engine/state_codec.hpp"
 #include "tokenizer/text_stream.hpp"
@@ -27,6 +31,17 @@ struct Pending {  // a decoded handoff waiting for a free slot
   engine::RequestState state;
 };
 
+struct Incoming {  // a reserved UCX transfer: its region, and what has arrived so far
+  std::string request_id;
+  int64_t attempt = 0;
+  caf::actor router;  // from the reservation (the envelope may never come)
+  caf::actor sink;
+  kvstore::transfer::RegionId region = 0;
+  uint64_t bytes = 0;
+  std::optional<HandoffEnvelope> envelope;
+  std::optional<Status> status;  // the transfer's outcome (engine on_done)
+};
+
 struct DecodeState {
   std::shared_ptr<const engine::Model> model;
   std::shared_ptr<const tokenizer::Tokenizer> tokenizer;
@@ -45,6 +60,18 @@ struct DecodeState {
   bool draining = false;
   WorkerStats stats;
   WorkerLoad last_reported{-1, -1, -1, -1};
+  std::unordered_map<uint64_t, Incoming> incoming;  // by the receiver's transfer id
+  std::unordered_set<uint32_t> quarantined;         // regions of failed transfers, released later
+
+  ~DecodeState() {  // the worker stops: cancel its transfers; regions still in use go with the engine
+    if (!config.ucx) return;
+    kvstore::transfer::TransferEngine& engine = config.ucx->engine();
+    for (auto& [id, in] : incoming) {
+      engine.abort(id, Status(StatusCode::kCancelled, "decode worker stopped"));
+      quarantined.insert(in.region);
+    }
+    for (uint32_t region : quarantined) (void)engine.release_region(region);
+  }
 };
 
 using DecodePointer = decode_actor::stateful_pointer<DecodeState>;
@@ -189,6 +216,175 @@ void run_step(DecodePointer self) {
   report_load(self, false);
 }
 
+// The state of `envelope`'s request arrived (CAF message or verified UCX region): decodes it and admits the
+// request, or reports why not. Stale (dropped) and cancelled handoffs end here too.
+void accept_handoff(DecodePointer self, HandoffEnvelope& envelope, std::span<const std::byte> bytes) {
+  auto& s = self->state;
+  const std::string id = envelope.request.request_id;
+  if (auto d = s.dropped.find(id); d != s.dropped.end() && envelope.attempt <= d->second) {
+    s.dropped.erase(d);  // a stale attempt: the router prefilled the request again
+    return;
+  }
+  if (s.tombstones.erase(id) != 0) {  // cancelled while in transfer
+    send_chunk(self, envelope.sink, abort_chunk(id, static_cast<int64_t>(envelope.request.prompt.size())));
+    return;
+  }
+  if (s.active.count(id) != 0) {
+    ++s.stats.rejected;
+    send_chunk(self, envelope.sink, error_chunk(id, invalid_argument("duplicate request id " + id)));
+    return;
+  }
+  auto state = engine::decode_state(s.model->config(), bytes);
+  if (!state.is_ok()) {
+    ++s.stats.rejected;
+    const Status why = state.status().with_context("handoff " + id + " at " + s.config.name);
+    if (envelope.router) {  // the router prefills it again elsewhere
+      self->send(caf::actor_cast<router_actor>(envelope.router), failed_atom::value, id, envelope.attempt,
+                 static_cast<int32_t>(why.code()), why.message());
+    } else {
+      send_chunk(self, envelope.sink, error_chunk(id, why));
+    }
+    return;
+  }
+  ++s.stats.handoffs;
+  if (envelope.router)
+    self->send(caf::actor_cast<router_actor>(envelope.router), admitted_atom::value, id, envelope.attempt);
+  if (s.batcher->free_slots() > 0 && s.pending.empty()) {
+    admit(self, std::move(envelope), std::move(state).value());
+  } else {
+    s.pending.push_back(Pending{std::move(envelope), std::move(state).value()});
+  }
+  report_load(self, false);
+}
+
+// ---- UCX receive path (actors/ucx_transport.hpp) ----
+
+namespace xfer = kvstore::transfer;
+
+constexpr uint64_t kMaxStateBytes = 1ull << 34;  // a reserve asking for more is refused (untrusted input)
+
+// How long a failed transfer's region is kept before release: a live sender may put into it until its own
+// deadline, armed at most reserve_timeout after the reservation.
+std::chrono::milliseconds quarantine(const UcxLink& link) {
+  return link.config().deadline + link.config().reserve_timeout;
+}
+
+// Releases a region, or retries later while a transfer still uses it.
+void release_region(DecodePointer self, xfer::RegionId region) {
+  auto& s = self->state;
+  Status released = s.config.ucx->engine().release_region(region);
+  if (released.code() == StatusCode::kFailedPrecondition) {
+    s.quarantined.insert(region);
+    self->delayed_send(self, std::chrono::milliseconds(200), region_free_atom::value, region);
+    return;
+  }
+  s.quarantined.erase(region);
+  if (!released.is_ok()) std::cerr << "warning: " << s.config.name << ": " << released.to_string() << "\n";
+}
+
+// A UCX handoff that will not be decoded: the router prefills the request again (or the sink gets the error);
+// the region is quarantined. Cancelled and stale requests end quietly, as on the CAF path.
+void fail_incoming(DecodePointer self, uint64_t transfer, const Status& why) {
+  auto& s = self->state;
+  auto it = s.incoming.find(transfer);
+  if (it == s.incoming.end()) return;
+  Incoming in = std::move(it->second);
+  s.incoming.erase(it);
+  ++s.stats.rejected;
+  s.quarantined.insert(in.region);
+  self->delayed_send(self, quarantine(*s.config.ucx), region_free_atom::value, in.region);
+  const std::string& id = in.request_id;
+  if (auto d = s.dropped.find(id); d != s.dropped.end() && in.attempt <= d->second) {
+    s.dropped.erase(d);
+    return;
+  }
+  if (s.tombstones.erase(id) != 0) {
+    const int64_t prompt = in.envelope ? static_cast<int64_t>(in.envelope->request.prompt.size()) : 0;
+    send_chunk(self, in.sink, abort_chunk(id, prompt));
+    return;
+  }
+  const Status status = why.with_context("UCX handoff " + id + " at " + s.config.name);
+  if (in.router) {
+    self->send(caf::actor_cast<router_actor>(in.router), failed_atom::value, id, in.attempt,
+               static_cast<int32_t>(status.code()), status.message());
+  } else {
+    send_chunk(self, in.sink, error_chunk(id, status));
+  }
+}
+
+// Decodes once both the envelope and a successful completion are there; fails on a failed completion.
+void try_finish_incoming(DecodePointer self, uint64_t transfer) {
+  auto& s = self->state;
+  auto it = s.incoming.find(transfer);
+  if (it == s.incoming.end() || !it->second.status) return;
+  if (!it->second.status->is_ok()) {
+    fail_incoming(self, transfer, *it->second.status);
+    return;
+  }
+  if (!it->second.envelope) return;  // the envelope is still on its way (transfer_timer bounds the wait)
+  Incoming in = std::move(it->second);
+  s.incoming.erase(it);
+  const std::span<std::byte> region = s.config.ucx->engine().region_data(in.region);
+  if (region.size() < in.bytes) {
+    s.incoming.emplace(transfer, std::move(in));
+    fail_incoming(self, transfer, internal_error("receive region vanished"));
+    return;
+  }
+  accept_handoff(self, *in.envelope, region.first(in.bytes));
+  release_region(self, in.region);
+}
+
+ReserveReply reserve(DecodePointer self, ReserveRequest& request) {
+  auto& s = self->state;
+  ReserveReply reply;
+  auto refuse = [&](const Status& why) {
+    reply.code = static_cast<int32_t>(why.code());
+    reply.message = why.message();
+    return reply;
+  };
+  if (!s.config.ucx) return refuse(failed_precondition(s.config.name + " has no UCX transport"));
+  if (request.bytes == 0 || request.bytes > kMaxStateBytes) {
+    return refuse(invalid_argument("reserve: " + std::to_string(request.bytes) + " state bytes"));
+  }
+  UcxLink& link = *s.config.ucx;
+  xfer::TransferEngine& engine = link.engine();
+  auto region = engine.allocate_region(request.bytes);
+  if (!region.is_ok()) return refuse(region.status().with_context("reserve " + request.request_id));
+  const uint64_t piece = link.config().piece_bytes;
+  xfer::ReceiveSpec spec;
+  for (uint64_t offset = 0; offset < request.bytes; offset += piece) {
+    spec.pieces.push_back({xfer::LocalSegment{*region, offset, std::min(piece, request.bytes - offset)}});
+  }
+  spec.deadline = link.config().deadline;
+  // Runs on the engine's progress thread: only posts a message (to a weak handle; nothing once the Node stops).
+  spec.on_done = [link = &link, worker = caf::actor_addr(self->address())](xfer::TransferId id, const Status& status) {
+    link->deliver([&] {
+      if (auto handle = caf::actor_cast<caf::actor>(worker)) {
+        caf::anon_send(caf::actor_cast<decode_actor>(handle), transfer_done_atom::value, static_cast<uint64_t>(id),
+                       static_cast<int32_t>(status.code()), status.message());
+      }
+    });
+  };
+  auto expected = engine.expect(std::move(spec));
+  if (!expected.is_ok()) {
+    release_region(self, *region);
+    return refuse(expected.status().with_context("reserve " + request.request_id));
+  }
+  Incoming in;
+  in.request_id = request.request_id;
+  in.attempt = request.attempt;
+  in.router = std::move(request.router);
+  in.sink = std::move(request.sink);
+  in.region = *region;
+  in.bytes = request.bytes;
+  s.incoming.emplace(expected->id, std::move(in));
+  self->delayed_send(self, quarantine(link), transfer_timer_atom::value, static_cast<uint64_t>(expected->id));
+  reply.transfer = expected->id;
+  reply.descriptor.resize(expected->descriptor.size());
+  std::memcpy(reply.descriptor.data(), expected->descriptor.data(), expected->descriptor.size());
+  reply.piece_bytes = piece;
+  return reply;
+}
 decode_actor::behavior_type decode_impl(DecodePointer self, std::shared_ptr<const engine::Model> model,
                                         std::shared_ptr<const tokenizer::Tokenizer> tokenizer, registry_actor registry,
                                         DecodeWorkerConfig config) {
@@ -218,45 +414,9 @@ decode_actor::behavior_type decode_impl(DecodePointer self, std::shared_ptr<cons
   });
   return {
       [self](handoff_atom, Handoff& handoff) {
-        auto& s = self->state;
-        HandoffEnvelope& envelope = handoff.envelope;
-        const std::string id = envelope.request.request_id;
-        if (auto d = s.dropped.find(id); d != s.dropped.end() && envelope.attempt <= d->second) {
-          s.dropped.erase(d);  // a stale attempt: the router prefilled the request again
-          return;
-        }
-        if (s.tombstones.erase(id) != 0) {  // cancelled while in transfer
-          send_chunk(self, envelope.sink, abort_chunk(id, static_cast<int64_t>(envelope.request.prompt.size())));
-          return;
-        }
-        if (s.active.count(id) != 0) {
-          ++s.stats.rejected;
-          send_chunk(self, envelope.sink, error_chunk(id, invalid_argument("duplicate request id " + id)));
-          return;
-        }
-        auto state = engine::decode_state(
-            s.model->config(),
+        accept_handoff(
+            self, handoff.envelope,
             std::span<const std::byte>(reinterpret_cast<const std::byte*>(handoff.state.data()), handoff.state.size()));
-        if (!state.is_ok()) {
-          ++s.stats.rejected;
-          const Status why = state.status().with_context("handoff " + id + " at " + s.config.name);
-          if (envelope.router) {  // the router prefills it again elsewhere
-            self->send(caf::actor_cast<router_actor>(envelope.router), failed_atom::value, id, envelope.attempt,
-                       static_cast<int32_t>(why.code()), why.message());
-          } else {
-            send_chunk(self, envelope.sink, error_chunk(id, why));
-          }
-          return;
-        }
-        ++s.stats.handoffs;
-        if (envelope.router)
-          self->send(caf::actor_cast<router_actor>(envelope.router), admitted_atom::value, id, envelope.attempt);
-        if (s.batcher->free_slots() > 0 && s.pending.empty()) {
-          admit(self, std::move(envelope), std::move(state).value());
-        } else {
-          s.pending.push_back(Pending{std::move(envelope), std::move(state).value()});
-        }
-        report_load(self, false);
       },
       [self](cancel_atom, const std::string& id) {
         auto& s = self->state;
@@ -290,6 +450,34 @@ decode_actor::behavior_type decode_impl(DecodePointer self, std::shared_ptr<cons
         s.dropped[id] = std::max(s.dropped[id], attempt);
       },
       [self](step_atom) { run_step(self); },
+      [self](reserve_atom, ReserveRequest& request) -> ReserveReply { return reserve(self, request); },
+      [self](handoff_ucx_atom, HandoffEnvelope& envelope, uint64_t transfer) {
+        auto it = self->state.incoming.find(transfer);
+        if (it == self->state.incoming.end()) return;  // already failed and reported (or never reserved here)
+        it->second.envelope = std::move(envelope);
+        try_finish_incoming(self, transfer);
+      },
+      [self](transfer_done_atom, uint64_t transfer, int32_t code, const std::string& message) {
+        auto it = self->state.incoming.find(transfer);
+        if (it == self->state.incoming.end()) return;
+        const auto status_code = code >= 0 && code <= static_cast<int32_t>(StatusCode::kCancelled)
+                                     ? static_cast<StatusCode>(code)
+                                     : StatusCode::kInternal;
+        it->second.status = status_code == StatusCode::kOk ? Status::ok() : Status(status_code, message);
+        try_finish_incoming(self, transfer);
+      },
+      [self](transfer_timer_atom, uint64_t transfer) {
+        auto it = self->state.incoming.find(transfer);
+        if (it == self->state.incoming.end()) return;
+        if (!it->second.status) {
+          self->state.config.ucx->engine().abort(transfer,
+                                                 Status(StatusCode::kDeadlineExceeded, "no completion in time"));
+        }
+        fail_incoming(self, transfer,
+                      Status(StatusCode::kDeadlineExceeded, it->second.envelope ? "transfer did not complete in time"
+                                                                                : "handoff envelope never came"));
+      },
+      [self](region_free_atom, uint32_t region) { release_region(self, region); },
       [self](drain_atom) {
         auto& s = self->state;
         if (s.registry && !s.draining) self->send(s.registry, leave_atom::value, s.config.name);

@@ -12,6 +12,7 @@
 #include "actors/prefill_worker.hpp"
 #include "actors/registry_actor.hpp"
 #include "actors/router_actor.hpp"
+#include "actors/ucx_transport.hpp"
 #include "engine/prefix_state.hpp"
 
 namespace deltaserve::actors {
@@ -58,6 +59,7 @@ struct Node::Impl {
   uint16_t cluster_port = 0;
   bool stopped = false;
   std::vector<std::string> worker_names;  // joined workers of this node
+  std::shared_ptr<UcxLink> ucx;           // transport "ucx": this process's transfer engine
 
   // Joins one worker through a request (so the caller knows the registry has it).
   Status join(const WorkerInfo& info) {
@@ -75,6 +77,7 @@ struct Node::Impl {
     if (stopped || !system) return;
     stopped = true;
     service.reset();
+    if (ucx) ucx->close();  // engine callbacks stop messaging actors before the actor system goes
     // Workers leave first (a graceful exit is not a lost worker); same connection as the joins, so it
     // arrives before the connection closes.
     if (registry) {
@@ -92,6 +95,7 @@ struct Node::Impl {
     router = nullptr;
     registry = nullptr;
     system.reset();  // blocks until every actor (sinks included) has quit
+    ucx.reset();     // the engine last: cancels what is still in flight
   }
 };
 
@@ -149,6 +153,24 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
     if (Status valid = validate(check, options.model->config()); !valid.is_ok()) return valid;
   }
 
+  std::shared_ptr<UcxLink> ucx;
+  if (options.transport == "ucx") {
+    if (role != NodeRole::kRouter) {
+      UcxLinkConfig link;
+      link.tls = options.ucx_tls;
+      link.net_devices = options.ucx_net_devices;
+      link.deadline = options.transfer_deadline;
+      link.reserve_timeout = options.transfer_reserve_timeout;
+      link.piece_bytes = options.transfer_piece_bytes > 0 ? static_cast<uint64_t>(options.transfer_piece_bytes) : 0;
+      link.faults = options.transfer_faults;
+      auto created = UcxLink::create(link);
+      if (!created.is_ok()) return created.status().with_context("transport ucx");
+      ucx = std::move(created).value();
+    }
+  } else if (options.transport != "caf") {
+    return invalid_argument("transport: '" + options.transport + "' is not caf or ucx");
+  }
+
   impl->config.load<caf::io::middleman>();
   register_wire_types(impl->config);
   impl->config.set("logger.verbosity", caf::atom("quiet"));
@@ -158,6 +180,7 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
   auto node = std::unique_ptr<Node>(new Node(std::move(impl)));
   Impl& n = *node->impl_;
   n.options = options;
+  n.ucx = ucx;
 
   const bool joins_registry = role == NodeRole::kPrefill || role == NodeRole::kDecode ||
                               (role == NodeRole::kRouter && options.router_joins_registry);
@@ -213,7 +236,8 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
     PrefillWorkerConfig cfg{name, options.prefill_chunk, options.heartbeat_interval, options.state_slots,
                             prefill_cache};
     cfg.prefix_cache.epoch = prefill_cache.enabled ? (random_u64() | 1) : 0;
-    prefill_actor worker = spawn_prefill_worker(sys, options.model, n.registry, cfg);
+    prefill_actor worker =
+        spawn_prefill_worker(sys, options.model, n.registry, cfg, n.ucx ? make_ucx_transport(n.ucx) : nullptr);
     n.prefill.push_back(worker);
     n.worker_names.push_back(name);
     WorkerInfo info{name, kPrefillRole, caf::actor_cast<caf::actor>(worker), options.prefill_chunk, {}};
@@ -223,6 +247,7 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
   };
   auto add_decode = [&](const std::string& name) -> Status {
     DecodeWorkerConfig cfg{name, options.max_batch, options.heartbeat_interval};
+    cfg.ucx = n.ucx;
     decode_actor worker = spawn_decode_worker(sys, options.model, options.tokenizer, n.registry, cfg);
     n.decode.push_back(worker);
     n.worker_names.push_back(name);
@@ -324,8 +349,26 @@ NodeRouterStats Node::router_stats() {
             out.expected_cached_tokens = s.expected_cached_tokens;
             out.index_events = s.index_events;
             out.index_errors = s.index_errors;
+            out.retried = s.retried;
+            out.failed = s.failed;
           },
           [&](caf::error&) {});
+  return out;
+}
+
+NodeTransferStats Node::transfer_stats() {
+  NodeTransferStats out;
+  if (!impl_->ucx) return out;
+  const kvstore::transfer::EngineStats s = impl_->ucx->engine().stats();
+  out.regions = s.regions;
+  out.region_uses = s.region_uses;
+  out.requests_in_flight = s.requests_in_flight;
+  out.endpoints = s.endpoints;
+  out.transfers = s.transfers;
+  out.transfers_pending = s.transfers_pending;
+  out.bytes_sent = s.bytes_sent;
+  out.bytes_received = s.bytes_received;
+  out.pieces_rejected = s.pieces_rejected;
   return out;
 }
 

@@ -64,6 +64,17 @@ struct NodeOptions {
   // and the placement policy.
   std::filesystem::path index_dir;
   std::string routing_policy = "cache-aware";  // cache-aware | load
+
+  // Handoff transport of the workers (kServe, kPrefill, kDecode): "caf" (the state inside the CAF message)
+  // or "ucx" (envelope over CAF, state over UCX; actors/ucx_transport.hpp). Prefill and decode workers of a
+  // cluster must agree.
+  std::string transport = "caf";
+  std::string ucx_tls = "tcp,self";                          // UCX_TLS syntax
+  std::string ucx_net_devices;                               // UCX_NET_DEVICES; "" = UCX default (all)
+  std::chrono::milliseconds transfer_deadline{10000};        // per handoff transfer
+  std::chrono::milliseconds transfer_reserve_timeout{5000};  // prefill: wait for the decode worker's descriptor
+  int64_t transfer_piece_bytes = 4LL << 20;                  // the state travels in pieces of at most this
+  std::string transfer_faults;  // fault_injection.hpp spec: only binaries linked with the test library accept it
 };
 
 // Sums over this node's workers (actors/wire_types.hpp WorkerStats, CAF-free copy).
@@ -78,6 +89,13 @@ struct NodeWorkerStats {
 // Router counters (CAF-free copy of RouterStats).
 struct NodeRouterStats {
   int64_t admitted = 0, routed_to_hit = 0, expected_cached_tokens = 0, index_events = 0, index_errors = 0;
+  int64_t retried = 0, failed = 0;  // prefilled again after a failed/lost handoff; given up
+};
+
+// The UCX transfer engine's counters (copy of kvstore/transfer EngineStats; zeros with transport "caf").
+struct NodeTransferStats {
+  int64_t regions = 0, region_uses = 0, requests_in_flight = 0, endpoints = 0, transfers = 0, transfers_pending = 0;
+  uint64_t bytes_sent = 0, bytes_received = 0, pieces_rejected = 0;
 };
 
 class Node {
@@ -102,6 +120,9 @@ class Node {
 
   // The router's counters (kServe, kRouter; zeros otherwise).
   NodeRouterStats router_stats();
+
+  // The UCX transfer engine's counters (transport "ucx"; zeros otherwise).
+  NodeTransferStats transfer_stats();
 
   // Sends exit to every actor of this node and waits for the actor system to stop. Idempotent.
   void shutdown();

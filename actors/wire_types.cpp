@@ -23,6 +23,8 @@ void register_wire_types(caf::actor_system_config& config) {
   config.add_message_type<PrefillJob>("ds::PrefillJob");
   config.add_message_type<HandoffEnvelope>("ds::HandoffEnvelope");
   config.add_message_type<Handoff>("ds::Handoff");
+  config.add_message_type<ReserveRequest>("ds::ReserveRequest");
+  config.add_message_type<ReserveReply>("ds::ReserveReply");
   config.add_message_type<std::vector<uint8_t>>("ds::Bytes");
   config.add_message_type<std::vector<int32_t>>("ds::TokenIds");
   config.add_message_type<kvstore::CacheEvent>("ds::CacheEvent");
