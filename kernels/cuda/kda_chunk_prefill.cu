@@ -4,8 +4,8 @@
 //      the inverses of the 16x16 diagonal blocks of I + Akk, then w = (I + Akk)^-1 diag(beta) (K ⊙ e^gc) and
 //      u = (I + Akk)^-1 diag(beta) V by blocked forward substitution on tensor cores (the UT transform);
 //      writes w, u, q ⊙ e^gc, k ⊙ e^(gc_last - gc), Aqk (bf16) and e^gc_last (fp32) to the workspace.
-//   2. state pass, one CTA per (64 value columns, head, sequence), sequential over the sequence's chunks with
-//      the state slice [128 x 64] fp32 in registers: v_new = u - w S; o = (q e^gc) S + Aqk v_new;
+//   2. state pass, one CTA per (32 value columns, head, sequence), sequential over the sequence's chunks with
+//      the state slice [128 x 32] fp32 in registers: v_new = u - w S; o = (q e^gc) S + Aqk v_new;
 //      S = e^gc_last ⊙ S + (k e^(gc_last - gc))^T v_new. Loads of the next chunk overlap (cp.async, 2 stages).
 // Sub-tiles of 16 tokens: pair decays are split at the row tile's start r, k_i e^(r - gc_i) and x_t e^(gc_t - r).
 // Across tiles both factors are <= 1; inside the diagonal tile the first is <= e^(16 * 5) = e^80 when the
@@ -34,7 +34,7 @@ constexpr int kLdF = kC + 1;         // fp32 row stride of [64, 64] smem matrice
 constexpr int kLdR = 32 + 8;         // bf16 row stride of a warp's [16, 32] residual tile
 constexpr int kKinvRows = 160;       // 16 + 32 + 48 + 64: the B operands of the four row tiles
 constexpr float kDenseSpan = 85.0f;  // e^85 < fp32/bf16 max with margin
-constexpr int kStateBv = 64;         // value columns per state-pass CTA (two per head: halves the L2 rereads)
+constexpr int kStateBv = 32;         // value columns per state-pass CTA
 
 // Per (chunk, head) block of the workspace.
 constexpr size_t kOffW = 0;
@@ -391,8 +391,8 @@ constexpr int kStageElements = 3 * kC * kLdD + kC * (kStateBv + 8) + kC * kLdC; 
 constexpr size_t kStageBytes = size_t{kStageElements} * 2 + kD * 4;
 constexpr size_t kStateSmem = 2 * kStageBytes + size_t{kD} * (kStateBv + 8) * 2 + size_t{kC} * (kStateBv + 8) * 2;
 
-// 8 warps: warp w owns state rows [16 w, 16 w + 16) x the slice's 64 columns; for the chunk's token rows, warp w
-// computes rows [16 (w % 4), +16) x columns [32 (w / 4), +32).
+// 8 warps: warp w owns state rows [16 w, 16 w + 16) x the slice's 32 columns; for the chunk's token rows, warp w
+// computes rows [16 (w % 4), +16) x columns [16 (w / 4), +16).
 __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(StateArgs p) {
   constexpr int kBv = kStateBv, kNt = kBv / 8, kLdV = kBv + 8;
   extern __shared__ __align__(16) uint8_t smem[];
@@ -439,7 +439,7 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(State
     cp_async_commit();
   };
 
-  // State rows [16 warp, +16), columns [slice * kBv, +kBv): fragments s[n-tile][c0..c3].
+  // State rows [16 warp, +16), columns [slice * 32, +32): fragments s[n-tile][c0..c3].
   float s[kNt][4];
   const size_t state_offset = (static_cast<size_t>(sequence) * H + h) * kD * kD + slice * kBv;
   const int state_row = warp * 16 + group;
@@ -467,8 +467,7 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(State
     }
   };
 
-  constexpr int kHalfNt = kBv / 16;  // n-tiles of a warp's half of the slice's columns
-  const int m0 = (warp & 3) * 16, n0 = (warp >> 2) * (kBv / 2);
+  const int m0 = (warp & 3) * 16, n0 = (warp >> 2) * 16;
   if (seq.num_chunks > 0) load_stage(0, seq.first_chunk);
   for (int ci = 0; ci < seq.num_chunks; ++ci) {
     const int stage = ci & 1;
@@ -493,24 +492,21 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(State
     const bf16* u = stage_u(stage);
     const bf16* aqk = stage_aqk(stage);
     const float* decay = stage_decay(stage);
-    float cv[kHalfNt][4] = {}, co[kHalfNt][4] = {};
+    float cv[2][4] = {}, co[2][4] = {};
 #pragma unroll
     for (int k0 = 0; k0 < kD; k0 += 16) {
       uint32_t aw[4], aq[4], b[4];
       load_a(aw, w, kLdD, m0, k0);
       load_a(aq, qg, kLdD, m0, k0);
-#pragma unroll
-      for (int np = 0; np < kHalfNt / 2; ++np) {
-        load_b_kn(b, s_b, kLdV, n0 + np * 16, k0);
-        mma_bf16_16816(cv[2 * np], aw, b[0], b[1]);
-        mma_bf16_16816(cv[2 * np + 1], aw, b[2], b[3]);
-        mma_bf16_16816(co[2 * np], aq, b[0], b[1]);
-        mma_bf16_16816(co[2 * np + 1], aq, b[2], b[3]);
-      }
+      load_b_kn(b, s_b, kLdV, n0, k0);
+      mma_bf16_16816(cv[0], aw, b[0], b[1]);
+      mma_bf16_16816(cv[1], aw, b[2], b[3]);
+      mma_bf16_16816(co[0], aq, b[0], b[1]);
+      mma_bf16_16816(co[1], aq, b[2], b[3]);
     }
     // v_new = u - w S.
 #pragma unroll
-    for (int nt = 0; nt < kHalfNt; ++nt) {
+    for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int row = m0 + group + half * 8, col = n0 + nt * 8 + quad * 2;
@@ -524,17 +520,14 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(State
     for (int k0 = 0; k0 <= m0; k0 += 16) {
       uint32_t aa[4], b[4];
       load_a(aa, aqk, kLdC, m0, k0);
-#pragma unroll
-      for (int np = 0; np < kHalfNt / 2; ++np) {
-        load_b_kn(b, vn, kLdV, n0 + np * 16, k0);
-        mma_bf16_16816(co[2 * np], aa, b[0], b[1]);
-        mma_bf16_16816(co[2 * np + 1], aa, b[2], b[3]);
-      }
+      load_b_kn(b, vn, kLdV, n0, k0);
+      mma_bf16_16816(co[0], aa, b[0], b[1]);
+      mma_bf16_16816(co[1], aa, b[2], b[3]);
     }
     const int chunk_first = ci * kC;
     const int tokens = min(kC, seq.length - chunk_first);
 #pragma unroll
-    for (int nt = 0; nt < kHalfNt; ++nt) {
+    for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int row = m0 + group + half * 8, col = slice * kBv + n0 + nt * 8 + quad * 2;
