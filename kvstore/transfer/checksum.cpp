@@ -1,5 +1,6 @@
 #include "kvstore/transfer/checksum.hpp"
 
+#include <algorithm>
 #include <bit>
 #include <cstring>
 
@@ -73,6 +74,15 @@ void Checksum64::update(std::span<const std::byte> bytes) {
   if (n > 0) {
     std::memcpy(pending_.data(), p, n);
     pending_bytes_ = n;
+  }
+}
+
+void Checksum64::copy_and_update(std::byte* destination, std::span<const std::byte> source) {
+  constexpr size_t kChunk = 16 << 10;
+  for (size_t at = 0; at < source.size(); at += kChunk) {
+    const size_t n = std::min(kChunk, source.size() - at);
+    std::memcpy(destination + at, source.data() + at, n);
+    update(source.subspan(at, n));
   }
 }
 

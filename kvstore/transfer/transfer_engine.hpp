@@ -63,6 +63,10 @@ struct EngineConfig {
   // at once instead of at the deadline. Needs a network transport (tcp, rc, ud); UCX 1.13 then refuses
   // shared-memory transports, so "posix,self" + true fails to connect.
   bool detect_peer_failure = false;
+  // When the receiver's region is mapped into this process (shared-memory transports), copy each piece
+  // with the CPU and checksum it in the same pass instead of posting puts (ucx_transfer_bench shows
+  // the difference; docs/transfer.md). false = always ucp_put_nbx.
+  bool direct_copy = true;
   std::chrono::milliseconds finish_grace{200};  // receiver: wait for late notices after kFinish
   bool progress_thread = false;                 // run progress() on a library thread
   std::string faults;  // fault_injection.hpp spec; rejected unless built with DELTASERVE_TRANSFER_FAULTS

@@ -23,8 +23,10 @@ std::byte pattern(uint64_t i, uint64_t seed) {
   return static_cast<std::byte>(x >> (8 * (i % 8)));
 }
 
-std::unique_ptr<TransferEngine> make_engine(const std::string& faults = "", bool progress_thread = false) {
+std::unique_ptr<TransferEngine> make_engine(const std::string& faults = "", bool progress_thread = false,
+                                            bool direct_copy = true) {
   EngineConfig config;
+  config.direct_copy = direct_copy;
   config.tls = "posix,self";
   config.faults = faults;
   config.progress_thread = progress_thread;
@@ -54,9 +56,10 @@ struct Pair {
   ExpectedTransfer expected;
   TransferId send_id = 0;
 
-  explicit Pair(const std::string& sender_faults = "", std::chrono::milliseconds deadline = 5000ms) {
+  explicit Pair(const std::string& sender_faults = "", std::chrono::milliseconds deadline = 5000ms,
+                bool direct_copy = true) {
     receiver = make_engine();
-    sender = make_engine(sender_faults);
+    sender = make_engine(sender_faults, false, direct_copy);
     destination = receiver->allocate_region(kPieces * kPiece).value();
     source = sender->allocate_region(kPieces * kPiece).value();
     auto src = sender->region_data(source);
@@ -130,6 +133,29 @@ TEST(TransferEngine, ScatterGatherPiecesArriveVerified) {
   expect_released(*pair.receiver, 1);
   expect_released(*pair.sender, 1);
   EXPECT_TRUE(pair.receiver->release_region(pair.destination).is_ok());
+}
+
+// The same with ucp_put_nbx (direct_copy off): puts, an endpoint flush per piece, then the notice.
+TEST(TransferEngine, PutPathPiecesArriveVerified) {
+  Pair pair("", 5000ms, /*direct_copy=*/false);
+  ASSERT_TRUE(pair.send_all().is_ok());
+  auto [r, s] = pair.run();
+  EXPECT_TRUE(r.is_ok()) << r.to_string();
+  EXPECT_TRUE(s.is_ok()) << s.to_string();
+  EXPECT_TRUE(pair.destination_matches());
+  expect_released(*pair.receiver, 1);
+  expect_released(*pair.sender, 1);
+}
+
+TEST(TransferEngine, PutPathCorruptedByteIsDetected) {
+  Pair pair("send.corrupt_byte:0", 5000ms, /*direct_copy=*/false);
+  ASSERT_TRUE(pair.send_all().is_ok());
+  auto [r, s] = pair.run();
+  EXPECT_EQ(r.code(), StatusCode::kDataLoss) << r.to_string();
+  EXPECT_NE(r.message().find("piece 0: checksum mismatch"), std::string::npos) << r.to_string();
+  EXPECT_FALSE(pair.destination_matches());
+  expect_released(*pair.receiver, 1);
+  expect_released(*pair.sender, 1);
 }
 
 TEST(TransferEngine, SourcesOutsideRegisteredMemoryWork) {
