@@ -8,9 +8,10 @@
 //
 // Output: one JSON object per line on stdout (bench/ucx_transfer.sh turns them into results lines).
 // Usage: ucx_transfer_bench [--tls posix,self] [--net-devices lo] [--iters 7] [--warmup 2]
-//                           [--cases name,...] [--presum]
+//                           [--cases name,...] [--presum] [--put]
 //   --presum: the sender passes checksums computed once up front (a producer that checksums a layer
 //             when it writes it, or immutable prefix-cache pages), instead of checksumming per send.
+//   --put:    EngineConfig::direct_copy = false (always ucp_put_nbx + flush, also over shared memory).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -178,6 +179,8 @@ int main(int argc, char** argv) {
       o.warmup = std::stoi(next());
     else if (a == "--presum")
       o.presum = true;
+    else if (a == "--put")
+      o.engine.direct_copy = false;
     else if (a == "--cases") {
       std::string list = next();
       for (size_t p = 0; p <= list.size();) {
