@@ -1,5 +1,6 @@
 #include "actors/router_actor.hpp"
 
+#include <chrono>
 #include <cstdlib>
 #include <deque>
 #include <iostream>
@@ -71,6 +72,7 @@ bool debug_enabled() {
 struct PrefillChoice {
   const WorkerInfo* worker = nullptr;
   int64_t hit_tokens = 0;  // what the index says the worker's cache serves (the worker verifies)
+  bool looked_up = false;  // the index was asked
   std::string reason;      // for the debug log
 };
 
@@ -80,6 +82,7 @@ struct PrefillChoice {
 PrefillChoice pick_prefill(RouterPointer self, const Entry* entry) {
   auto& s = self->state;
   std::map<std::string, int64_t> hits;
+  bool looked_up = false;
   const int64_t prompt = entry ? static_cast<int64_t>(entry->request.prompt.size()) : 0;
   const int64_t usable_blocks = prompt > 0 ? (prompt - 1) / s.config.block_tokens : 0;
   if (entry && s.config.index && s.config.policy == RoutingPolicy::kCacheAware && usable_blocks > 0 &&
@@ -90,6 +93,7 @@ PrefillChoice pick_prefill(RouterPointer self, const Entry* entry) {
     auto hashes = s.hasher->hash_prompt(s.hasher->root(ns, model_id), r.prompt);
     hashes.resize(static_cast<size_t>(usable_blocks));
     auto matches = s.config.index->lookup(hashes, ns);
+    looked_up = true;
     if (!matches.is_ok()) {
       ++s.totals.index_errors;
     } else {
@@ -101,6 +105,7 @@ PrefillChoice pick_prefill(RouterPointer self, const Entry* entry) {
     }
   }
   PrefillChoice best;
+  best.looked_up = looked_up;
   int64_t best_cost = 0, best_jobs = 0, least_loaded_cost = -1;
   std::string least_loaded;
   for (const auto& [name, info] : s.prefill_workers) {
@@ -161,6 +166,19 @@ bool try_dispatch_one(RouterPointer self, Entry& entry) {
   if (choice.hit_tokens > 0) {
     ++s.totals.routed_to_hit;
     s.totals.expected_cached_tokens += choice.hit_tokens;
+  }
+  if (s.config.observer) {
+    const router::GenerationRequest& r = entry.request;
+    if (entry.attempt == 0 && r.arrival_ns > 0) {  // the first dispatch (retries are not queue time)
+      const int64_t now =
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+              .count();
+      s.config.observer->queue_time(static_cast<double>(std::max<int64_t>(now - r.arrival_ns, 0)) * 1e-9);
+    }
+    if (choice.looked_up) {
+      s.config.observer->prefix_lookup(r.cache_namespace.empty() ? r.tenant : r.cache_namespace,
+                                       static_cast<int64_t>(r.prompt.size()), choice.hit_tokens);
+    }
   }
   if (!choice.reason.empty()) std::cerr << "debug: route " << entry.request.request_id << ": " << choice.reason << "\n";
   ++entry.attempt;
@@ -321,8 +339,9 @@ router_actor::behavior_type router_impl(RouterPointer self, RouterConfig config,
         }
         cancel_on_workers(self, it->second);  // the worker holding it sends "abort"; the sink's exit releases it
       },
-      [self](prefilled_atom, const std::string& id, int64_t attempt, int64_t /*bytes*/, int64_t /*micros*/) {
+      [self](prefilled_atom, const std::string& id, int64_t attempt, int64_t bytes, int64_t micros) {
         auto& s = self->state;
+        if (s.config.observer) s.config.observer->handoff(bytes, static_cast<double>(micros) * 1e-6, true);
         auto it = s.requests.find(id);
         if (it == s.requests.end() || it->second.stage != Stage::kPrefill || it->second.attempt != attempt) return;
         const std::string& worker = it->second.prefill_worker;
@@ -354,6 +373,7 @@ router_actor::behavior_type router_impl(RouterPointer self, RouterConfig config,
         const auto status_code = code >= 0 && code <= static_cast<int32_t>(StatusCode::kCancelled)
                                      ? static_cast<StatusCode>(code)
                                      : StatusCode::kInternal;
+        if (s.config.observer) s.config.observer->handoff(0, 0.0, false);
         retry(self, id, Status(status_code, message));
         dispatch_waiting(self);
       },
@@ -371,6 +391,13 @@ router_actor::behavior_type router_impl(RouterPointer self, RouterConfig config,
             slots_free += w.load.free_slots;
           }
           worker_requests += w.load.active + w.load.queue_length;
+        }
+        if (s.config.observer) {
+          std::vector<RouterWorkerLoad> views;
+          for (const WorkerInfo& w : workers) {
+            views.push_back({w.name, w.role, w.load.active + w.load.queue_length, w.load.free_slots});
+          }
+          s.config.observer->workers(views);
         }
         reconcile_index(self);
         if (s.gauges) {
@@ -415,8 +442,13 @@ router_actor::behavior_type router_impl(RouterPointer self, RouterConfig config,
         if (!s.config.index) return;
         auto w = s.prefill_workers.find(batch.worker);
         if (w == s.prefill_workers.end() || w->second.cache_epoch != batch.worker_epoch) return;  // not live
+        const auto start = std::chrono::steady_clock::now();
         if (Status applied = s.config.index->apply(batch); applied.is_ok()) {
           s.totals.index_events += static_cast<int64_t>(batch.events.size());
+          if (s.config.observer) {
+            s.config.observer->index_write(
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+          }
         } else {
           ++s.totals.index_errors;
           std::cerr << "warning: prefix index: " << applied.to_string() << "\n";
@@ -424,6 +456,11 @@ router_actor::behavior_type router_impl(RouterPointer self, RouterConfig config,
       },
       [self](stats_atom) -> RouterStats {
         update_gauges(self->state);
+        if (self->state.config.index) {
+          const kvstore::PrefixIndexStats index = self->state.config.index->stats();
+          self->state.totals.index_entries = index.entries;
+          self->state.totals.index_bytes = index.sst_file_bytes;
+        }
         return self->state.totals;
       },
   };

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "actors/router_observer.hpp"
 #include "actors/router_protocol.hpp"
 #include "kvstore/cache/block_hasher.hpp"
 #include "kvstore/index/prefix_index.hpp"
@@ -22,6 +23,7 @@ struct RouterConfig {
   std::shared_ptr<kvstore::PrefixIndex> index;  // null: no index (placement by load only)
   kvstore::SipKey hash_key{};                   // must equal the workers' key for the index to match
   int64_t block_tokens = kvstore::kDefaultBlockTokens;
+  std::shared_ptr<RouterObserver> observer;  // metrics; null = none
   int64_t max_attempts = 3;  // prefills of one request at most (a failed/lost handoff is prefilled again)
 };
 

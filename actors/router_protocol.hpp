@@ -54,12 +54,15 @@ struct RouterStats {
   int64_t expected_cached_tokens = 0;  // the prompt tokens those hits cover, in total (the worker verifies)
   int64_t index_events = 0;            // cache events applied to the index
   int64_t index_errors = 0;            // failed index writes or lookups
+  int64_t index_entries = 0;           // (block, worker) entries in the index (RocksDB estimate)
+  int64_t index_bytes = 0;             // its files on disk
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, RouterStats& x) {
   return f(caf::meta::type_name("RouterStats"), x.running, x.waiting, x.prefill_workers, x.decode_workers, x.admitted,
-           x.rejected, x.failed, x.retried, x.routed_to_hit, x.expected_cached_tokens, x.index_events, x.index_errors);
+           x.rejected, x.failed, x.retried, x.routed_to_hit, x.expected_cached_tokens, x.index_events, x.index_errors,
+           x.index_entries, x.index_bytes);
 }
 
 using sink_actor = caf::typed_actor<caf::reacts_to<chunk_atom, router::GenerationChunk>>;
