@@ -6,7 +6,8 @@
 #
 #   bench/ucx_transfer.sh [UCX_TLS]          default posix,self (same host); e.g. "tcp,self" (+ lo)
 # Environment: DELTASERVE_BUILD_DIR (default build/release, configured by the release preset),
-# DELTASERVE_MACHINE (machine label), DELTASERVE_ROUNDS (default 3), DELTASERVE_SKIP_BUILD=1.
+# DELTASERVE_MACHINE (machine label), DELTASERVE_ROUNDS (default 3), DELTASERVE_SKIP_BUILD=1,
+# DELTASERVE_COMMIT (commit label where the tree has no .git).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tls=${1:-posix,self}
@@ -17,7 +18,7 @@ if [[ -z ${DELTASERVE_SKIP_BUILD:-} ]]; then
 fi
 machine=${DELTASERVE_MACHINE:-"cpu-$(nproc)core-$(uname -m)"}
 command -v ucx_perftest >/dev/null || { echo "ucx_perftest not found (apt-get install ucx-utils)" >&2; exit 1; }
-python3 - "$build/bench/ucx_transfer_bench" "$tls" "$machine" "$(git rev-parse --short HEAD)" \
+python3 - "$build/bench/ucx_transfer_bench" "$tls" "$machine" "${DELTASERVE_COMMIT:-$(git rev-parse --short HEAD)}" \
   "${DELTASERVE_ROUNDS:-3}" <<'PY' | tee -a bench/results/ucx_transfer.jsonl
 import datetime, json, os, socket, statistics, subprocess, sys, time
 
@@ -60,10 +61,8 @@ def perftest(test, size, iters, warmup):
     raise SystemExit(f"ucx_perftest {test} -s {size} failed: {out.stdout[-500:]} {out.stderr[-500:]}")
 
 
-def ours(case, presum, iters, warmup):
-    args = [bench, "--tls", tls, "--cases", case, "--iters", str(iters), "--warmup", str(warmup)] + extra
-    if presum:
-        args.append("--presum")
+def ours(case, flags, iters, warmup):
+    args = [bench, "--tls", tls, "--cases", case, "--iters", str(iters), "--warmup", str(warmup)] + extra + flags
     out = subprocess.run(args, capture_output=True, text=True, timeout=600, check=True)
     rows = [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
     return next(r for r in rows if r["kind"] == "transfer"), next(r for r in rows if r["kind"] == "checksum")
@@ -76,15 +75,15 @@ checksum_gbps, memcpy_gbps = [], []
 for case in cases:
     big = case == "mla_pages_48b_128k"
     iters, warmup = (3, 1) if big else (7, 2)
-    samples = {"send": [], "presum": [], "peer_bw": [], "peer_lat": []}
+    samples = {"send": [], "presum": [], "put": [], "peer_bw": [], "peer_lat": []}
     row = None
     for _ in range(rounds):
-        row, cs = ours(case, False, iters, warmup)
+        row, cs = ours(case, [], iters, warmup)
         samples["send"].append(row["median_s"])
         checksum_gbps.append(cs["checksum_gbps"])
         memcpy_gbps.append(cs["memcpy_gbps"])
-        pre, _ = ours(case, True, iters, warmup)
-        samples["presum"].append(pre["median_s"])
+        samples["presum"].append(ours(case, ["--presum"], iters, warmup)[0]["median_s"])
+        samples["put"].append(ours(case, ["--put"], iters, warmup)[0]["median_s"])
         lat_us, mibps = perftest("ucp_put_bw", row["bytes"], iters * 4 if not big else iters, warmup)
         samples["peer_bw"].append(mibps * 1048576 / 1e9)
         if row["bytes"] < (1 << 20):
@@ -92,7 +91,9 @@ for case in cases:
     nbytes = row["bytes"]
     peer_bw = statistics.median(samples["peer_bw"])
     shape = f"{nbytes} B, {row['pieces']} pieces, {row['segments']} segments, TLS={tls}"
-    for mode, label in (("send", "checksum on send"), ("presum", "precomputed checksums")):
+    for mode, label in (("send", "default: direct copy + checksum in one pass"),
+                        ("presum", "direct copy, precomputed checksums"),
+                        ("put", "ucp_put_nbx + flush per piece, checksum on send")):
         t = statistics.median(samples[mode])
         bw = nbytes / t / 1e9
         print(json.dumps({"bench": "ucx_transfer", "case": f"{case} ({shape}, {label})", "metric": "bandwidth",

@@ -1,5 +1,5 @@
-// Piece checksum of the transfer layer: a 64-bit hash over four independent multiply-rotate lanes
-// (32-byte stripes), fast enough that verifying a piece costs less than moving it (bench:
+// Piece checksum of the transfer layer: a 64-bit hash over eight independent add-multiply-rotate
+// lanes (64-byte stripes), fast enough that verifying a piece costs less than moving it (bench:
 // ucx_transfer_bench reports both). Not cryptographic: it detects corruption, not forgery.
 //
 // Guarantee: every lane step and the final lane fold are bijections of the running value, so two
@@ -29,8 +29,10 @@ class Checksum64 {
  private:
   void consume_stripe(const std::byte* stripe);
 
-  std::array<uint64_t, 4> lanes_;
-  std::array<std::byte, 32> pending_{};  // bytes of an incomplete stripe
+  static constexpr size_t kLanes = 8;
+  static constexpr size_t kStripe = 8 * kLanes;
+  std::array<uint64_t, kLanes> lanes_;
+  std::array<std::byte, kStripe> pending_{};  // bytes of an incomplete stripe
   size_t pending_bytes_ = 0;
   uint64_t total_bytes_ = 0;
 };

@@ -261,7 +261,7 @@ TEST_P(TwoProcessTransfer, InjectedFaultsFailCleanlyWithinTheDeadline) {
     const auto start = Clock::now();
     child.write_line("descriptor " + to_hex(rx.expected.descriptor));
     const Status s = rx.wait(deadline + 2s);
-    EXPECT_LE(Clock::now() - start, deadline + 300ms);
+    EXPECT_LE(Clock::now() - start, deadline + 1000ms);
     EXPECT_EQ(s.code(), f.receiver_code) << s.to_string();
     EXPECT_NE(s.message().find(f.message_part), std::string::npos) << s.to_string();
     rx.expect_released();
@@ -289,7 +289,7 @@ TEST_P(TwoProcessTransfer, SenderKilledMidTransferFailsCleanly) {
     }
   });
   ASSERT_NE(killed, Clock::time_point{}) << s.to_string();
-  EXPECT_LE(Clock::now() - start, deadline + 300ms);
+  EXPECT_LE(Clock::now() - start, deadline + 1000ms);
   if (t.detect_peer_failure) {
     EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.to_string();  // noticed at once, not at the deadline
     EXPECT_LT(Clock::now() - killed, 1000ms);
@@ -321,7 +321,7 @@ TEST_P(TwoProcessTransfer, HungReceiverFailsTheSenderWithinTheDeadline) {
   ASSERT_TRUE(engine->finish_send(id).is_ok());
   const Status s = engine->wait(id);
   EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded) << s.to_string();
-  EXPECT_LE(Clock::now() - start, std::chrono::milliseconds(deadline_ms) + 300ms);
+  EXPECT_LE(Clock::now() - start, std::chrono::milliseconds(deadline_ms) + 1000ms);
   const EngineStats stats = engine->stats();
   EXPECT_EQ(stats.requests_in_flight, 0);
   EXPECT_EQ(stats.rkey_uses, 0);
