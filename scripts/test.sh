@@ -23,7 +23,7 @@ ctest --test-dir build/release --output-on-failure -j "$jobs" -LE gpu
 echo "== ASan + UBSan unit tests"
 cmake --preset asan
 cmake --build --preset asan -j "$jobs" --target kernels_cpu_test engine_test tokenizer_test router_test actors_test \
-  actors_protocol_test kvstore_cache_test telemetry_test kvstore_index_test
+  actors_protocol_test kvstore_cache_test telemetry_test kvstore_index_test kvstore_transfer_test kvstore_transfer_release_test
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build/asan --output-on-failure -j "$jobs" -L unit
 
