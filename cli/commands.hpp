@@ -69,6 +69,14 @@ struct CacheOptions {
   std::string routing_policy = "cache-aware";
 };
 
+// Handoff transport of the workers (serve, prefill, decode); README "Cluster" flags.
+struct TransportOptions {
+  std::string transport = "caf";               // caf | ucx
+  std::optional<std::string> ucx_tls;          // default: $UCX_TLS, else "tcp,self"
+  std::optional<std::string> ucx_net_devices;  // default: $UCX_NET_DEVICES, else "lo" on loopback, else all
+  int64_t transfer_deadline_ms = 10000;
+};
+
 // The cluster roles (cli/serve_command.cpp). Each runs until SIGTERM/SIGINT, then drains and returns 0;
 // fatal startup errors (bad model, port taken, registry unreachable) print "error: ..." and return 1.
 struct ServeOptions {  // deltaserve serve: registry + router + workers + HTTP in one process
@@ -86,6 +94,7 @@ struct ServeOptions {  // deltaserve serve: registry + router + workers + HTTP i
   // HOST:PORT of a separate /metrics listener; for serve/router it also takes /metrics off the API port.
   std::optional<std::string> metrics_listen;
   CacheOptions cache;
+  TransportOptions transport;
 };
 int run_serve(const ServeOptions& options, std::ostream& out, std::ostream& err);
 
@@ -118,6 +127,7 @@ struct WorkerOptions {  // deltaserve prefill | decode
   // HOST:PORT of a separate /metrics listener; for serve/router it also takes /metrics off the API port.
   std::optional<std::string> metrics_listen;
   CacheOptions cache;
+  TransportOptions transport;
 };
 int run_worker(const WorkerOptions& options, std::ostream& out, std::ostream& err);
 

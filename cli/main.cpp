@@ -149,6 +149,18 @@ int main(int argc, char** argv) {
     }
   };
 
+  // Handoff transport flags (serve, prefill, decode).
+  auto add_transport_options = [&](CLI::App* sub, TransportOptions& t) {
+    role_option(sub, "transport", t.transport, "Handoff of request states: caf (inside the actor message) | ucx")
+        ->check(CLI::IsMember({"caf", "ucx"}));
+    role_option(sub, "ucx-tls", t.ucx_tls, "UCX transports for --transport ucx (default: $UCX_TLS, else tcp,self)");
+    role_option(sub, "ucx-net-devices", t.ucx_net_devices,
+                "UCX network devices (default: $UCX_NET_DEVICES, else lo when every peer is on this host, else all)");
+    role_option(sub, "transfer-deadline-ms", t.transfer_deadline_ms,
+                "A handoff transfer not verified by then fails and the request is prefilled again")
+        ->check(CLI::PositiveNumber);
+  };
+
   ServeOptions serve_opts;
   auto* serve = app.add_subcommand("serve", "Serve the OpenAI API with every role in this process");
   add_config(serve);
@@ -168,6 +180,7 @@ int main(int argc, char** argv) {
   role_option(serve, "drain-timeout-ms", serve_opts.drain_timeout_ms, drain_help)->check(CLI::NonNegativeNumber);
   role_option(serve, "metrics-listen", serve_opts.metrics_listen, front_metrics_help);
   add_cache_options(serve, serve_opts.cache, true, true);
+  add_transport_options(serve, serve_opts.transport);
 
   RouterOptions router_opts;
   auto* router = app.add_subcommand("router", "Serve the OpenAI API; prefill/decode workers join over the network");
@@ -199,6 +212,7 @@ int main(int argc, char** argv) {
   role_option(prefill, "drain-timeout-ms", prefill_opts.drain_timeout_ms, drain_help)->check(CLI::NonNegativeNumber);
   role_option(prefill, "metrics-listen", prefill_opts.metrics_listen, worker_metrics_help);
   add_cache_options(prefill, prefill_opts.cache, true, false);
+  add_transport_options(prefill, prefill_opts.transport);
 
   WorkerOptions decode_opts;
   decode_opts.decode = true;
@@ -211,6 +225,7 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   role_option(decode, "drain-timeout-ms", decode_opts.drain_timeout_ms, drain_help)->check(CLI::NonNegativeNumber);
   role_option(decode, "metrics-listen", decode_opts.metrics_listen, worker_metrics_help);
+  add_transport_options(decode, decode_opts.transport);
 
   CLI11_PARSE(app, argc, argv);
   deltaserve::kernels::cpu::set_num_threads(threads);

@@ -1,6 +1,7 @@
 // The cluster roles: serve (everything in one process), router, prefill, decode. Thin wiring of
 // actors::Node (CAF), router::HttpServer (Beast) and the model files; no CAF or Beast headers here.
 #include <chrono>
+#include <cstdlib>
 #include <ctime>
 #include <ostream>
 
@@ -223,6 +224,21 @@ void apply_cache_options(const CacheOptions& c, actors::NodeOptions& n) {
   n.routing_policy = c.routing_policy;
 }
 
+// `loopback`: every peer of this process is on this host (serve, or a worker joining 127.0.0.1/localhost).
+void apply_transport_options(const TransportOptions& t, bool loopback, actors::NodeOptions& n) {
+  n.transport = t.transport;
+  const char* env_tls = std::getenv("UCX_TLS");
+  const char* env_devices = std::getenv("UCX_NET_DEVICES");
+  n.ucx_tls = t.ucx_tls ? *t.ucx_tls : (env_tls && *env_tls ? std::string(env_tls) : std::string("tcp,self"));
+  n.ucx_net_devices =
+      t.ucx_net_devices ? *t.ucx_net_devices : (env_devices ? std::string(env_devices) : (loopback ? "lo" : ""));
+  n.transfer_deadline = std::chrono::milliseconds(t.transfer_deadline_ms);
+}
+
+bool is_loopback_host(const std::string& host) {
+  return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
+}
+
 int run_serve(const ServeOptions& o, std::ostream& out, std::ostream& err) {
   SignalWaiter signals;
   auto dir = resolve_model_dir(o.model);
@@ -236,6 +252,7 @@ int run_serve(const ServeOptions& o, std::ostream& out, std::ostream& err) {
   node_options.prefill_chunk = o.prefill_chunk;
   node_options.max_queue = o.max_queue;
   apply_cache_options(o.cache, node_options);
+  apply_transport_options(o.transport, true, node_options);
   auto node = actors::Node::start(node_options);
   if (!node.is_ok()) return fail(err, node.status());
   FrontOptions front{o.host,           o.port,  o.api_keys, o.served_model_name, o.model, *dir, o.drain_timeout_ms,
@@ -296,6 +313,7 @@ int run_worker(const WorkerOptions& o, std::ostream& out, std::ostream& err) {
   node_options.join_port = join->second;
   node_options.join_timeout = std::chrono::milliseconds(o.join_timeout_ms);
   apply_cache_options(o.cache, node_options);
+  apply_transport_options(o.transport, is_loopback_host(join->first), node_options);
   auto node = actors::Node::start(node_options);
   if (!node.is_ok()) return fail(err, node.status());
   out << "deltaserve: " << (o.decode ? "decode" : "prefill") << " worker joined " << join->first << ":" << join->second

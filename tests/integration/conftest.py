@@ -3,6 +3,8 @@
 Topologies:
   serve  -- `deltaserve serve` (all roles in one process, the embedded default)
   multi  -- `deltaserve router` + 1 `prefill` + 2 `decode`, each its own process, joined over CAF
+  multi_ucx -- `router` + 1 `prefill` + 1 `decode` with `--transport ucx` (request states over UCX, tcp on lo;
+           envelopes over CAF); used by the streaming accounting tests (fixture `cluster_with_ucx`)
 
 Every process is started with --port 0 / --cluster-port 0; the real ports are parsed from the startup
 lines on stdout. Every process is always stopped (SIGTERM, then SIGKILL after a grace period) and the
@@ -270,8 +272,12 @@ class Cluster:
                                                          *(serve_flags or [])], env, logdir)
                 self.procs.append(self.front)
                 self._parse_http(deadline)
-            elif topology == "multi":
+            elif topology in ("multi", "multi_ucx"):
                 require_multi()
+                if topology == "multi_ucx":
+                    ucx = ["--transport", "ucx", "--ucx-tls", "tcp,self", "--ucx-net-devices", "lo"]
+                    prefill_flags = [*ucx, *(prefill_flags or [])]
+                    decode_flags = [*ucx, *(decode_flags or [])]
                 self.front = DsProcess(f"{name}-router",
                                        ["router", *model, "--host", "127.0.0.1", "--port", "0",
                                         "--cluster-host", "127.0.0.1", "--cluster-port", "0",
@@ -461,6 +467,21 @@ def multi_cluster(ds_env, logdir, model_dir):
     c = Cluster("multi", ds_env, logdir, model_dir)
     yield c
     c.stop()
+
+
+@pytest.fixture(scope="module")  # not kept for the whole session: the UCX engines poll while idle
+def multi_ucx_cluster(ds_env, logdir, model_dir):
+    c = Cluster("multi_ucx", ds_env, logdir, model_dir, decode_workers=1)
+    yield c
+    c.stop()
+
+
+@pytest.fixture(params=["serve", "multi", "multi_ucx"])
+def cluster_with_ucx(request) -> Cluster:
+    """`cluster` plus the UCX handoff topology (for the streaming correctness tests only: CI time)."""
+    c = request.getfixturevalue(f"{request.param}_cluster")
+    c.check_alive()
+    return c
 
 
 @pytest.fixture(params=["serve", "multi"])

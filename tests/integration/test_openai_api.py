@@ -131,7 +131,8 @@ def test_completion_ignore_eos_extension(cluster: Cluster, reference):
 
 
 @pytest.mark.parametrize("prompt", [PROMPTS[0], PROMPTS[7]], ids=pid)
-def test_completion_stream_accounting(cluster: Cluster, reference, prompt):
+def test_completion_stream_accounting(cluster_with_ucx: Cluster, reference, prompt):
+    cluster = cluster_with_ucx
     ref = reference.get(prompt, MAX_TOKENS)
     stream = cluster.client().completions.create(model=cluster.model_id, prompt=prompt, max_tokens=MAX_TOKENS,
                                                  temperature=0, logprobs=1, stream=True,
@@ -146,7 +147,8 @@ def test_completion_stream_accounting(cluster: Cluster, reference, prompt):
 
 
 @pytest.mark.parametrize("prompt", [PROMPTS[1], PROMPTS[3]], ids=pid)
-def test_chat_stream_accounting(cluster: Cluster, reference, prompt):
+def test_chat_stream_accounting(cluster_with_ucx: Cluster, reference, prompt):
+    cluster = cluster_with_ucx
     ref = reference.get(prompt, MAX_TOKENS, chat=True)
     stream = cluster.client().chat.completions.create(model=cluster.model_id, messages=user(prompt),
                                                       max_tokens=MAX_TOKENS, temperature=0, logprobs=True,
