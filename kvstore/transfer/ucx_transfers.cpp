@@ -1,0 +1,415 @@
+// UCX implementation of TransferEngine, part 2: the protocol. Receiver: expect, piece verification,
+// control messages. Sender: start, pieces (direct copy or puts + flush), notices, finish.
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+
+#include "kvstore/transfer/checksum.hpp"
+#include "kvstore/transfer/ucx_engine.hpp"
+
+namespace deltaserve::kvstore::transfer::ucx_impl {
+
+// ---- receiver --------------------------------------------------------------------------------------
+
+Result<ExpectedTransfer> UcxEngine::expect(ReceiveSpec spec) {
+  std::lock_guard lock(mu_);
+  if (spec.pieces.empty() || spec.pieces.size() > kMaxPieces) {
+    return invalid_argument("expect: piece count " + std::to_string(spec.pieces.size()));
+  }
+  if (spec.deadline.count() <= 0 || spec.deadline.count() > UINT32_MAX) {
+    return invalid_argument("expect: deadline must be in (0, 2^32) ms");
+  }
+  Descriptor d;
+  std::map<RegionId, uint32_t> region_index;
+  Transfer t;
+  for (size_t p = 0; p < spec.pieces.size(); ++p) {
+    if (spec.pieces[p].empty()) return invalid_argument("expect: piece " + std::to_string(p) + " has no segments");
+    std::vector<Segment> remote;
+    for (const LocalSegment& s : spec.pieces[p]) {
+      auto it = regions_.find(s.region);
+      if (it == regions_.end())
+        return not_found("expect: piece " + std::to_string(p) + ": region " + std::to_string(s.region));
+      if (s.bytes == 0 || s.offset > it->second.bytes || s.bytes > it->second.bytes - s.offset) {
+        return invalid_argument("expect: piece " + std::to_string(p) + ": segment outside region " +
+                                std::to_string(s.region));
+      }
+      auto [index, added] = region_index.emplace(s.region, static_cast<uint32_t>(d.regions.size()));
+      if (added) {
+        d.regions.push_back({reinterpret_cast<uint64_t>(it->second.base), it->second.bytes, it->second.rkey});
+        t.regions_used.push_back(s.region);
+      }
+      remote.push_back({index->second, s.offset, s.bytes});
+    }
+    d.pieces.push_back(std::move(remote));
+  }
+  t.id = next_transfer_++;
+  t.role = Role::kReceive;
+  t.token = token_rng_();
+  t.deadline_ms = static_cast<uint32_t>(spec.deadline.count());
+  t.deadline = Clock::now() + spec.deadline;
+  t.on_done = std::move(spec.on_done);
+  t.num_pieces = static_cast<uint32_t>(spec.pieces.size());
+  t.piece_done.assign(t.num_pieces, 0);
+  t.local_pieces = std::move(spec.pieces);
+  for (RegionId r : t.regions_used) ++regions_[r].uses;
+  d.transfer_id = t.id;
+  d.token = t.token;
+  d.deadline_ms = t.deadline_ms;
+  d.receiver_address = address_;
+  ExpectedTransfer out{t.id, encode_descriptor(d)};
+  transfers_.emplace(t.id, std::move(t));
+  return out;
+}
+
+std::optional<uint32_t> UcxEngine::pieces_verified(TransferId id) const {
+  std::lock_guard lock(mu_);
+  const Transfer* t = find(id);
+  if (t == nullptr) return std::nullopt;
+  return t->pieces_done;
+}
+
+void UcxEngine::verify_piece(Transfer& t, const Message& m) {
+  const std::string piece = "piece " + std::to_string(m.seq);
+  if (m.seq >= t.num_pieces)
+    return decide(t, data_loss(piece + " out of range (" + std::to_string(t.num_pieces) + " pieces)"), true);
+  uint64_t expected_bytes = 0;
+  for (const LocalSegment& s : t.local_pieces[m.seq]) expected_bytes += s.bytes;
+  if (m.bytes != expected_bytes) {
+    ++pieces_rejected_;
+    return decide(t,
+                  data_loss(piece + ": announced " + std::to_string(m.bytes) + " bytes, expected " +
+                            std::to_string(expected_bytes)),
+                  true);
+  }
+  if (t.piece_done[m.seq]) {
+    ++messages_ignored_;  // duplicate notice
+    return;
+  }
+  Checksum64 checksum;
+  for (const LocalSegment& s : t.local_pieces[m.seq]) {
+    checksum.update({regions_[s.region].base + s.offset, s.bytes});
+  }
+  const uint64_t received = checksum.finish();
+  if (received != m.checksum) {
+    ++pieces_rejected_;
+    char text[96];
+    std::snprintf(text, sizeof text, ": checksum mismatch (sent %016llx, received %016llx)",
+                  static_cast<unsigned long long>(m.checksum), static_cast<unsigned long long>(received));
+    return decide(t, data_loss(piece + text), true);
+  }
+  t.piece_done[m.seq] = 1;
+  ++t.pieces_done;
+  bytes_received_ += m.bytes;
+  if (t.finish_seen && t.pieces_done == t.num_pieces) decide(t, Status::ok(), true);
+}
+
+void UcxEngine::handle_message(const Message& m) {
+  if (m.kind == MessageKind::kAccept) {
+    auto it = send_by_token_.find(m.token);
+    Transfer* t = it == send_by_token_.end() ? nullptr : find(it->second);
+    if (t == nullptr || t->remote_id != m.transfer_id || t->decided || t->accepted) {
+      ++messages_ignored_;
+      return;
+    }
+    t->accepted = true;
+    pieces_queued_ = true;
+    return;
+  }
+  if (m.kind == MessageKind::kResult) {
+    auto it = send_by_token_.find(m.token);
+    Transfer* t = it == send_by_token_.end() ? nullptr : find(it->second);
+    if (t == nullptr || t->remote_id != m.transfer_id || t->decided) {
+      ++messages_ignored_;
+      return;
+    }
+    if (m.seq == 0) {
+      decide(*t, Status::ok(), false);
+    } else {
+      decide(*t, Status(code_from_wire(m.seq), "receiver: " + blob_text(m.blob)), false);
+    }
+    return;
+  }
+  Transfer* t = find(m.transfer_id);
+  if (t == nullptr || t->role != Role::kReceive || t->token != m.token || t->decided) {
+    ++messages_ignored_;
+    return;
+  }
+  if ((m.kind == MessageKind::kBegin || m.kind == MessageKind::kFinish) && !t->peer && !m.blob.empty()) {
+    auto peer = connect(blob_text(m.blob));
+    if (peer.is_ok()) t->peer = std::move(peer).value();
+  }
+  switch (m.kind) {
+    case MessageKind::kBegin:
+      send_message(t->peer, message_for(*t, MessageKind::kAccept));
+      return;
+    case MessageKind::kPiece:
+      return verify_piece(*t, m);
+    case MessageKind::kFinish:
+      if (m.seq != t->num_pieces) {
+        return decide(*t,
+                      data_loss("sender finished after " + std::to_string(m.seq) + " pieces, expected " +
+                                std::to_string(t->num_pieces)),
+                      true);
+      }
+      if (t->pieces_done == t->num_pieces) return decide(*t, Status::ok(), true);
+      t->finish_seen = true;
+      t->grace_end = std::min(t->deadline, Clock::now() + config_.finish_grace);
+      return;
+    case MessageKind::kAbort:
+      return decide(*t, Status(code_from_wire(m.seq), "sender aborted: " + blob_text(m.blob)), false);
+    case MessageKind::kResult:
+    case MessageKind::kAccept:
+      return;
+  }
+}
+
+// ---- sender ----------------------------------------------------------------------------------------
+
+Result<TransferId> UcxEngine::start_send(std::span<const std::byte> bytes, DoneCallback on_done) {
+  DS_ASSIGN_OR_RETURN(Descriptor d, decode_descriptor(bytes));
+  std::lock_guard lock(mu_);
+  if (send_by_token_.contains(d.token)) return failed_precondition("start_send: transfer already started");
+  DS_ASSIGN_OR_RETURN_CTX(std::shared_ptr<Peer> peer, connect(blob_text(d.receiver_address)), "start_send");
+  Transfer t;
+  for (size_t i = 0; i < d.regions.size(); ++i) {
+    RkeyKey key{peer->serial, blob_text(d.regions[i].rkey)};
+    auto cached = acquire_rkey(*peer, key);
+    if (!cached.is_ok()) {
+      for (const RkeyKey& k : t.rkey_keys) release_rkey(k);
+      return cached.status().with_context("start_send: rkey of region " + std::to_string(i));
+    }
+    t.rkeys.push_back(*cached);
+    t.rkey_keys.push_back(std::move(key));
+    t.remote_bases.push_back(d.regions[i].base);
+  }
+  t.id = next_transfer_++;
+  t.role = Role::kSend;
+  t.token = d.token;
+  t.remote_id = d.transfer_id;
+  t.deadline_ms = d.deadline_ms;
+  t.deadline = Clock::now() + std::chrono::milliseconds(d.deadline_ms);
+  t.on_done = std::move(on_done);
+  t.peer = peer;
+  t.num_pieces = static_cast<uint32_t>(d.pieces.size());
+  t.piece_done.assign(t.num_pieces, 0);
+  t.remote_pieces = std::move(d.pieces);
+  const TransferId id = t.id;
+  send_by_token_[t.token] = id;
+  Message begin = message_for(t, MessageKind::kBegin);
+  begin.blob = address_;
+  transfers_.emplace(id, std::move(t));
+  send_message(peer, begin);
+  return id;
+}
+
+Status UcxEngine::send_piece(TransferId id, uint32_t seq, std::span<const std::span<const std::byte>> sources,
+                             std::optional<uint64_t> checksum) {
+  std::lock_guard lock(mu_);
+  Transfer* t = find(id);
+  if (t == nullptr || t->role != Role::kSend) return not_found("send_piece: no send transfer " + std::to_string(id));
+  if (t->decided) return t->status.is_ok() ? failed_precondition("send_piece: transfer already complete") : t->status;
+  const std::string piece = "send_piece " + std::to_string(seq);
+  if (seq >= t->num_pieces)
+    return invalid_argument(piece + ": out of range (" + std::to_string(t->num_pieces) + " pieces)");
+  if (t->piece_done[seq]) return failed_precondition(piece + ": already sent");
+  const uint64_t bytes = piece_bytes(t->remote_pieces[seq]);
+  uint64_t source_bytes = 0;
+  for (const auto& s : sources) source_bytes += s.size();
+  if (source_bytes != bytes) {
+    return invalid_argument(piece + ": sources hold " + std::to_string(source_bytes) + " bytes, the piece " +
+                            std::to_string(bytes));
+  }
+  t->piece_done[seq] = 1;
+  ++t->pieces_done;
+  if (fault(FaultPoint::kKillEndpoint, seq) != nullptr) {
+    fail_peer(t->peer, Status(StatusCode::kUnavailable, "fault send.kill_endpoint at piece " + std::to_string(seq)));
+    return t->status;
+  }
+  if (fault(FaultPoint::kDropPiece, seq) != nullptr) {
+    ++t->notices_sent;  // the notice is "sent" and lost
+    maybe_send_finish(*t);
+    return Status::ok();
+  }
+  if (!t->accepted) {  // puts wait for the receiver's kAccept: see Transfer::accepted
+    t->queued.push_back({seq, {sources.begin(), sources.end()}, checksum});
+    return Status::ok();
+  }
+  issue_piece(*t, seq, sources, checksum);
+  return t->decided && !t->status.is_ok() ? t->status : Status::ok();
+}
+
+void UcxEngine::issue_queued_pieces() {
+  for (auto& [id, t] : transfers_) {
+    if (t.queued.empty() || t.decided || !t.accepted) continue;
+    std::vector<QueuedPiece> queued;
+    queued.swap(t.queued);
+    for (const QueuedPiece& q : queued) {
+      if (t.decided) break;
+      issue_piece(t, q.seq, q.sources, q.checksum);
+    }
+  }
+}
+
+// Shared-memory fast path: when every destination segment is mapped into this process
+// (ucp_rkey_ptr succeeds: posix/sysv/xpmem), copy with the CPU and checksum in the same pass instead
+// of posting puts and reading the bytes a second time. The bytes are in place when the copy returns;
+// the release fence orders them before the notice. Returns false (nothing done) otherwise.
+bool UcxEngine::issue_piece_direct(Transfer& t, uint32_t seq, std::span<const std::span<const std::byte>> sources,
+                                   std::optional<uint64_t> checksum) {
+  const auto& segments = t.remote_pieces[seq];
+  std::vector<std::byte*> destinations;
+  destinations.reserve(segments.size());
+  for (const Segment& segment : segments) {
+    void* local = nullptr;
+    if (ucp_rkey_ptr(t.rkeys[segment.region], t.remote_bases[segment.region] + segment.offset, &local) != UCS_OK) {
+      return false;
+    }
+    destinations.push_back(static_cast<std::byte*>(local));
+  }
+  Checksum64 sum;
+  size_t si = 0;
+  uint64_t source_offset = 0;
+  for (size_t k = 0; k < segments.size(); ++k) {
+    std::byte* destination = destinations[k];
+    uint64_t left = segments[k].bytes;
+    while (left > 0) {
+      while (sources[si].size() == source_offset) {
+        ++si;
+        source_offset = 0;
+      }
+      const uint64_t run = std::min<uint64_t>(left, sources[si].size() - source_offset);
+      const auto source = sources[si].subspan(source_offset, run);
+      if (checksum) {
+        std::memcpy(destination, source.data(), run);
+      } else {
+        sum.copy_and_update(destination, source);
+      }
+      source_offset += run;
+      destination += run;
+      left -= run;
+    }
+  }
+  if (fault(FaultPoint::kCorruptByte, seq) != nullptr) {
+    std::byte* byte = destinations.front() + segments.front().bytes / 2;
+    *byte = ~*byte;
+  }
+  std::atomic_thread_fence(std::memory_order_release);
+  const uint64_t bytes = piece_bytes(segments);
+  bytes_sent_ += bytes;
+  emit_notice(t, seq, bytes, checksum ? *checksum : sum.finish());
+  return true;
+}
+
+void UcxEngine::issue_piece(Transfer& transfer, uint32_t seq, std::span<const std::span<const std::byte>> sources,
+                            std::optional<uint64_t> checksum) {
+  Transfer* t = &transfer;
+  const TransferId id = t->id;
+  const uint64_t bytes = piece_bytes(t->remote_pieces[seq]);
+  const std::shared_ptr<Peer> peer = t->peer;
+  if (config_.direct_copy && issue_piece_direct(*t, seq, sources, checksum)) return;
+  auto put = [&](const std::byte* source, uint64_t length, uint64_t remote, ucp_rkey_h rkey, Op* op) {
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    param.cb.send = on_request_done;
+    param.user_data = op;
+    if (ucp_mem_h memh = memh_containing(source, length)) {
+      param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+      param.memh = memh;
+    }
+    op->peer = peer.get();
+    submit(ucp_put_nbx(peer->ep, source, length, remote, rkey, &param), op);
+  };
+  // Walk the destination segments and the sources together; one put per overlapping run.
+  size_t si = 0;
+  uint64_t source_offset = 0;
+  for (const Segment& segment : t->remote_pieces[seq]) {
+    uint64_t remote = t->remote_bases[segment.region] + segment.offset;
+    uint64_t left = segment.bytes;
+    while (left > 0) {
+      while (sources[si].size() == source_offset) {
+        ++si;
+        source_offset = 0;
+      }
+      const uint64_t run = std::min<uint64_t>(left, sources[si].size() - source_offset);
+      put(sources[si].data() + source_offset, run, remote, t->rkeys[segment.region],
+          new_op(this, OpKind::kPut, id, seq));
+      if (t->decided) return;  // an immediate put failure
+      source_offset += run;
+      remote += run;
+      left -= run;
+    }
+  }
+  if (!checksum) {
+    Checksum64 sum;
+    for (const auto& s : sources) sum.update(s);
+    checksum = sum.finish();
+  }
+  bytes_sent_ += bytes;
+  if (fault(FaultPoint::kCorruptByte, seq) != nullptr) {
+    // Overwrite one byte in the middle of the first segment with its complement, after the real puts.
+    const Segment& first = t->remote_pieces[seq].front();
+    const uint64_t at = first.bytes / 2;
+    uint64_t skip = at;
+    std::byte original{};
+    for (const auto& s : sources) {
+      if (skip < s.size()) {
+        original = s[skip];
+        break;
+      }
+      skip -= s.size();
+    }
+    auto* op = new_op(this, OpKind::kPut, id, seq);
+    op->buffer = {~original};
+    ucp_worker_fence(worker_);
+    put(op->buffer.data(), 1, t->remote_bases[first.region] + first.offset + at, t->rkeys[first.region], op);
+  }
+  auto* flush = new_op(this, OpKind::kFlush, id, seq);
+  flush->bytes = bytes;
+  flush->checksum = *checksum;
+  ucp_request_param_t param{};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  param.cb.send = on_request_done;
+  param.user_data = flush;
+  flush->peer = peer.get();
+  submit(ucp_ep_flush_nbx(peer->ep, &param), flush);
+}
+
+void UcxEngine::emit_notice(Transfer& t, uint32_t seq, uint64_t bytes, uint64_t checksum) {
+  Message m = message_for(t, MessageKind::kPiece);
+  m.seq = seq;
+  m.bytes = bytes;
+  m.checksum = checksum;
+  if (const Fault* f = fault(FaultPoint::kDelayPiece, seq)) {
+    t.delayed.push_back({Clock::now() + std::chrono::milliseconds(f->delay_ms), std::move(m)});
+    return;
+  }
+  send_message(t.peer, m);
+  ++t.notices_sent;
+  maybe_send_finish(t);
+}
+
+void UcxEngine::maybe_send_finish(Transfer& t) {
+  if (t.decided || !t.finish_requested || t.finish_sent || t.notices_sent < t.num_pieces) return;
+  Message m = message_for(t, MessageKind::kFinish);
+  m.seq = t.num_pieces;
+  m.blob = address_;
+  send_message(t.peer, m);
+  t.finish_sent = true;
+}
+
+Status UcxEngine::finish_send(TransferId id) {
+  std::lock_guard lock(mu_);
+  Transfer* t = find(id);
+  if (t == nullptr || t->role != Role::kSend) return not_found("finish_send: no send transfer " + std::to_string(id));
+  if (t->decided) return t->status.is_ok() ? failed_precondition("finish_send: transfer already complete") : t->status;
+  if (t->pieces_done != t->num_pieces) {
+    return failed_precondition("finish_send: " + std::to_string(t->pieces_done) + " of " +
+                               std::to_string(t->num_pieces) + " pieces sent");
+  }
+  t->finish_requested = true;
+  maybe_send_finish(*t);
+  return Status::ok();
+}
+
+}  // namespace deltaserve::kvstore::transfer::ucx_impl
