@@ -5,10 +5,12 @@
 // A transfer, receiver-driven placement, sender-driven data movement:
 //   receiver  expect(spec)            -> {id, descriptor bytes}   (spec: where each piece lands)
 //             ... descriptor travels to the sender inside an actor message ...
-//   sender    start_send(descriptor)  -> id
+//   sender    start_send(descriptor)  -> id; kBegin, and the receiver answers kAccept
 //             send_piece(id, seq, src) for each piece as soon as its bytes are final (e.g. per layer);
-//                                        one-sided puts straight into the receiver's region, then an
-//                                        endpoint flush, then a kPiece notice (seq, bytes, checksum64)
+//                                        queued until kAccept, then written straight into the
+//                                        receiver's region (over shared memory a CPU copy fused with
+//                                        the checksum; otherwise one-sided puts + an endpoint flush),
+//                                        then a kPiece notice (seq, bytes, checksum64)
 //             finish_send(id)          -> a kFinish notice after the last piece's notice
 //   both      wait(id) / try_take(id) / on_done callback -> the final Status
 // The receiver verifies each piece's checksum over the bytes in its own memory when the notice arrives,
@@ -28,8 +30,10 @@
 // deadline has passed or its endpoint is known dead.
 //
 // Resources: a transfer holds a use of every region it names (release_region() refuses while used),
-// its in-flight UCX requests and unpacked rkeys; all are released when the transfer finishes (status
-// decided and no request in flight), which stats() counts and the tests assert.
+// its in-flight UCX requests and its uses of unpacked rkeys (cached per peer); all are released when the
+// transfer finishes (status decided and no request in flight), which stats() counts and the tests
+// assert. A peer that fails, or still has requests pending at a transfer's deadline, has its endpoint
+// force-closed and its cached rkeys destroyed.
 //
 // Threading: every public method locks one mutex, so any thread may call them. Progress is explicit:
 // progress() (or wait(), which calls it) drives UCX and checks deadlines; alternatively
