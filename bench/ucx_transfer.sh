@@ -7,7 +7,7 @@
 #   bench/ucx_transfer.sh [UCX_TLS]          default posix,self (same host); e.g. "tcp,self" (+ lo)
 # Environment: DELTASERVE_BUILD_DIR (default build/release, configured by the release preset),
 # DELTASERVE_MACHINE (machine label), DELTASERVE_ROUNDS (default 3), DELTASERVE_SKIP_BUILD=1,
-# DELTASERVE_COMMIT (commit label where the tree has no .git).
+# DELTASERVE_COMMIT (commit label where the tree has no .git), DELTASERVE_CASES (comma-separated subset).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tls=${1:-posix,self}
@@ -71,6 +71,8 @@ def ours(case, flags, iters, warmup):
 common = {"machine": machine, "commit": commit, "date": datetime.date.today().isoformat(),
           "command": f"bench/ucx_transfer.sh {tls}"}
 cases = ["kda_state_tiny_linear", "kda_state_48b", "mla_pages_48b_4k", "mla_pages_48b_32k", "mla_pages_48b_128k"]
+if os.environ.get("DELTASERVE_CASES"):
+    cases = [c for c in cases if c in os.environ["DELTASERVE_CASES"].split(",")]
 checksum_gbps, memcpy_gbps = [], []
 for case in cases:
     big = case == "mla_pages_48b_128k"
