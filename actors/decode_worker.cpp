@@ -284,7 +284,7 @@ void release_region(DecodePointer self, xfer::RegionId region) {
 
 // A UCX handoff that will not be decoded: the router prefills the request again (or the sink gets the error);
 // the region is quarantined. Cancelled and stale requests end quietly, as on the CAF path.
-void fail_incoming(DecodePointer self, uint64_t transfer, const Status& why) {
+void fail_incoming(DecodePointer self, uint64_t transfer, Status why) {  // by value: may come from the entry
   auto& s = self->state;
   auto it = s.incoming.find(transfer);
   if (it == s.incoming.end()) return;
