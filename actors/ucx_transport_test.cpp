@@ -119,6 +119,38 @@ TEST(UcxTransportNodeTest, RouterPrefillDecodeOverUcxMatchesReference) {
   (*router_node)->shutdown();
 }
 
+// All roles in one process: the engine sends to itself (UCX "self" transport).
+TEST(UcxTransportNodeTest, ServeWithUcxMatchesReference) {
+  const auto& tiny = testing::tiny_model();
+  ASSERT_TRUE(tiny.model);
+  NodeOptions o;
+  o.role = NodeRole::kServe;
+  o.model = tiny.model;
+  o.tokenizer = tiny.tokenizer;
+  o.max_batch = 4;
+  o.prefill_chunk = 4;
+  o.heartbeat_interval = 100ms;
+  o.transport = "ucx";
+  o.ucx_tls = "tcp,self";
+  o.ucx_net_devices = "lo";
+  auto node = Node::start(o);
+  ASSERT_TRUE(node.is_ok()) << node.status().to_string();
+  router::InferenceService& service = *(*node)->service();
+  ASSERT_TRUE(wait_until([&] { return service.status().ready; }, 5s));
+  const std::vector<int32_t> prompt{4, 8, 15, 16, 23, 42};
+  auto sink = std::make_shared<CollectingSink>();
+  service.submit(testing::greedy_request("s", prompt, 7), sink);
+  ASSERT_TRUE(sink->wait_final(20s));
+  EXPECT_TRUE(sink->last().error.is_ok()) << sink->last().error.to_string();
+  EXPECT_EQ(sink->tokens(), testing::reference_greedy(*tiny.model, prompt, 7, 4));
+  const NodeWorkerStats stats = (*node)->worker_stats();
+  EXPECT_GT((*node)->transfer_stats().bytes_received, 0u);
+  EXPECT_EQ((*node)->transfer_stats().bytes_received, static_cast<uint64_t>(stats.handoff_bytes));
+  EXPECT_TRUE(wait_until([&] { return released((*node)->transfer_stats()); }, 5s))
+      << describe((*node)->transfer_stats());
+  (*node)->shutdown();
+}
+
 TEST(UcxTransportNodeTest, UnknownTransportIsRejected) {
   NodeOptions o;
   o.role = NodeRole::kDecode;
@@ -313,6 +345,24 @@ TEST(UcxTransportFaultTest, EveryHandoffCorruptEndsInCleanError) {
   EXPECT_EQ(decode.rejected, RouterConfig{}.max_attempts);
   EXPECT_EQ(decode.handoffs, 0);
   EXPECT_EQ(decode.steps, 0);
+  EXPECT_TRUE(wait_until([&] { return cluster.all_released(); }, 10s)) << cluster.describe_all();
+}
+
+// A client cancels while the state is in transfer (its first piece held back past the deadline): the
+// request ends with "abort", it is not prefilled again, and the transfer's resources are released.
+TEST(UcxTransportFaultTest, CancelDuringTransferAbortsAndReleases) {
+  UcxFaultCluster cluster("send.delay_piece:0:2500", -1);
+  ASSERT_TRUE(cluster.ok);
+  ASSERT_TRUE(wait_until([&] { return cluster.service->status().ready; }, 5s));
+  auto sink = std::make_shared<CollectingSink>();
+  cluster.service->submit(testing::greedy_request("cx", kPrompt, kMaxTokens), sink);
+  ASSERT_TRUE(wait_until([&] { return cluster.receiver_link->engine().stats().transfers_pending == 1; }, 5s));
+  cluster.service->cancel("cx");
+  ASSERT_TRUE(sink->wait_final(20s)) << "hang";
+  EXPECT_EQ(sink->last().finish_reason.value_or(""), "abort") << sink->last().error.to_string();
+  EXPECT_TRUE(sink->tokens().empty());
+  EXPECT_EQ(cluster.router_stats().retried, 0);
+  EXPECT_EQ(cluster.decode_stats().steps, 0);
   EXPECT_TRUE(wait_until([&] { return cluster.all_released(); }, 10s)) << cluster.describe_all();
 }
 
