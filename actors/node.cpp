@@ -217,6 +217,7 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
     router_config.policy = *policy;
     router_config.index = index;
     router_config.hash_key = *key;
+    router_config.observer = options.router_observer;
     n.router = spawn_router(sys, router_config, n.registry, n.gauges);
     n.service = std::make_unique<ClusterService>(
         std::unique_ptr<ClusterService::Impl>(new ClusterService::Impl{sys, n.router, n.gauges}));
@@ -349,6 +350,8 @@ NodeRouterStats Node::router_stats() {
             out.expected_cached_tokens = s.expected_cached_tokens;
             out.index_events = s.index_events;
             out.index_errors = s.index_errors;
+            out.index_entries = s.index_entries;
+            out.index_bytes = s.index_bytes;
             out.retried = s.retried;
             out.failed = s.failed;
           },

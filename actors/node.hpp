@@ -13,6 +13,7 @@
 #include <memory>
 #include <string>
 
+#include "actors/router_observer.hpp"
 #include "common/status.hpp"
 #include "engine/model.hpp"
 #include "router/inference_service.hpp"
@@ -63,7 +64,8 @@ struct NodeOptions {
   // Routers (kServe, kRouter): the RocksDB prefix index directory (empty = no index: load-only placement)
   // and the placement policy.
   std::filesystem::path index_dir;
-  std::string routing_policy = "cache-aware";  // cache-aware | load
+  std::string routing_policy = "cache-aware";       // cache-aware | load
+  std::shared_ptr<RouterObserver> router_observer;  // metrics of the router (kServe, kRouter); may be null
 
   // Handoff transport of the workers (kServe, kPrefill, kDecode): "caf" (the state inside the CAF message)
   // or "ucx" (envelope over CAF, state over UCX; actors/ucx_transport.hpp). Prefill and decode workers of a
@@ -89,7 +91,8 @@ struct NodeWorkerStats {
 // Router counters (CAF-free copy of RouterStats).
 struct NodeRouterStats {
   int64_t admitted = 0, routed_to_hit = 0, expected_cached_tokens = 0, index_events = 0, index_errors = 0;
-  int64_t retried = 0, failed = 0;  // prefilled again after a failed/lost handoff; given up
+  int64_t index_entries = 0, index_bytes = 0;  // the prefix index's size (entries, files on disk)
+  int64_t retried = 0, failed = 0;             // prefilled again after a failed/lost handoff; given up
 };
 
 // The UCX transfer engine's counters (copy of kvstore/transfer EngineStats; zeros with transport "caf").

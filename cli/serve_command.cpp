@@ -1,8 +1,10 @@
 // The cluster roles: serve (everything in one process), router, prefill, decode. Thin wiring of
 // actors::Node (CAF), router::HttpServer (Beast) and the model files; no CAF or Beast headers here.
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <ctime>
+#include <memory>
 #include <ostream>
 
 #include <signal.h>
@@ -107,6 +109,7 @@ class ProcessMetrics {
         const actors::NodeRouterStats r = node.router_stats();
         metrics_->set_router_totals(
             {r.admitted, r.routed_to_hit, r.expected_cached_tokens, r.index_events, r.index_errors});
+        metrics_->set_index_stats({r.index_entries, r.index_bytes});
       }
       if (layout.decode_slots_total == 0 && layout.prefill_workers == 0) return;
       const actors::NodeWorkerStats stats = node.worker_stats();
@@ -157,6 +160,38 @@ class ProcessMetrics {
   telemetry::Metrics::HookId hook_ = 0;
 };
 
+// The router's observations into this process's Metrics, once the HTTP front has made them (calls
+// before that, during start-up, are dropped).
+class MetricsRouterObserver final : public actors::RouterObserver {
+ public:
+  // `transport`: the handoff transport label ("caf" | "ucx"; a router alone cannot know its workers').
+  explicit MetricsRouterObserver(std::string transport) : transport_(std::move(transport)) {}
+  void attach(std::shared_ptr<telemetry::Metrics> metrics) { std::atomic_store(&metrics_, std::move(metrics)); }
+  void queue_time(double seconds) override {
+    if (auto m = std::atomic_load(&metrics_)) m->observe_queue_time(seconds);
+  }
+  void prefix_lookup(std::string_view ns, int64_t query_tokens, int64_t hit_tokens) override {
+    if (auto m = std::atomic_load(&metrics_)) m->observe_prefix_lookup(ns, query_tokens, hit_tokens);
+  }
+  void index_write(double seconds) override {
+    if (auto m = std::atomic_load(&metrics_)) m->observe_index_write(seconds);
+  }
+  void handoff(int64_t bytes, double seconds, bool ok) override {
+    if (auto m = std::atomic_load(&metrics_)) m->observe_handoff(transport_, bytes, seconds, ok);
+  }
+  void workers(const std::vector<actors::RouterWorkerLoad>& workers) override {
+    auto m = std::atomic_load(&metrics_);
+    if (!m) return;
+    std::vector<telemetry::RouterWorkerView> views;
+    for (const auto& w : workers) views.push_back({w.name, w.role, w.load, w.free_slots, true});
+    m->set_router_workers(views);
+  }
+
+ private:
+  std::string transport_;
+  std::shared_ptr<telemetry::Metrics> metrics_;
+};
+
 struct FrontOptions {
   std::string host;
   uint16_t port;
@@ -166,8 +201,9 @@ struct FrontOptions {
   std::filesystem::path dir;
   int64_t drain_timeout_ms;
   std::optional<std::string> metrics_listen;
-  std::string role;                      // "serve" | "router" (deltaserve_build_info)
-  ProcessMetrics::WorkerLayout workers;  // serve: this node's workers (read at each scrape)
+  std::string role;                                           // "serve" | "router" (deltaserve_build_info)
+  ProcessMetrics::WorkerLayout workers;                       // serve: this node's workers (read at each scrape)
+  std::shared_ptr<MetricsRouterObserver> observer = nullptr;  // the node's router observer, if any
 };
 
 // Runs the HTTP front over `node` until a signal, then drains. Returns the exit code.
@@ -188,6 +224,7 @@ int serve_http(actors::Node& node, const FrontOptions& o, SignalWaiter& signals,
   info.created_unix = static_cast<int64_t>(std::time(nullptr));
   ProcessMetrics metrics(info.id, o.role);
   metrics.read_node(node, o.workers, /*router=*/true);
+  if (o.observer) o.observer->attach(metrics.metrics());
   if (Status listening = metrics.listen(o.metrics_listen, out); !listening.is_ok()) return fail(err, listening);
   router::HttpServerConfig http;
   http.host = o.host;
@@ -204,6 +241,7 @@ int serve_http(actors::Node& node, const FrontOptions& o, SignalWaiter& signals,
   const bool idle = server.wait_idle(std::chrono::milliseconds(o.drain_timeout_ms));
   if (!idle) err << "warning: drain timeout: " << server.in_flight() << " requests still in flight\n";
   server.stop();
+  if (o.observer) o.observer->attach(nullptr);
   metrics.close();
   node.shutdown();
   return 0;
@@ -253,6 +291,8 @@ int run_serve(const ServeOptions& o, std::ostream& out, std::ostream& err) {
   node_options.max_queue = o.max_queue;
   apply_cache_options(o.cache, node_options);
   apply_transport_options(o.transport, true, node_options);
+  auto observer = std::make_shared<MetricsRouterObserver>(o.transport.transport);
+  node_options.router_observer = observer;
   auto node = actors::Node::start(node_options);
   if (!node.is_ok()) return fail(err, node.status());
   FrontOptions front{o.host,           o.port,  o.api_keys, o.served_model_name, o.model, *dir, o.drain_timeout_ms,
@@ -261,6 +301,7 @@ int run_serve(const ServeOptions& o, std::ostream& out, std::ostream& err) {
   front.workers.prefill_workers = o.prefill_workers;
   front.workers.checkpoint_budget_bytes = o.cache.prefix_cache ? o.cache.checkpoint_memory_mb << 20 : 0;
   front.workers.count_handoffs = false;  // prefill and decode workers both count each handoff
+  front.observer = observer;
   return serve_http(**node, front, signals, out, err);
 }
 
@@ -282,6 +323,8 @@ int run_router(const RouterOptions& o, std::ostream& out, std::ostream& err) {
     node_options.join_host = join->first;
     node_options.join_port = join->second;
   }
+  auto observer = std::make_shared<MetricsRouterObserver>("caf");
+  node_options.router_observer = observer;
   auto node = actors::Node::start(node_options);
   if (!node.is_ok()) return fail(err, node.status());
   if (node_options.router_joins_registry) {
@@ -292,9 +335,9 @@ int run_router(const RouterOptions& o, std::ostream& out, std::ostream& err) {
     out << "deltaserve: cluster listening on " << o.cluster_host << ":" << (*node)->cluster_port() << "\n"
         << std::flush;
   }
-  const FrontOptions front{o.host,   o.port, o.api_keys,         o.served_model_name,
-                           o.model,  *dir,   o.drain_timeout_ms, o.metrics_listen,
-                           "router", {}};
+  FrontOptions front{o.host,           o.port,   o.api_keys, o.served_model_name, o.model, *dir, o.drain_timeout_ms,
+                     o.metrics_listen, "router", {}};
+  front.observer = observer;
   return serve_http(**node, front, signals, out, err);
 }
 

@@ -24,15 +24,9 @@ METRICS_CPP = os.path.join(REPO, "telemetry", "metrics.cpp")
 # scrape today. Each must be declared in telemetry/metrics.cpp; the live check prints the ones that
 # have started to appear so this list can shrink.
 PENDING_ACTOR_WIRING = {
-    "vllm:request_queue_time_seconds",  # Metrics::observe_queue_time (router actor)
-    "deltaserve_handoff_duration_seconds",  # observe_handoff (per transfer)
-    "deltaserve_prefix_index_lookup_tokens_total",  # observe_prefix_lookup (router actor)
-    "deltaserve_prefix_index_entries",  # set_index_stats / observe_index_write (prefix index)
-    "deltaserve_prefix_index_bytes",
+    # Prefix-index lookups and writes happen only in a router with --index-dir (the live checks run without).
+    "deltaserve_prefix_index_lookup_tokens_total",
     "deltaserve_prefix_index_write_duration_seconds",
-    "deltaserve_router_worker_load",  # set_router_workers (registry / router actor)
-    "deltaserve_router_worker_free_slots",
-    "deltaserve_router_workers",
 }
 # Families that get their first series only when the event happens (a service-side request failure).
 ON_EVENT = {"deltaserve_request_errors_total"}
