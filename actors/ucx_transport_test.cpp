@@ -119,6 +119,68 @@ TEST(UcxTransportNodeTest, RouterPrefillDecodeOverUcxMatchesReference) {
   (*router_node)->shutdown();
 }
 
+// The prefill node (its worker, actor system and UCX engine) goes away while its state is in transfer (the
+// first piece held back by a fault): the decode worker fails the transfer (peer gone or deadline), decodes
+// nothing, and the router prefills the request again on a prefill node that joins later.
+TEST(UcxTransportNodeTest, PrefillNodeGoneMidTransferIsPrefilledAgain) {
+  const auto& tiny = testing::tiny_model();
+  ASSERT_TRUE(tiny.model);
+  NodeOptions router_options;
+  router_options.role = NodeRole::kRouter;
+  router_options.cluster_port = 0;
+  router_options.heartbeat_interval = 100ms;
+  auto router_node = Node::start(router_options);
+  ASSERT_TRUE(router_node.is_ok()) << router_node.status().to_string();
+  router::InferenceService& service = *(*router_node)->service();
+
+  NodeOptions worker;
+  worker.model = tiny.model;
+  worker.tokenizer = tiny.tokenizer;
+  worker.max_batch = 4;
+  worker.prefill_chunk = 4;
+  worker.heartbeat_interval = 100ms;
+  worker.join_port = (*router_node)->cluster_port();
+  worker.join_timeout = 5s;
+  worker.transport = "ucx";
+  worker.ucx_tls = "tcp,self";
+  worker.ucx_net_devices = "lo";
+  worker.transfer_deadline = 1500ms;
+  worker.transfer_reserve_timeout = 1000ms;
+  worker.role = NodeRole::kDecode;
+  auto decode = Node::start(worker);
+  ASSERT_TRUE(decode.is_ok()) << decode.status().to_string();
+  worker.role = NodeRole::kPrefill;
+  worker.worker_name = "prefill-doomed";
+  worker.transfer_faults = "send.delay_piece:0:5000";
+  auto doomed = Node::start(worker);
+  ASSERT_TRUE(doomed.is_ok()) << "fault injection must be compiled in: " << doomed.status().to_string();
+  ASSERT_TRUE(wait_until([&] { return service.status().ready; }, 5s));
+
+  const std::vector<int32_t> prompt{2, 7, 1, 8, 2, 8, 1, 8, 2, 8};
+  auto sink = std::make_shared<CollectingSink>();
+  service.submit(testing::greedy_request("gone", prompt, 6), sink);
+  ASSERT_TRUE(wait_until([&] { return (*decode)->transfer_stats().transfers_pending == 1; }, 10s));
+  (*doomed)->shutdown();  // its engine is destroyed with the transfer in flight
+
+  worker.worker_name = "prefill-fresh";
+  worker.transfer_faults.clear();
+  auto fresh = Node::start(worker);
+  ASSERT_TRUE(fresh.is_ok()) << fresh.status().to_string();
+  ASSERT_TRUE(sink->wait_final(20s)) << "hang";
+  EXPECT_TRUE(sink->last().error.is_ok()) << sink->last().error.to_string();
+  EXPECT_EQ(sink->tokens(), testing::reference_greedy(*tiny.model, prompt, 6, 4));
+  EXPECT_GE((*router_node)->router_stats().retried, 1);
+  const NodeWorkerStats decoded = (*decode)->worker_stats();
+  EXPECT_EQ(decoded.rejected, 1);
+  EXPECT_EQ(decoded.handoffs, 1);
+  EXPECT_EQ(decoded.steps, 6);
+  EXPECT_TRUE(wait_until([&] { return released((*decode)->transfer_stats()); }, 10s))
+      << describe((*decode)->transfer_stats());
+  (*fresh)->shutdown();
+  (*decode)->shutdown();
+  (*router_node)->shutdown();
+}
+
 // All roles in one process: the engine sends to itself (UCX "self" transport).
 TEST(UcxTransportNodeTest, ServeWithUcxMatchesReference) {
   const auto& tiny = testing::tiny_model();
