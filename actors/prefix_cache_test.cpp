@@ -223,9 +223,10 @@ TEST(PrefixCacheCluster, BadCacheSettingsNameTheField) {
 namespace deltaserve::actors {
 namespace {
 
-// Two prefill workers; prompt P is cached on the first. Then a short cold request X is queued on the first
-// worker, and P comes again: load-only placement sends P to the idle second worker (a miss), cache-aware
-// placement keeps it with its cached prefix (expected work X + the uncached tail < all of P).
+// Two prefill workers; prompt P (8 blocks + 1) is cached on the first. Then a cold request X (6 blocks,
+// long enough to still be prefilling when the next submit is placed) is queued on the first worker, and
+// P comes again: load-only placement sends P to the idle second worker (a miss), cache-aware placement
+// keeps it with its cached prefix (expected work: X's 3071 tokens < all 4096 of P on the other worker).
 int64_t cached_tokens_of_repeat(const std::string& policy, const std::filesystem::path& index_dir) {
   NodeOptions o = cache_options(1);
   o.prefill_workers = 2;
@@ -236,14 +237,14 @@ int64_t cached_tokens_of_repeat(const std::string& policy, const std::filesystem
   if (!node.is_ok()) return -1;
   router::InferenceService& service = *(*node)->service();
   EXPECT_TRUE(wait_until([&] { return service.status().ready; }, 5s));
-  const auto p = random_prompt(4 * kBlock + 1, 21);
+  const auto p = random_prompt(8 * kBlock + 1, 21);
   EXPECT_EQ(run(service, "p-cold", p).cached_tokens, 0);
   // The index hears of P's blocks through the registry.
-  EXPECT_TRUE(wait_until([&] { return (*node)->router_stats().index_events >= 4; }, 5s));
+  EXPECT_TRUE(wait_until([&] { return (*node)->router_stats().index_events >= 8; }, 20s));
 
   auto x = std::make_shared<CollectingSink>();
   auto again = std::make_shared<CollectingSink>();
-  service.submit(testing::greedy_request("x", random_prompt(kBlock + 100, 22), kMaxTokens), x);
+  service.submit(testing::greedy_request("x", random_prompt(6 * kBlock, 22), kMaxTokens), x);
   service.submit(testing::greedy_request("p-again", p, kMaxTokens), again);
   EXPECT_TRUE(x->wait_final(30s));
   EXPECT_TRUE(again->wait_final(30s));
@@ -252,7 +253,7 @@ int64_t cached_tokens_of_repeat(const std::string& policy, const std::filesystem
   EXPECT_EQ(stats.index_errors, 0);
   if (policy == "cache-aware") {
     EXPECT_EQ(stats.routed_to_hit, 1);
-    EXPECT_EQ(stats.expected_cached_tokens, 4 * kBlock);
+    EXPECT_EQ(stats.expected_cached_tokens, 8 * kBlock);
   } else {
     EXPECT_EQ(stats.routed_to_hit, 0);
   }
@@ -263,7 +264,7 @@ int64_t cached_tokens_of_repeat(const std::string& policy, const std::filesystem
 TEST(PrefixCacheRouting, CacheAwarePlacementFollowsTheCachedPrefixLoadOnlyDoesNot) {
   ASSERT_TRUE(testing::tiny_model().model);
   TempDir dir;
-  EXPECT_EQ(cached_tokens_of_repeat("cache-aware", dir.path() / "aware"), 4 * kBlock);
+  EXPECT_EQ(cached_tokens_of_repeat("cache-aware", dir.path() / "aware"), 8 * kBlock);
   EXPECT_EQ(cached_tokens_of_repeat("load", dir.path() / "load"), 0);
 }
 
