@@ -306,7 +306,9 @@ prefill_actor::behavior_type prefill_impl(PrefillPointer self, std::shared_ptr<c
                      error_chunk(job.request.request_id, invalid_argument("empty prompt")));
           return;
         }
-        s.jobs.push_back(Job{std::move(job)});
+        Job queued;
+        queued.job = std::move(job);
+        s.jobs.push_back(std::move(queued));
         schedule_work(self);
         report_load(self, false);
       },
