@@ -84,7 +84,8 @@ def test_unknown_route_is_404_error_object(cluster: Cluster):
 
 
 @pytest.mark.parametrize("prompt", PROMPTS[:3], ids=pid)
-def test_completion_greedy_equals_generate(cluster: Cluster, reference, prompt):
+def test_completion_greedy_equals_generate(cluster_with_ucx: Cluster, reference, prompt):
+    cluster = cluster_with_ucx
     ref = reference.get(prompt, MAX_TOKENS)
     resp = cluster.client().completions.create(model=cluster.model_id, prompt=prompt, max_tokens=MAX_TOKENS,
                                                temperature=0, logprobs=1)
@@ -100,7 +101,8 @@ def test_completion_greedy_equals_generate(cluster: Cluster, reference, prompt):
 
 
 @pytest.mark.parametrize("prompt", PROMPTS[3:6], ids=pid)
-def test_chat_greedy_equals_generate(cluster: Cluster, reference, prompt):
+def test_chat_greedy_equals_generate(cluster_with_ucx: Cluster, reference, prompt):
+    cluster = cluster_with_ucx
     ref = reference.get(prompt, MAX_TOKENS, chat=True)
     resp = cluster.client().chat.completions.create(model=cluster.model_id, messages=user(prompt),
                                                     max_tokens=MAX_TOKENS, temperature=0, logprobs=True,
@@ -163,8 +165,9 @@ def test_chat_stream_accounting(cluster_with_ucx: Cluster, reference, prompt):
     assert r.usage.prompt_tokens == reference.prompt_tokens(prompt, chat=True)
 
 
-def test_chat_stream_long_ignore_eos(cluster: Cluster, reference):
+def test_chat_stream_long_ignore_eos(cluster_with_ucx: Cluster, reference):
     """A longer stream (200 tokens, no early stop): every token checked, usage exact."""
+    cluster = cluster_with_ucx
     prompt = PROMPTS[4]
     ref = reference.get(prompt, 200, chat=True, ignore_eos=True)
     stream = cluster.client().chat.completions.create(model=cluster.model_id, messages=user(prompt), max_tokens=200,
@@ -228,7 +231,8 @@ def test_n2_seeded_is_deterministic_and_stream_matches(cluster: Cluster):
     assert s.usage.completion_tokens == sum(len(r.token_strs) for r in s.choices.values())
 
 
-def test_n2_greedy_both_equal_reference(cluster: Cluster, reference):
+def test_n2_greedy_both_equal_reference(cluster_with_ucx: Cluster, reference):
+    cluster = cluster_with_ucx
     prompt = PROMPTS[6]
     ref = reference.get(prompt, 16, chat=True)
     resp = cluster.client().chat.completions.create(model=cluster.model_id, messages=user(prompt), max_tokens=16,
