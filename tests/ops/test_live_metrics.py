@@ -154,7 +154,14 @@ def test_multi_process_metrics_listeners(ops_env, ops_logdir, ops_model_dir):
         status, usage = complete(c.url, ds.PROMPTS[1], 6, model=c.model_id)
         assert status == 200
 
-        text, s = scrape(listeners["router"], "text/plain")
+        # The router's view of the decode slots comes from the worker's load reports, which follow the
+        # request's end by up to a heartbeat: scrape until the slot is back (bounded).
+        settle = time.monotonic() + 10
+        while True:
+            text, s = scrape(listeners["router"], "text/plain")
+            if opslib.value(s, "deltaserve_router_decode_slots", state="free") == 4 or time.monotonic() > settle:
+                break
+            time.sleep(0.1)
         assert opslib.value(s, "deltaserve_build_info", role="router") == 1
         assert opslib.value(s, "vllm:generation_tokens_total") == usage["completion_tokens"]
         assert opslib.value(s, "deltaserve_http_requests_total", endpoint="/v1/completions", code="200") == 1
