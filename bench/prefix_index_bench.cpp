@@ -100,11 +100,7 @@ std::vector<WorkerPrefixMatch> map_lookup(const MapIndex& map, std::span<const B
     }
     if (!continued) break;
   }
-  std::sort(matches.begin(), matches.end(), [](const WorkerPrefixMatch& a, const WorkerPrefixMatch& b) {
-    if (a.checkpoint_blocks != b.checkpoint_blocks) return a.checkpoint_blocks > b.checkpoint_blocks;
-    if (a.pages_blocks != b.pages_blocks) return a.pages_blocks > b.pages_blocks;
-    return a.worker < b.worker;
-  });
+  std::sort(matches.begin(), matches.end(), better_prefix_match);
   return matches;
 }
 

@@ -2,33 +2,18 @@
 // page rows must continue exactly (bitwise) like the state that computed the prefix itself.
 #include "engine/prefix_state.hpp"
 
-#include <random>
-
 #include <gtest/gtest.h>
 
-#include "common/temp_dir.hpp"
-#include "engine/make_model.hpp"
 #include "engine/model.hpp"
+#include "engine/test_models.hpp"
 
 namespace deltaserve::engine {
 namespace {
 
 std::unique_ptr<Model> tiny_model(const std::string& preset) {
-  TempDir dir;
-  auto config = preset_config(preset);
-  EXPECT_TRUE(config.is_ok());
-  EXPECT_TRUE(write_random_model(*config, dir.path(), {}).is_ok());
-  auto model = Model::load(dir.path());
-  EXPECT_TRUE(model.is_ok()) << model.status().to_string();
-  return model.is_ok() ? std::move(model).value() : nullptr;
+  return testing::make_model(preset);
 }
-
-std::vector<int32_t> random_tokens(int64_t n, int64_t vocab, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<int32_t> tokens(static_cast<size_t>(n));
-  for (auto& t : tokens) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab));
-  return tokens;
-}
+using testing::random_tokens;
 
 class PrefixResume : public ::testing::TestWithParam<std::string> {};
 

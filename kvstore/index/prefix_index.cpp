@@ -192,11 +192,7 @@ class RocksPrefixIndex final : public PrefixIndex {
       if (!it->status().ok()) return rocks_status("lookup", it->status());
       if (!continued) break;
     }
-    std::sort(matches.begin(), matches.end(), [](const WorkerPrefixMatch& a, const WorkerPrefixMatch& b) {
-      if (a.checkpoint_blocks != b.checkpoint_blocks) return a.checkpoint_blocks > b.checkpoint_blocks;
-      if (a.pages_blocks != b.pages_blocks) return a.pages_blocks > b.pages_blocks;
-      return a.worker < b.worker;
-    });
+    std::sort(matches.begin(), matches.end(), better_prefix_match);
     return matches;
   }
 

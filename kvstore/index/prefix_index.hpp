@@ -43,6 +43,13 @@ struct WorkerPrefixMatch {
   int64_t checkpoint_blocks = 0;  // deepest boundary <= pages_blocks with a checkpoint (0 = none): the usable hit
 };
 
+// The order lookup() returns: the best usable hit first (checkpoint_blocks, then pages_blocks, then name).
+inline bool better_prefix_match(const WorkerPrefixMatch& a, const WorkerPrefixMatch& b) {
+  if (a.checkpoint_blocks != b.checkpoint_blocks) return a.checkpoint_blocks > b.checkpoint_blocks;
+  if (a.pages_blocks != b.pages_blocks) return a.pages_blocks > b.pages_blocks;
+  return a.worker < b.worker;
+}
+
 struct PrefixIndexStats {
   int64_t entries = 0;         // (block, worker) entries: estimate from rocksdb.estimate-num-keys (2 keys per entry)
   int64_t sst_file_bytes = 0;  // live SST files on disk (rocksdb.live-sst-files-size), excludes WAL/memtable

@@ -1,0 +1,42 @@
+// Test helpers for engine suites: a random model of a preset written in the real checkpoint format and
+// loaded back, and random token ids.
+#pragma once
+
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "common/temp_dir.hpp"
+#include "engine/make_model.hpp"
+#include "engine/model.hpp"
+
+namespace deltaserve::engine::testing {
+
+inline std::unique_ptr<Model> make_model(const std::string& preset, DType dtype = DType::kF32, uint64_t shard_bytes = 0,
+                                         uint64_t seed = 7) {
+  TempDir dir;
+  auto config = preset_config(preset);
+  EXPECT_TRUE(config.is_ok()) << config.status().to_string();
+  if (!config.is_ok()) return nullptr;
+  MakeModelOptions options;
+  options.seed = seed;
+  options.dtype = dtype;
+  options.max_shard_bytes = shard_bytes;
+  Status written = write_random_model(*config, dir.path(), options);
+  EXPECT_TRUE(written.is_ok()) << written.to_string();
+  auto model = Model::load(dir.path());
+  EXPECT_TRUE(model.is_ok()) << model.status().to_string();
+  return model.is_ok() ? std::move(model).value() : nullptr;
+}
+
+inline std::vector<int32_t> random_tokens(int64_t n, int64_t vocab, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> tokens(static_cast<size_t>(n));
+  for (auto& t : tokens) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab));
+  return tokens;
+}
+
+}  // namespace deltaserve::engine::testing
