@@ -241,7 +241,7 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
         spawn_prefill_worker(sys, options.model, n.registry, cfg, n.ucx ? make_ucx_transport(n.ucx) : nullptr);
     n.prefill.push_back(worker);
     n.worker_names.push_back(name);
-    WorkerInfo info{name, kPrefillRole, caf::actor_cast<caf::actor>(worker), options.prefill_chunk, {}};
+    WorkerInfo info{name, kPrefillRole, caf::actor_cast<caf::actor>(worker), options.prefill_chunk, {}, 0, {}};
     info.cache_epoch = cfg.prefix_cache.epoch;
     info.model_id = options.model_id;
     return n.join(info);
@@ -254,7 +254,7 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
     n.worker_names.push_back(name);
     WorkerLoad load;
     load.free_slots = options.max_batch;
-    return n.join(WorkerInfo{name, kDecodeRole, caf::actor_cast<caf::actor>(worker), options.max_batch, load});
+    return n.join(WorkerInfo{name, kDecodeRole, caf::actor_cast<caf::actor>(worker), options.max_batch, load, 0, {}});
   };
   Status joined = Status::ok();
   if (role == NodeRole::kServe) {

@@ -16,15 +16,7 @@ using testing::CollectingSink;
 using testing::wait_until;
 
 NodeOptions serve_options() {
-  const auto& tiny = testing::tiny_model();
-  NodeOptions o;
-  o.role = NodeRole::kServe;
-  o.model = tiny.model;
-  o.tokenizer = tiny.tokenizer;
-  o.max_batch = 4;
-  o.prefill_chunk = 4;
-  o.heartbeat_interval = 100ms;
-  return o;
+  return testing::tiny_serve_options();
 }
 
 TEST(ClusterNodeTest, ServeGreedyMatchesDirectEngineLoop) {
@@ -87,10 +79,7 @@ TEST(ClusterNodeTest, CancelFreesSlots) {
 TEST(ClusterNodeTest, RemoteWorkersJoinOverLoopback) {
   const auto& tiny = testing::tiny_model();
   ASSERT_TRUE(tiny.model);
-  NodeOptions router_options;
-  router_options.role = NodeRole::kRouter;
-  router_options.cluster_port = 0;
-  router_options.heartbeat_interval = 100ms;
+  NodeOptions router_options = testing::remote_router_options();
   auto router_node = Node::start(router_options);
   ASSERT_TRUE(router_node.is_ok()) << router_node.status().to_string();
   const uint16_t port = (*router_node)->cluster_port();

@@ -23,12 +23,7 @@ constexpr int64_t kBlock = 512;
 constexpr int64_t kMaxTokens = 6;
 
 NodeOptions cache_options(int64_t checkpoint_interval) {
-  const auto& tiny = testing::tiny_model();
-  NodeOptions o;
-  o.role = NodeRole::kServe;
-  o.model = tiny.model;
-  o.tokenizer = tiny.tokenizer;
-  o.max_batch = 4;
+  NodeOptions o = testing::tiny_serve_options();
   o.prefill_chunk = 512;
   o.heartbeat_interval = 500ms;  // expiry after 5 s without reports: CI machines stall for seconds
   o.cache_page_tokens = 1024;

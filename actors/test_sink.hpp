@@ -1,5 +1,5 @@
-// Test helpers for gtest suites that drive a ClusterService: a sink that collects a request's chunks, and
-// a polling wait.
+// Test helpers for gtest suites that drive a ClusterService: a sink that collects a request's chunks, a
+// polling wait, and the node options those suites start from.
 #pragma once
 
 #include <chrono>
@@ -11,6 +11,8 @@
 
 #include <gtest/gtest.h>
 
+#include "actors/node.hpp"
+#include "actors/test_model.hpp"
 #include "router/inference_service.hpp"
 
 namespace deltaserve::actors::testing {
@@ -58,6 +60,28 @@ inline bool wait_until(const std::function<bool()>& pred, std::chrono::milliseco
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   return pred();
+}
+
+// Every role in this process with the tiny model: 4 decode slots, 4-token prefill chunks, fast heartbeats.
+inline NodeOptions tiny_serve_options() {
+  const auto& tiny = tiny_model();
+  NodeOptions o;
+  o.role = NodeRole::kServe;
+  o.model = tiny.model;
+  o.tokenizer = tiny.tokenizer;
+  o.max_batch = 4;
+  o.prefill_chunk = 4;
+  o.heartbeat_interval = std::chrono::milliseconds(100);
+  return o;
+}
+
+// A router (registry published on an ephemeral loopback port) that workers of other nodes join.
+inline NodeOptions remote_router_options() {
+  NodeOptions o;
+  o.role = NodeRole::kRouter;
+  o.cluster_port = 0;
+  o.heartbeat_interval = std::chrono::milliseconds(100);
+  return o;
 }
 
 }  // namespace deltaserve::actors::testing

@@ -48,6 +48,15 @@ bool released(const Stats& s) {
          s.regions == 0;
 }
 
+// The tiny serve options with request states over UCX (tcp on loopback); set the role for workers.
+NodeOptions ucx_options() {
+  NodeOptions o = testing::tiny_serve_options();
+  o.transport = "ucx";
+  o.ucx_tls = "tcp,self";
+  o.ucx_net_devices = "lo";
+  return o;
+}
+
 template <class Stats>
 std::string describe(const Stats& s) {
   return "transfers " + std::to_string(s.transfers) + " pending " + std::to_string(s.transfers_pending) + " regions " +
@@ -58,25 +67,14 @@ std::string describe(const Stats& s) {
 TEST(UcxTransportNodeTest, RouterPrefillDecodeOverUcxMatchesReference) {
   const auto& tiny = testing::tiny_model();
   ASSERT_TRUE(tiny.model);
-  NodeOptions router_options;
-  router_options.role = NodeRole::kRouter;
-  router_options.cluster_port = 0;
-  router_options.heartbeat_interval = 100ms;
+  NodeOptions router_options = testing::remote_router_options();
   auto router_node = Node::start(router_options);
   ASSERT_TRUE(router_node.is_ok()) << router_node.status().to_string();
   router::InferenceService& service = *(*router_node)->service();
 
-  NodeOptions worker;
-  worker.model = tiny.model;
-  worker.tokenizer = tiny.tokenizer;
-  worker.max_batch = 4;
-  worker.prefill_chunk = 4;
-  worker.heartbeat_interval = 100ms;
+  NodeOptions worker = ucx_options();
   worker.join_port = (*router_node)->cluster_port();
   worker.join_timeout = 5s;
-  worker.transport = "ucx";
-  worker.ucx_tls = "tcp,self";
-  worker.ucx_net_devices = "lo";
   worker.transfer_piece_bytes = 1024;
   worker.role = NodeRole::kPrefill;
   auto prefill = Node::start(worker);
@@ -125,25 +123,14 @@ TEST(UcxTransportNodeTest, RouterPrefillDecodeOverUcxMatchesReference) {
 TEST(UcxTransportNodeTest, PrefillNodeGoneMidTransferIsPrefilledAgain) {
   const auto& tiny = testing::tiny_model();
   ASSERT_TRUE(tiny.model);
-  NodeOptions router_options;
-  router_options.role = NodeRole::kRouter;
-  router_options.cluster_port = 0;
-  router_options.heartbeat_interval = 100ms;
+  NodeOptions router_options = testing::remote_router_options();
   auto router_node = Node::start(router_options);
   ASSERT_TRUE(router_node.is_ok()) << router_node.status().to_string();
   router::InferenceService& service = *(*router_node)->service();
 
-  NodeOptions worker;
-  worker.model = tiny.model;
-  worker.tokenizer = tiny.tokenizer;
-  worker.max_batch = 4;
-  worker.prefill_chunk = 4;
-  worker.heartbeat_interval = 100ms;
+  NodeOptions worker = ucx_options();
   worker.join_port = (*router_node)->cluster_port();
   worker.join_timeout = 5s;
-  worker.transport = "ucx";
-  worker.ucx_tls = "tcp,self";
-  worker.ucx_net_devices = "lo";
   worker.transfer_deadline = 1500ms;
   worker.transfer_reserve_timeout = 1000ms;
   worker.role = NodeRole::kDecode;
@@ -185,16 +172,7 @@ TEST(UcxTransportNodeTest, PrefillNodeGoneMidTransferIsPrefilledAgain) {
 TEST(UcxTransportNodeTest, ServeWithUcxMatchesReference) {
   const auto& tiny = testing::tiny_model();
   ASSERT_TRUE(tiny.model);
-  NodeOptions o;
-  o.role = NodeRole::kServe;
-  o.model = tiny.model;
-  o.tokenizer = tiny.tokenizer;
-  o.max_batch = 4;
-  o.prefill_chunk = 4;
-  o.heartbeat_interval = 100ms;
-  o.transport = "ucx";
-  o.ucx_tls = "tcp,self";
-  o.ucx_net_devices = "lo";
+  NodeOptions o = ucx_options();
   auto node = Node::start(o);
   ASSERT_TRUE(node.is_ok()) << node.status().to_string();
   router::InferenceService& service = *(*node)->service();
@@ -276,10 +254,10 @@ class UcxFaultCluster {
     auto transport = std::make_shared<SwitchingTransport>(
         make_ucx_transport(faulty_link), make_ucx_transport(clean_link), faulty_sends < 0 ? 1 << 30 : faulty_sends);
     prefill = spawn_prefill_worker(*system_, tiny.model, registry_, prefill_config, transport);
-    join(WorkerInfo{"prefill-0", kPrefillRole, caf::actor_cast<caf::actor>(prefill), 4, {}});
+    join(WorkerInfo{"prefill-0", kPrefillRole, caf::actor_cast<caf::actor>(prefill), 4, {}, 0, {}});
     WorkerLoad load;
     load.free_slots = 4;
-    join(WorkerInfo{"decode-0", kDecodeRole, caf::actor_cast<caf::actor>(decode), 4, load});
+    join(WorkerInfo{"decode-0", kDecodeRole, caf::actor_cast<caf::actor>(decode), 4, load, 0, {}});
     service = std::make_unique<ClusterService>(
         std::unique_ptr<ClusterService::Impl>(new ClusterService::Impl{*system_, router, gauges_}));
     ok = true;
