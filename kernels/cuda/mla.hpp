@@ -1,0 +1,106 @@
+// Multi-head Latent Attention (NoPE) on Hopper over a paged cache: page pool writes, the absorbed paged decode
+// (split over the context, partials combined with log-sum-exp) and the prefill attention of a varlen chunk over
+// its cached pages. Math: shared/spec/model.md §4; CPU reference: kernels/cpu/mla.hpp (the tests compare to it).
+// Layouts are token-major: [T, H, D] means element (t, h, d) at ((t * H) + h) * D + d.
+// Every launcher validates its host-visible inputs and returns a Status before anything is launched; device
+// pointers are checked for null and 16-byte alignment only (their contents cannot be read here).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "common/status.hpp"
+
+namespace deltaserve::kernels::cuda {
+
+// Limits of the kernels (the tiny test models and Kimi Linear / K3 are all inside them).
+constexpr int kMlaMaxKvLora = 512;
+constexpr int kMlaMaxRope = 64;
+constexpr int kMlaMaxNope = 192;
+constexpr int kMlaMaxVHead = 256;
+constexpr int kMlaMaxHeads = 128;
+constexpr int kMlaMaxPageSize = 256;  // page_size: a positive multiple of 16 up to this
+
+// GPU page pool of MLA cache rows for ALL MLA layers of the model. A page holds `page_size` consecutive tokens of
+// one sequence for every MLA layer: value j of token i (0 <= i < page_size) of layer l in page p is at
+//   pages[((p * num_layers + l) * page_size + i) * row_stride + j],   j < width = kv_lora_rank + qk_rope.
+// bf16. row_stride >= width, a multiple of 8 (16-byte rows).
+struct MlaPagePool {
+  __nv_bfloat16* pages = nullptr;
+  int64_t num_pages = 0;
+  int num_layers = 0;
+  int page_size = 64;
+  int64_t row_stride = 0;
+  int64_t width = 0;
+};
+// Sequences address their pages through block tables: device int32 [num_seqs, max_pages_per_seq], row n lists
+// sequence n's page ids in token order (token position t lives in page block_tables[n][t / page_size], slot
+// t % page_size). Entries past a sequence's length may hold anything (even -1).
+
+// Writes new cache rows for T tokens of layer `layer`: row t = [rms_norm(kv[t, :kv_lora]) * norm_weight ‖
+// kv[t, kv_lora:width]] as bf16 (cpu::rms_norm semantics, fp32 math) at pool position slot_mapping[t]
+// (= page * page_size + offset; < 0: token skipped). kv fp32 [T, width] with row stride kv_stride (the kv_a_proj
+// GEMM output).
+struct MlaWriteParams {
+  MlaPagePool pool;
+  int layer = 0;
+  int64_t num_tokens = 0;
+  const float* kv = nullptr;
+  int64_t kv_stride = 0;
+  const float* norm_weight = nullptr;  // [kv_lora] fp32
+  float eps = 1e-5f;
+  int kv_lora_rank = 0, qk_rope = 0;
+  const int64_t* slot_mapping = nullptr;  // device [T]
+};
+// Asynchronous, graph-capturable. Slots at or past num_pages * page_size are skipped too (never written).
+[[nodiscard]] Status mla_write_rows(const MlaWriteParams& params, cudaStream_t stream);
+
+// Attention of a varlen batch of query tokens over each sequence's paged cache (which already holds the rows of
+// these tokens, written by mla_write_rows). Sequence n has q_len[n] = cu_q[n+1] - cu_q[n] query tokens and a
+// context of context_lens[n] rows (>= q_len[n]); query token i of sequence n sits at position
+// context_lens[n] - q_len[n] + i and sees rows 0..that position (causal). q_len 0 is allowed; context 0 requires
+// q_len 0. Same result as cpu::mla_attention_naive / _absorbed up to rounding.
+struct MlaAttentionParams {
+  int num_heads = 0, kv_lora_rank = 0, qk_nope = 0, qk_rope = 0, v_head = 0;
+  float softmax_scale = 0.0f;
+  MlaPagePool pool;
+  int layer = 0;
+  int num_seqs = 0;                       // N
+  int64_t num_tokens = 0;                 // T = cu_q[N] (host value)
+  const int32_t* cu_q = nullptr;          // device [N + 1]
+  const int32_t* context_lens = nullptr;  // device [N]
+  const int32_t* block_tables = nullptr;  // device [N, max_pages_per_seq]
+  int max_pages_per_seq = 0;
+  int max_context = 0;               // host upper bound of every context_lens[n] (sizes the split grid; the
+                                     // kernels read the real lengths on the device, so a graph captured with a
+                                     // bound stays valid while lengths grow up to it)
+  const __nv_bfloat16* q = nullptr;  // [T, H, qk_nope + qk_rope], row stride q_stride (elements) per token
+  int64_t q_stride = 0;
+  const __nv_bfloat16* kv_b = nullptr;  // kv_b_proj [H * (qk_nope + v_head), kv_lora]: per head W_UK rows then W_UV
+  float* out = nullptr;                 // [T, H, v_head] fp32
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+// Workspace for a batch of up to max_tokens query tokens with contexts up to max_context (device, 256-byte
+// aligned sections: absorbed queries fp32 [T, H, kv_lora + rope], per-split latent partials fp32
+// [T, splits, H, kv_lora] and their (max, sum) pairs). 0 for non-positive dims.
+size_t mla_attention_workspace_bytes(int num_heads, int kv_lora_rank, int qk_rope, int64_t max_tokens, int max_context);
+// Both launchers are asynchronous on `stream` and need, beyond the shapes above: kv_lora_rank and qk_rope multiples
+// of 8 (16-byte row loads), pool.width == kv_lora_rank + qk_rope, workspace_bytes >=
+// mla_attention_workspace_bytes(H, kv_lora, rope, num_tokens, max_context). Page ids read from the block tables
+// outside [0, num_pages) are not dereferenced (their rows count as zeros).
+// Decode-shaped batches (every q_len <= 1): absorbed form, graph-capturable (no host sync, no allocation).
+[[nodiscard]] Status mla_decode(const MlaAttentionParams& params, cudaStream_t stream);
+// Any batch (prefill chunks, mixed): correct for every shape; may use the naive or absorbed form.
+[[nodiscard]] Status mla_prefill(const MlaAttentionParams& params, cudaStream_t stream);
+
+// Context splits the attention kernels use for a batch of num_tokens query tokens with contexts up to max_context
+// (1 for short contexts; enough (token, split) CTAs for about two waves of 132 SMs on long ones; at most
+// kMlaMaxSplits). Exposed for tests and benchmarks; mla_attention_workspace_bytes accounts for it.
+constexpr int kMlaMaxSplits = 64;
+int mla_num_splits(int64_t num_tokens, int max_context);
+
+}  // namespace deltaserve::kernels::cuda
