@@ -170,6 +170,8 @@ Status prefill_chunk(PrefillPointer self, Job& job, int64_t target) {
   ++s.stats.steps;
   const int64_t first = job.position;
   job.position = end;
+  // A device backend keeps the caches on the GPU: the handoff encoding and the prefix cache read the host copy.
+  if (job.caching || job.position >= target) DS_RETURN_IF_ERROR(state.sync_host());
   if (!job.caching) return Status::ok();
 
   const engine::ModelConfig& config = s.model->config();

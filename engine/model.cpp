@@ -39,6 +39,10 @@ Model::Model(ModelConfig config, ModelWeights weights) : config_(std::move(confi
   for (LayerKind kind : config_.layer_kinds) layer_slot_.push_back(kind == LayerKind::kKda ? kda++ : mla++);
 }
 
+Model::Model(ModelConfig config, std::shared_ptr<Backend> backend) : Model(std::move(config), ModelWeights{}) {
+  backend_ = std::move(backend);
+}
+
 Result<std::unique_ptr<Model>> Model::load(const std::filesystem::path& directory) {
   DS_ASSIGN_OR_RETURN(ModelConfig config, load_model_config(directory));
   DS_ASSIGN_OR_RETURN_CTX(std::unique_ptr<Checkpoint> checkpoint, Checkpoint::open(directory),
@@ -279,6 +283,7 @@ Status Model::forward(std::span<SequenceInput> sequences, std::vector<std::vecto
     }
     batch.row_begin.push_back(batch.row_begin.back() + static_cast<int64_t>(in.tokens.size()));
   }
+  if (backend_) return backend_->forward(sequences, logits, options);
   const int64_t rows = batch.rows(), hidden = config_.hidden_size;
   const auto size = static_cast<size_t>(rows * hidden);
 

@@ -8,9 +8,11 @@
 #include <filesystem>
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "common/status.hpp"
+#include "engine/backend.hpp"
 #include "engine/model_config.hpp"
 #include "engine/model_weights.hpp"
 #include "engine/request_state.hpp"
@@ -29,12 +31,18 @@ struct ForwardOptions {
 
 class Model {
  public:
+  // A model computed on the CPU from host weights.
   Model(ModelConfig config, ModelWeights weights);
+  // A model whose forward passes run on `backend`, which holds the weights (none are kept on the host).
+  Model(ModelConfig config, std::shared_ptr<Backend> backend);
 
   // Reads config.json and the safetensors checkpoint in `directory`. Errors name the file and field/tensor.
   static Result<std::unique_ptr<Model>> load(const std::filesystem::path& directory);
 
   const ModelConfig& config() const { return config_; }
+  // The device backend, or nullptr for the CPU.
+  Backend* backend() const { return backend_.get(); }
+  std::string device_name() const { return backend_ ? backend_->name() : "cpu"; }
   RequestState new_state() const { return RequestState(config_); }
 
   // Runs one step for every sequence of the batch. On success logits[i] holds, for sequence i,
@@ -62,6 +70,7 @@ class Model {
 
   ModelConfig config_;
   ModelWeights weights_;
+  std::shared_ptr<Backend> backend_;
   std::vector<int64_t> layer_slot_;
 };
 

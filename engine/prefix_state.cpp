@@ -75,6 +75,7 @@ int64_t mla_page_row_values(const ModelConfig& config) {
 }
 
 std::vector<std::byte> encode_kda_checkpoint(const ModelConfig& config, const RequestState& state) {
+  state.expect_host_current("encode_kda_checkpoint");
   const size_t payload = kda_payload_bytes(state);
   const size_t total = kHeaderBytes + payload + kChecksumBytes;
   std::vector<std::byte> out(total);
@@ -117,6 +118,8 @@ Result<int64_t> restore_kda_checkpoint(const ModelConfig& config, std::span<cons
                      std::to_string(kda_payload_bytes(state)));
   }
   if (position < 0) return data_loss("negative position");
+  DS_RETURN_IF_ERROR(state.sync_host());  // the MLA part stays; the host copy becomes the only one
+  state.drop_device();
   size_t at = kHeaderBytes;
   for (KdaLayerState& layer : state.kda) {
     get_floats(bytes, at, layer.conv_q);
@@ -129,6 +132,7 @@ Result<int64_t> restore_kda_checkpoint(const ModelConfig& config, std::span<cons
 
 std::vector<float> gather_mla_page_rows(const ModelConfig& config, const RequestState& state, int64_t first,
                                         int64_t count) {
+  state.expect_host_current("gather_mla_page_rows");
   const int64_t width = config.mla.cache_width(), row = mla_page_row_values(config);
   std::vector<float> rows(static_cast<size_t>(count * row));
   for (size_t l = 0; l < state.mla.size(); ++l) {

@@ -23,6 +23,8 @@ namespace deltaserve::engine {
 // Values per token in a page row (every MLA layer's cache row); 0 for a model without MLA layers.
 int64_t mla_page_row_values(const ModelConfig& config);
 
+// The readers below need a current host copy (RequestState::sync_host() after a device forward pass); the
+// writers give up any device copy (the next forward pass uploads the restored contents).
 // Checkpoint layout (little-endian): magic "DSKC", u32 version 1, u64 total bytes, u64 state fingerprint,
 // i64 position (tokens consumed), u64 payload bytes, payload (per KDA layer: conv_q, conv_k, conv_v, S as
 // fp32), u64 checksum of everything before it (64-bit multiply-xor over 8-byte words).

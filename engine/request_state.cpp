@@ -1,6 +1,8 @@
 #include "engine/request_state.hpp"
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 
 namespace deltaserve::engine {
 
@@ -18,7 +20,47 @@ RequestState::RequestState(const ModelConfig& config) {
   mla.assign(static_cast<size_t>(config.num_layers_of(LayerKind::kMla)), MlaLayerCache(config.mla.cache_width()));
 }
 
+RequestState::RequestState(const RequestState& other) {
+  *this = other;
+}
+
+RequestState& RequestState::operator=(const RequestState& other) {
+  if (this == &other) return *this;
+  // A copy of a device-resident state needs its contents. A failed download means a broken device (CUDA
+  // errors are sticky): nothing sensible can continue, so stop with the reason rather than copy stale data.
+  if (const Status synced = other.sync_host(); !synced.is_ok()) {
+    std::fprintf(stderr, "fatal: %s\n", synced.to_string().c_str());
+    std::abort();
+  }
+  kda = other.kda;
+  mla = other.mla;
+  num_tokens_ = other.num_tokens_;
+  residency_.reset();
+  host_stale_ = false;
+  return *this;
+}
+
+Status RequestState::sync_host() const {
+  if (!host_stale_ || residency_ == nullptr) return Status::ok();
+  auto& self = const_cast<RequestState&>(*this);
+  DS_RETURN_IF_ERROR_CTX(residency_->download(self), "copying a request's caches from the device");
+  self.host_stale_ = false;
+  return Status::ok();
+}
+
+void RequestState::drop_device() {
+  residency_.reset();
+  host_stale_ = false;
+}
+
+void RequestState::expect_host_current(const char* reader) const {
+  if (!host_stale_) return;
+  std::fprintf(stderr, "fatal: %s read a request state whose device copy is newer (sync_host() not called)\n", reader);
+  std::abort();
+}
+
 void RequestState::reset() {
+  drop_device();
   for (KdaLayerState& layer : kda) {
     std::fill(layer.conv_q.begin(), layer.conv_q.end(), 0.0f);
     std::fill(layer.conv_k.begin(), layer.conv_k.end(), 0.0f);
@@ -44,6 +86,7 @@ int64_t RequestState::mla_cache_bytes() const {
 }
 
 bool RequestState::same_contents(const RequestState& other) const {
+  if (!sync_host().is_ok() || !other.sync_host().is_ok()) return false;
   if (num_tokens_ != other.num_tokens_ || kda.size() != other.kda.size() || mla.size() != other.mla.size()) {
     return false;
   }

@@ -7,9 +7,12 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
+#include "common/status.hpp"
+#include "engine/backend.hpp"
 #include "engine/model_config.hpp"
 
 namespace deltaserve::engine {
@@ -39,12 +42,35 @@ class RequestState {
  public:
   RequestState() = default;
   explicit RequestState(const ModelConfig& config);
+  // Copies hold the host contents only (brought up to date first); the device copy stays with the source.
+  RequestState(const RequestState& other);
+  RequestState& operator=(const RequestState& other);
+  RequestState(RequestState&&) noexcept = default;
+  RequestState& operator=(RequestState&&) noexcept = default;
+  ~RequestState() = default;
 
   int64_t num_tokens() const { return num_tokens_; }  // positions already consumed
   void advance(int64_t tokens) { num_tokens_ += tokens; }
 
-  // Back to the state of a fresh request (zero KDA state, empty MLA caches), keeping the memory.
+  // Back to the state of a fresh request (zero KDA state, empty MLA caches), keeping the host memory;
+  // a device copy is given back to its backend.
   void reset();
+
+  // ---- device residency (see engine/backend.hpp) ----
+  // While a backend keeps this request's caches on its device, `kda` and `mla` below may be out of date:
+  // code that reads them calls sync_host() first (the engine's codecs do), and code that writes them calls
+  // drop_device() (the next forward pass uploads the host contents).
+  const DeviceResidency* residency() const { return residency_.get(); }
+  void attach_residency(std::unique_ptr<DeviceResidency> residency) { residency_ = std::move(residency); }
+  bool host_stale() const { return host_stale_; }
+  void set_host_stale(bool stale) { host_stale_ = stale; }
+  // Brings the host containers up to date (a no-op unless stale). Logically const: the host containers are
+  // a copy of the device contents.
+  [[nodiscard]] Status sync_host() const;
+  void drop_device();
+  // For readers of the host containers that cannot fail: a stale host copy there is a bug (the caller
+  // skipped sync_host()), so this stops the process naming `reader`.
+  void expect_host_current(const char* reader) const;
 
   // Indexed by the layer's ordinal among layers of its kind (see Model::layer_slot).
   std::vector<KdaLayerState> kda;
@@ -59,6 +85,8 @@ class RequestState {
 
  private:
   int64_t num_tokens_ = 0;
+  std::unique_ptr<DeviceResidency> residency_;
+  bool host_stale_ = false;
 };
 
 }  // namespace deltaserve::engine

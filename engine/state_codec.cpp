@@ -125,6 +125,7 @@ uint64_t state_fingerprint(const ModelConfig& config) {
 }
 
 std::vector<std::byte> encode_state(const ModelConfig& config, const RequestState& state) {
+  state.expect_host_current("encode_state");
   uint64_t payload = 0;
   for (const KdaLayerState& layer : state.kda) {
     payload +=

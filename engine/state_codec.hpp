@@ -51,7 +51,8 @@ inline constexpr uint32_t kStateCodecVersion = 1;
 // the same architecture share a fingerprint.
 uint64_t state_fingerprint(const ModelConfig& config);
 
-// `state` must have this model's shapes (as Model::new_state() and forward() keep them).
+// `state` must have this model's shapes (as Model::new_state() and forward() keep them) and a current host
+// copy (RequestState::sync_host() after a device forward pass).
 std::vector<std::byte> encode_state(const ModelConfig& config, const RequestState& state);
 Result<RequestState> decode_state(const ModelConfig& config, std::span<const std::byte> bytes);
 

@@ -1,0 +1,60 @@
+// The seam between the model's math and the hardware that runs it. A Model either runs on the CPU
+// (its own fp32 code, kernels/cpu) or hands every validated forward pass to a Backend (the CUDA backend
+// in engine/cuda). A backend that keeps a request's caches in device memory attaches a DeviceResidency
+// to the request's RequestState; the state's host containers are then a copy that is brought up to date
+// on demand (RequestState::sync_host) — for a handoff, a prefix-cache checkpoint or a test.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/status.hpp"
+
+namespace deltaserve::engine {
+
+class RequestState;
+struct SequenceInput;
+struct ForwardOptions;
+
+// A request's caches in a backend's device memory (KDA state slot, MLA pages). Owned by the RequestState;
+// destroying it gives the device memory back to the backend (which must outlive it: implementations hold
+// a shared reference to their pools).
+class DeviceResidency {
+ public:
+  virtual ~DeviceResidency() = default;
+  // Copies the device contents (KDA conv tails and recurrent states, MLA rows of num_tokens() tokens) into
+  // `state`'s host containers, which have the model's shapes. Synchronous.
+  [[nodiscard]] virtual Status download(RequestState& state) const = 0;
+};
+
+// What a backend holds and how many requests fit; reported at start-up and on /metrics.
+struct BackendCapacity {
+  std::string device;                 // "cpu", "cuda:0 (NVIDIA H200)"
+  int64_t weight_bytes = 0;           // weights resident on the device
+  int64_t state_slots = 0;            // requests whose KDA states fit at once (0 = limited by host memory only)
+  int64_t state_slot_bytes = 0;       // bytes of one slot (every KDA layer's recurrent state + conv tails)
+  int64_t cache_pages = 0;            // MLA pages in the pool
+  int64_t page_tokens = 0;            // tokens per page
+  int64_t cache_bytes_per_token = 0;  // MLA bytes of one token, all MLA layers
+  int64_t free_bytes_after = 0;       // device memory left after weights, slots, pages and scratch
+  // Concurrent requests of `tokens` tokens that fit (slots and pages both).
+  int64_t requests_that_fit(int64_t tokens) const;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+  virtual BackendCapacity capacity() const = 0;
+
+  // The forward pass of Model::forward, called after Model validated the batch (token ids, context limit,
+  // state shapes). Same contract: logits[i] for sequence i, each state advanced by its tokens on success.
+  // On an error (e.g. kResourceExhausted when no state slot or page is free) no state has advanced.
+  // Thread-safe (calls are serialised by the backend).
+  [[nodiscard]] virtual Status forward(std::span<SequenceInput> batch, std::vector<std::vector<float>>& logits,
+                                       const ForwardOptions& options) = 0;
+};
+
+}  // namespace deltaserve::engine
