@@ -1,0 +1,69 @@
+// MLA page pool writes: RMS-normed latent ‖ k_rot rows, bf16, at the pool slots named by slot_mapping.
+#include <cmath>
+#include <string>
+
+#include "kernels/cuda/mla.hpp"
+#include "kernels/cuda/mla_attention.cuh"
+
+namespace deltaserve::kernels::cuda {
+namespace {
+
+constexpr int kWriteThreads = 128;
+
+// grid (T), block kWriteThreads: one token per CTA.
+__global__ void __launch_bounds__(kWriteThreads)
+    mla_write_rows_kernel(__nv_bfloat16* __restrict__ pages, int64_t num_pages, int num_layers, int page_size,
+                          int64_t row_stride, int layer, const float* __restrict__ kv, int64_t kv_stride,
+                          const float* __restrict__ norm_weight, float eps, int kv_lora, int rope,
+                          const int64_t* __restrict__ slot_mapping) {
+  __shared__ float s_partial[kWriteThreads / 32];
+  const int64_t t = blockIdx.x;
+  const int64_t slot = slot_mapping[t];
+  if (slot < 0 || slot >= num_pages * page_size) return;  // skipped token (uniform over the CTA)
+  const float* x = kv + t * kv_stride;
+  float sum = 0.0f;
+  for (int c = threadIdx.x; c < kv_lora; c += kWriteThreads) sum = fmaf(x[c], x[c], sum);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if ((threadIdx.x & 31) == 0) s_partial[threadIdx.x >> 5] = sum;
+  __syncthreads();
+  float total = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWriteThreads / 32; ++w) total += s_partial[w];
+  const float inverse_rms = rsqrtf(total / static_cast<float>(kv_lora) + eps);
+  const int64_t page = slot / page_size, offset = slot - page * page_size;
+  __nv_bfloat16* row = pages + ((page * num_layers + layer) * page_size + offset) * row_stride;
+  for (int c = threadIdx.x; c < kv_lora; c += kWriteThreads)
+    row[c] = __float2bfloat16(x[c] * inverse_rms * norm_weight[c]);
+  for (int j = threadIdx.x; j < rope; j += kWriteThreads) row[kv_lora + j] = __float2bfloat16(x[kv_lora + j]);
+}
+
+}  // namespace
+
+Status mla_write_rows(const MlaWriteParams& p, cudaStream_t stream) {
+  const std::string w = "mla_write_rows";
+  if (Status s = detail::validate_mla_pool(p.pool, p.layer, "mla_write_rows"); !s.is_ok()) return s;
+  if (p.kv_lora_rank < 1 || p.qk_rope < 0) return invalid_argument(w + ": kv_lora_rank >= 1 and qk_rope >= 0 needed");
+  if (p.pool.width != static_cast<int64_t>(p.kv_lora_rank) + p.qk_rope) {
+    return invalid_argument(w + ": pool.width " + std::to_string(p.pool.width) + " != kv_lora_rank + qk_rope");
+  }
+  if (p.num_tokens < 0) return invalid_argument(w + ": num_tokens is negative");
+  if (p.num_tokens > INT32_MAX) return invalid_argument(w + ": num_tokens exceeds int32");
+  if (p.kv_stride < p.pool.width) {
+    return invalid_argument(w + ": kv_stride " + std::to_string(p.kv_stride) + " < kv_lora_rank + qk_rope");
+  }
+  if (!std::isfinite(p.eps) || p.eps < 0.0f) return invalid_argument(w + ": eps must be finite and >= 0");
+  if (p.num_tokens == 0) return Status::ok();
+  if (p.kv == nullptr || p.norm_weight == nullptr || p.slot_mapping == nullptr) {
+    return invalid_argument(w + ": kv, norm_weight or slot_mapping is null");
+  }
+  mla_write_rows_kernel<<<static_cast<unsigned>(p.num_tokens), kWriteThreads, 0, stream>>>(
+      p.pool.pages, p.pool.num_pages, p.pool.num_layers, p.pool.page_size, p.pool.row_stride, p.layer, p.kv,
+      p.kv_stride, p.norm_weight, p.eps, p.kv_lora_rank, p.qk_rope, p.slot_mapping);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
+    return Status(StatusCode::kInternal, w + ": launch failed: " + cudaGetErrorString(e));
+  }
+  return Status::ok();
+}
+
+}  // namespace deltaserve::kernels::cuda

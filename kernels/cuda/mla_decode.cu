@@ -1,0 +1,498 @@
+// MLA attention over a paged cache in the absorbed form (model.md §4), shared by mla_decode and mla_prefill.
+//
+// Three kernels on the stream:
+//   1. absorb:    q̃[t, h] = [W_UK_hᵀ q_nope (kv_lora) ‖ q_rot (rope)] · scale · log2(e)   (fp32, workspace)
+//   2. attention: one CTA per (query token, context split, group of up to 32 heads). It walks its slice of the
+//                 token's visible rows in tiles of 32 rows: each tile is read from the pages once (16-byte loads,
+//                 bf16 -> fp32 in shared memory) and used by every head of the group, so a decode step reads
+//                 each cache row from HBM once per head group (once for H <= 32 at kv_lora 512). Scores,
+//                 online softmax (base 2, max-subtracted) and the unnormalised latent sum Σ p_j c_j are fp32 on
+//                 CUDA cores; the slice's (max, sum, latent sum) go to the workspace.
+//   3. combine:   per (token, head) the splits are merged exactly (log-sum-exp weights), normalised, and
+//                 out = W_UV_h o_lat (fp32).
+// The split count is fixed on the host from (num_tokens, max_context); each CTA reads the real context length
+// on the device and may find its slice empty, so a graph captured with a bound stays valid as lengths grow.
+// The attention kernel is CUDA-core fp32 (not mma.sync): correct for every supported shape, but compute bound
+// rather than memory bound at H = 32..64 (about 4 H (kv_lora + rope) FLOPs per row and head group).
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "kernels/cuda/mla.hpp"
+#include "kernels/cuda/mla_attention.cuh"
+
+namespace deltaserve::kernels::cuda {
+namespace {
+
+constexpr int kAttnThreads = 512;
+constexpr int kAttnWarps = kAttnThreads / 32;
+constexpr int kTileRows = 32;      // rows per tile; == warp size (the softmax maps lane -> row)
+constexpr int kMaxHeadGroup = 32;  // heads per attention CTA
+constexpr int kAccPerThread = 32;  // latent accumulators per thread: head_group * kv_lora <= 512 * 32
+constexpr int kAbsorbTokens = 8;   // query tokens per absorb CTA (W_UK reuse)
+constexpr int kAbsorbThreads = 256;
+constexpr int kCombineThreads = 256;
+constexpr int kTargetCtas = 2 * 132;  // about two waves of H200 SMs
+constexpr float kLog2e = 1.4426950408889634f;
+
+int head_group_size(int num_heads, int kv_lora_rank) {
+  return std::min({num_heads, kMaxHeadGroup, kAttnThreads * kAccPerThread / kv_lora_rank});
+}
+
+size_t align256(size_t bytes) {
+  return (bytes + 255) / 256 * 256;
+}
+
+struct WorkspaceLayout {
+  size_t q_tilde = 0, partial_o = 0, partial_ml = 0, total = 0;
+};
+
+WorkspaceLayout workspace_layout(int num_heads, int kv_lora_rank, int qk_rope, int64_t num_tokens, int splits) {
+  WorkspaceLayout layout;
+  const size_t t = static_cast<size_t>(num_tokens), h = static_cast<size_t>(num_heads);
+  const size_t s = static_cast<size_t>(splits);
+  const size_t q_bytes = align256(t * h * static_cast<size_t>(kv_lora_rank + qk_rope) * sizeof(float));
+  const size_t o_bytes = align256(t * s * h * static_cast<size_t>(kv_lora_rank) * sizeof(float));
+  const size_t ml_bytes = align256(t * s * h * sizeof(float2));
+  layout.q_tilde = 0;
+  layout.partial_o = q_bytes;
+  layout.partial_ml = q_bytes + o_bytes;
+  layout.total = q_bytes + o_bytes + ml_bytes;
+  return layout;
+}
+
+__device__ __forceinline__ int64_t i64_min(int64_t a, int64_t b) {
+  return a < b ? a : b;
+}
+__device__ __forceinline__ int64_t i64_max(int64_t a, int64_t b) {
+  return a > b ? a : b;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  return x;
+}
+
+// ---- 1. absorb ----------------------------------------------------------------------------------------------
+// grid (ceil(T / kAbsorbTokens), H), block kAbsorbThreads.
+__global__ void __launch_bounds__(kAbsorbThreads)
+    mla_absorb_kernel(const __nv_bfloat16* __restrict__ q, int64_t q_stride, const __nv_bfloat16* __restrict__ kv_b,
+                      int64_t num_tokens, int num_heads, int kv_lora, int nope, int rope, int v_head, float scale,
+                      float* __restrict__ q_tilde) {
+  __shared__ float q_nope[kAbsorbTokens][kMlaMaxNope];
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kAbsorbTokens;
+  const int h = blockIdx.y;
+  const int count = static_cast<int>(i64_min(kAbsorbTokens, num_tokens - t0));
+  const int q_width = nope + rope;
+  const int width = kv_lora + rope;
+  for (int i = threadIdx.x; i < kAbsorbTokens * nope; i += blockDim.x) {
+    const int tt = i / nope, d = i - tt * nope;
+    q_nope[tt][d] =
+        tt < count ? __bfloat162float(q[(t0 + tt) * q_stride + static_cast<int64_t>(h) * q_width + d]) : 0.0f;
+  }
+  __syncthreads();
+  const __nv_bfloat16* w_uk = kv_b + static_cast<int64_t>(h) * (nope + v_head) * kv_lora;  // [nope, kv_lora]
+  for (int c = threadIdx.x; c < kv_lora; c += blockDim.x) {
+    float acc[kAbsorbTokens];
+#pragma unroll
+    for (int tt = 0; tt < kAbsorbTokens; ++tt) acc[tt] = 0.0f;
+    for (int d = 0; d < nope; ++d) {
+      const float w = __bfloat162float(w_uk[static_cast<int64_t>(d) * kv_lora + c]);
+#pragma unroll
+      for (int tt = 0; tt < kAbsorbTokens; ++tt) acc[tt] = fmaf(q_nope[tt][d], w, acc[tt]);
+    }
+#pragma unroll
+    for (int tt = 0; tt < kAbsorbTokens; ++tt) {
+      if (tt < count) q_tilde[((t0 + tt) * num_heads + h) * width + c] = acc[tt] * scale;
+    }
+  }
+  for (int i = threadIdx.x; i < count * rope; i += blockDim.x) {
+    const int tt = i / rope, j = i - tt * rope;
+    const float x = __bfloat162float(q[(t0 + tt) * q_stride + static_cast<int64_t>(h) * q_width + nope + j]);
+    q_tilde[((t0 + tt) * num_heads + h) * width + kv_lora + j] = x * scale;
+  }
+}
+
+// ---- 2. split attention -------------------------------------------------------------------------------------
+struct AttentionArgs {
+  const __nv_bfloat16* pages;
+  int64_t num_pages;
+  int num_layers, page_size, layer;
+  int64_t row_stride;
+  int num_heads, kv_lora, rope, head_group, splits, num_seqs;
+  const int32_t* cu_q;
+  const int32_t* context_lens;
+  const int32_t* block_tables;
+  int max_pages_per_seq;
+  const float* q_tilde;  // [T, H, kv_lora + rope], pre-scaled by scale * log2(e)
+  float* partial_o;      // [T, splits, H, kv_lora]
+  float2* partial_ml;    // [T, splits, H]: (running max in log2 units, sum of exp2)
+};
+
+size_t attention_smem_bytes(int head_group, int width) {
+  return sizeof(float) * (static_cast<size_t>(head_group) * width + static_cast<size_t>(kTileRows) * width +
+                          static_cast<size_t>(head_group) * kTileRows + 3 * static_cast<size_t>(head_group));
+}
+
+// grid (T, splits, ceil(H / head_group)), block kAttnThreads, dynamic smem attention_smem_bytes.
+__global__ void __launch_bounds__(kAttnThreads, 1) mla_split_attention_kernel(AttentionArgs a) {
+  extern __shared__ float smem[];
+  const int width = a.kv_lora + a.rope;
+  const int group = a.head_group;
+  float* s_q = smem;                         // [group][width]
+  float* s_rows = s_q + group * width;       // [kTileRows][width]
+  float* s_p = s_rows + kTileRows * width;   // [group][kTileRows]: scores, then probabilities
+  float* s_scale = s_p + group * kTileRows;  // [group]
+  float* s_m = s_scale + group;              // [group]
+  float* s_l = s_m + group;                  // [group]
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t t = blockIdx.x;
+  const int split = blockIdx.y;
+  const int h0 = blockIdx.z * group;
+  const int heads = min(group, a.num_heads - h0);
+
+  // Sequence of token t: the largest n with cu_q[n] <= t (zero-length sequences share their start).
+  int lo = 0, hi = a.num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (a.cu_q[mid] <= t) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  const int n = lo;
+  const int64_t q_begin = a.cu_q[n];
+  const int64_t q_len = static_cast<int64_t>(a.cu_q[n + 1]) - q_begin;
+  const int64_t context = a.context_lens[n];
+  int64_t visible = context - q_len + (t - q_begin) + 1;  // rows 0 .. position
+  visible = i64_max(0, i64_min(visible, static_cast<int64_t>(a.max_pages_per_seq) * a.page_size));
+  const int64_t per_split = (visible + a.splits - 1) / a.splits;
+  const int64_t row_begin = i64_min(visible, per_split * split);
+  const int64_t row_end = i64_min(visible, row_begin + per_split);
+
+  const float* q_src = a.q_tilde + (t * a.num_heads + h0) * width;
+  for (int i = tid; i < heads * width; i += kAttnThreads) s_q[i] = q_src[i];
+  if (tid < group) {
+    s_m[tid] = -INFINITY;
+    s_l[tid] = 0.0f;
+  }
+  const int32_t* table = a.block_tables + static_cast<int64_t>(n) * a.max_pages_per_seq;
+  const int vecs_per_row = width / 8;
+  const int elements = heads * a.kv_lora;
+
+  float o[kAccPerThread];
+#pragma unroll
+  for (int k = 0; k < kAccPerThread; ++k) o[k] = 0.0f;
+
+  for (int64_t tile = row_begin; tile < row_end; tile += kTileRows) {
+    const int rows = static_cast<int>(i64_min(kTileRows, row_end - tile));
+    __syncthreads();  // s_q / s_m ready (first tile); the previous tile's s_rows and s_p are consumed
+    for (int v = tid; v < kTileRows * vecs_per_row; v += kAttnThreads) {
+      const int r = v / vecs_per_row, cv = v - r * vecs_per_row;
+      float4* dst = reinterpret_cast<float4*>(s_rows + r * width + cv * 8);
+      float4 lo4 = make_float4(0.f, 0.f, 0.f, 0.f), hi4 = lo4;
+      if (r < rows) {
+        const int64_t position = tile + r;
+        const int32_t page = table[position / a.page_size];
+        if (page >= 0 && page < a.num_pages) {
+          const int64_t slot = position % a.page_size;
+          const __nv_bfloat16* src =
+              a.pages + ((static_cast<int64_t>(page) * a.num_layers + a.layer) * a.page_size + slot) * a.row_stride +
+              cv * 8;
+          const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src));
+          const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+          const float2 f0 = __bfloat1622float2(pairs[0]), f1 = __bfloat1622float2(pairs[1]);
+          const float2 f2 = __bfloat1622float2(pairs[2]), f3 = __bfloat1622float2(pairs[3]);
+          lo4 = make_float4(f0.x, f0.y, f1.x, f1.y);
+          hi4 = make_float4(f2.x, f2.y, f3.x, f3.y);
+        }
+      }
+      dst[0] = lo4;
+      dst[1] = hi4;
+    }
+    __syncthreads();
+    // Scores (log2 units): one warp per (head, row), lanes split the row.
+    for (int pair = warp; pair < heads * kTileRows; pair += kAttnWarps) {
+      const int h = pair / kTileRows, r = pair - h * kTileRows;
+      float acc = 0.0f;
+      if (r < rows) {
+        const float* qh = s_q + h * width;
+        const float* row = s_rows + r * width;
+        for (int c = lane; c < width; c += 32) acc = fmaf(qh[c], row[c], acc);
+      }
+      acc = warp_sum(acc);
+      if (lane == 0) s_p[h * kTileRows + r] = r < rows ? acc : -INFINITY;
+    }
+    __syncthreads();
+    // Online softmax: one warp per head, lane = row.
+    for (int h = warp; h < heads; h += kAttnWarps) {
+      const float s = s_p[h * kTileRows + lane];
+      const float m_old = s_m[h];
+      const float m_new = fmaxf(m_old, warp_max(s));  // finite: the tile has >= 1 row
+      const float p = lane < rows ? exp2f(s - m_new) : 0.0f;
+      const float sum = warp_sum(p);
+      s_p[h * kTileRows + lane] = p;
+      if (lane == 0) {
+        const float rescale = exp2f(m_old - m_new);  // 0 when m_old = -inf
+        s_scale[h] = rescale;
+        s_m[h] = m_new;
+        s_l[h] = s_l[h] * rescale + sum;
+      }
+    }
+    __syncthreads();
+    // Latent sum: thread owns elements tid + k * kAttnThreads of the [heads, kv_lora] block.
+#pragma unroll
+    for (int k = 0; k < kAccPerThread; ++k) {
+      const int e = tid + k * kAttnThreads;
+      if (e < elements) {
+        const int h = e / a.kv_lora, c = e - h * a.kv_lora;
+        const float* p = s_p + h * kTileRows;
+        const float* col = s_rows + c;
+        float acc = o[k] * s_scale[h];
+        for (int r = 0; r < rows; ++r) acc = fmaf(p[r], col[r * width], acc);
+        o[k] = acc;
+      }
+    }
+  }
+  __syncthreads();
+  const int64_t part = (t * a.splits + split) * a.num_heads + h0;
+  float* out_o = a.partial_o + part * a.kv_lora;
+#pragma unroll
+  for (int k = 0; k < kAccPerThread; ++k) {
+    const int e = tid + k * kAttnThreads;
+    if (e < elements) out_o[e] = o[k];
+  }
+  if (tid < heads) a.partial_ml[part + tid] = make_float2(s_m[tid], s_l[tid]);
+}
+
+// ---- 3. combine + W_UV ----------------------------------------------------------------------------------------
+// grid (T, H), block kCombineThreads.
+__global__ void __launch_bounds__(kCombineThreads)
+    mla_combine_kernel(const float* __restrict__ partial_o, const float2* __restrict__ partial_ml,
+                       const __nv_bfloat16* __restrict__ kv_b, int num_heads, int kv_lora, int nope, int v_head,
+                       int splits, float* __restrict__ out) {
+  __shared__ float s_latent[kMlaMaxKvLora];
+  __shared__ float s_weight[kMlaMaxSplits];
+  const int64_t t = blockIdx.x;
+  const int h = blockIdx.y;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (warp == 0) {
+    float m[2], l[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int s = lane + 32 * i;
+      m[i] = -INFINITY;
+      l[i] = 0.0f;
+      if (s < splits) {
+        const float2 ml = partial_ml[(t * splits + s) * num_heads + h];
+        if (ml.y > 0.0f) {
+          m[i] = ml.x;
+          l[i] = ml.y;
+        }
+      }
+    }
+    const float m_max = warp_max(fmaxf(m[0], m[1]));
+    float w[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) w[i] = l[i] > 0.0f ? exp2f(m[i] - m_max) : 0.0f;
+    const float total = warp_sum(w[0] * l[0] + w[1] * l[1]);
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int s = lane + 32 * i;
+      if (s < splits) s_weight[s] = w[i] * inv;
+    }
+  }
+  __syncthreads();
+  for (int c = tid; c < kv_lora; c += kCombineThreads) {
+    float acc = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+      const float weight = s_weight[s];
+      if (weight != 0.0f) acc = fmaf(weight, partial_o[((t * splits + s) * num_heads + h) * kv_lora + c], acc);
+    }
+    s_latent[c] = acc;
+  }
+  __syncthreads();
+  const __nv_bfloat16* w_uv = kv_b + (static_cast<int64_t>(h) * (nope + v_head) + nope) * kv_lora;  // [v, kv_lora]
+  for (int v = warp; v < v_head; v += kCombineThreads / 32) {
+    const __nv_bfloat16* w_row = w_uv + static_cast<int64_t>(v) * kv_lora;
+    float acc = 0.0f;
+    for (int c = lane; c < kv_lora; c += 32) acc = fmaf(__bfloat162float(w_row[c]), s_latent[c], acc);
+    acc = warp_sum(acc);
+    if (lane == 0) out[(t * num_heads + h) * v_head + v] = acc;
+  }
+}
+
+bool aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
+
+}  // namespace
+
+int mla_num_splits(int64_t num_tokens, int max_context) {
+  if (num_tokens <= 0 || max_context <= 512) return 1;
+  const int64_t by_length = (static_cast<int64_t>(max_context) + 255) / 256;  // >= 256 rows per split
+  const int64_t by_occupancy = (kTargetCtas + num_tokens - 1) / num_tokens;
+  return static_cast<int>(std::clamp<int64_t>(std::min(by_length, by_occupancy), 1, kMlaMaxSplits));
+}
+
+size_t mla_attention_workspace_bytes(int num_heads, int kv_lora_rank, int qk_rope, int64_t max_tokens,
+                                     int max_context) {
+  if (num_heads <= 0 || kv_lora_rank <= 0 || qk_rope < 0 || max_tokens < 0 || max_context < 0) return 0;
+  size_t bytes = workspace_layout(num_heads, kv_lora_rank, qk_rope, 0, 1).total;
+  // The split count falls as the token count grows; any batch of t <= max_tokens tokens must fit.
+  int64_t t = 1;
+  while (t <= max_tokens) {
+    const int splits = mla_num_splits(t, max_context);
+    bytes = std::max(bytes, workspace_layout(num_heads, kv_lora_rank, qk_rope, t, splits).total);
+    // Past kTargetCtas tokens splits stay 1 and the size grows with t: jump to the end.
+    t = (t > kTargetCtas) ? std::max(t + 1, max_tokens) : t + 1;
+  }
+  return bytes;
+}
+
+namespace detail {
+
+Status validate_mla_pool(const MlaPagePool& pool, int layer, const char* who) {
+  const std::string w = who;
+  if (pool.pages == nullptr) return invalid_argument(w + ": pool.pages is null");
+  if (!aligned16(pool.pages)) return invalid_argument(w + ": pool.pages is not 16-byte aligned");
+  if (pool.num_pages <= 0) return invalid_argument(w + ": pool.num_pages must be positive");
+  if (pool.num_layers <= 0) return invalid_argument(w + ": pool.num_layers must be positive");
+  if (layer < 0 || layer >= pool.num_layers) {
+    return invalid_argument(w + ": layer " + std::to_string(layer) + " outside [0, " + std::to_string(pool.num_layers) +
+                            ")");
+  }
+  if (pool.page_size < 16 || pool.page_size > kMlaMaxPageSize || pool.page_size % 16 != 0) {
+    return invalid_argument(w + ": pool.page_size " + std::to_string(pool.page_size) +
+                            " must be a multiple of 16 in [16, 256]");
+  }
+  if (pool.width <= 0) return invalid_argument(w + ": pool.width must be positive");
+  if (pool.row_stride < pool.width || pool.row_stride % 8 != 0) {
+    return invalid_argument(w + ": pool.row_stride " + std::to_string(pool.row_stride) +
+                            " must be >= width and a multiple of 8");
+  }
+  return Status::ok();
+}
+
+Status mla_attention_launch(const MlaAttentionParams& p, bool decode, const char* who, cudaStream_t stream) {
+  const std::string w = who;
+  if (p.num_heads < 1 || p.num_heads > kMlaMaxHeads) return invalid_argument(w + ": num_heads must be in [1, 128]");
+  if (p.kv_lora_rank < 8 || p.kv_lora_rank > kMlaMaxKvLora || p.kv_lora_rank % 8 != 0) {
+    return invalid_argument(w + ": kv_lora_rank " + std::to_string(p.kv_lora_rank) +
+                            " must be a multiple of 8 in [8, 512]");
+  }
+  if (p.qk_rope < 0 || p.qk_rope > kMlaMaxRope || p.qk_rope % 8 != 0) {
+    return invalid_argument(w + ": qk_rope " + std::to_string(p.qk_rope) + " must be a multiple of 8 in [0, 64]");
+  }
+  if (p.qk_nope < 1 || p.qk_nope > kMlaMaxNope) return invalid_argument(w + ": qk_nope must be in [1, 192]");
+  if (p.v_head < 1 || p.v_head > kMlaMaxVHead) return invalid_argument(w + ": v_head must be in [1, 256]");
+  if (!std::isfinite(p.softmax_scale) || p.softmax_scale <= 0.0f) {
+    return invalid_argument(w + ": softmax_scale must be finite and positive");
+  }
+  if (Status s = validate_mla_pool(p.pool, p.layer, who); !s.is_ok()) return s;
+  if (p.pool.width != p.kv_lora_rank + p.qk_rope) {
+    return invalid_argument(w + ": pool.width " + std::to_string(p.pool.width) + " != kv_lora_rank + qk_rope");
+  }
+  if (p.num_seqs < 0) return invalid_argument(w + ": num_seqs is negative");
+  if (p.num_tokens < 0) return invalid_argument(w + ": num_tokens is negative");
+  if (p.num_tokens > 0 && p.num_seqs == 0) return invalid_argument(w + ": num_tokens > 0 with no sequences");
+  if (p.num_tokens > INT32_MAX) return invalid_argument(w + ": num_tokens exceeds int32");
+  if (decode && p.num_tokens > p.num_seqs) {
+    return invalid_argument(w + ": a decode batch has at most one query token per sequence (num_tokens " +
+                            std::to_string(p.num_tokens) + " > num_seqs " + std::to_string(p.num_seqs) + ")");
+  }
+  if (p.max_pages_per_seq < 1) return invalid_argument(w + ": max_pages_per_seq must be positive");
+  if (p.max_context < 0 ||
+      static_cast<int64_t>(p.max_context) > static_cast<int64_t>(p.max_pages_per_seq) * p.pool.page_size) {
+    return invalid_argument(w + ": max_context " + std::to_string(p.max_context) +
+                            " must be in [0, max_pages_per_seq * page_size]");
+  }
+  if (p.num_tokens > 0 && p.max_context < 1) return invalid_argument(w + ": query tokens need max_context >= 1");
+  if (p.q_stride < static_cast<int64_t>(p.num_heads) * (p.qk_nope + p.qk_rope)) {
+    return invalid_argument(w + ": q_stride " + std::to_string(p.q_stride) + " < H * (qk_nope + qk_rope)");
+  }
+  if (p.num_tokens == 0) return Status::ok();
+  if (p.cu_q == nullptr || p.context_lens == nullptr || p.block_tables == nullptr || p.q == nullptr ||
+      p.kv_b == nullptr || p.out == nullptr || p.workspace == nullptr) {
+    return invalid_argument(w +
+                            ": a device pointer (cu_q, context_lens, block_tables, q, kv_b, out, workspace) "
+                            "is null");
+  }
+  if (!aligned16(p.workspace)) return invalid_argument(w + ": workspace is not 16-byte aligned");
+  const int splits = mla_num_splits(p.num_tokens, p.max_context);
+  const WorkspaceLayout layout = workspace_layout(p.num_heads, p.kv_lora_rank, p.qk_rope, p.num_tokens, splits);
+  if (p.workspace_bytes < layout.total) {
+    return invalid_argument(w + ": workspace_bytes " + std::to_string(p.workspace_bytes) + " < required " +
+                            std::to_string(layout.total));
+  }
+
+  char* base = static_cast<char*>(p.workspace);
+  float* q_tilde = reinterpret_cast<float*>(base + layout.q_tilde);
+  float* partial_o = reinterpret_cast<float*>(base + layout.partial_o);
+  float2* partial_ml = reinterpret_cast<float2*>(base + layout.partial_ml);
+  const float scale = p.softmax_scale * kLog2e;
+
+  const dim3 absorb_grid(static_cast<unsigned>((p.num_tokens + kAbsorbTokens - 1) / kAbsorbTokens),
+                         static_cast<unsigned>(p.num_heads));
+  mla_absorb_kernel<<<absorb_grid, kAbsorbThreads, 0, stream>>>(p.q, p.q_stride, p.kv_b, p.num_tokens, p.num_heads,
+                                                                p.kv_lora_rank, p.qk_nope, p.qk_rope, p.v_head, scale,
+                                                                q_tilde);
+
+  const int group = head_group_size(p.num_heads, p.kv_lora_rank);
+  const int width = p.kv_lora_rank + p.qk_rope;
+  const size_t smem = attention_smem_bytes(group, width);
+  if (cudaError_t e = cudaFuncSetAttribute(mla_split_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem));
+      e != cudaSuccess) {
+    return Status(StatusCode::kInternal, w + ": cudaFuncSetAttribute: " + cudaGetErrorString(e));
+  }
+  AttentionArgs args{};
+  args.pages = p.pool.pages;
+  args.num_pages = p.pool.num_pages;
+  args.num_layers = p.pool.num_layers;
+  args.page_size = p.pool.page_size;
+  args.layer = p.layer;
+  args.row_stride = p.pool.row_stride;
+  args.num_heads = p.num_heads;
+  args.kv_lora = p.kv_lora_rank;
+  args.rope = p.qk_rope;
+  args.head_group = group;
+  args.splits = splits;
+  args.num_seqs = p.num_seqs;
+  args.cu_q = p.cu_q;
+  args.context_lens = p.context_lens;
+  args.block_tables = p.block_tables;
+  args.max_pages_per_seq = p.max_pages_per_seq;
+  args.q_tilde = q_tilde;
+  args.partial_o = partial_o;
+  args.partial_ml = partial_ml;
+  const dim3 attention_grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(splits),
+                            static_cast<unsigned>((p.num_heads + group - 1) / group));
+  mla_split_attention_kernel<<<attention_grid, kAttnThreads, smem, stream>>>(args);
+
+  const dim3 combine_grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(p.num_heads));
+  mla_combine_kernel<<<combine_grid, kCombineThreads, 0, stream>>>(partial_o, partial_ml, p.kv_b, p.num_heads,
+                                                                   p.kv_lora_rank, p.qk_nope, p.v_head, splits, p.out);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
+    return Status(StatusCode::kInternal, w + ": launch failed: " + cudaGetErrorString(e));
+  }
+  return Status::ok();
+}
+
+}  // namespace detail
+
+Status mla_decode(const MlaAttentionParams& params, cudaStream_t stream) {
+  return detail::mla_attention_launch(params, /*decode=*/true, "mla_decode", stream);
+}
+
+}  // namespace deltaserve::kernels::cuda
