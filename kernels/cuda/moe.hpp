@@ -84,9 +84,9 @@ struct MoeFfnParams {
   size_t workspace_bytes = 0;
 };
 // Decode path: width and I must be multiples of 8 (16-byte weight rows); pointers 16-byte aligned.
-// Reads each ACTIVE expert's weights once per 8 of its rows (so once for decode batches); CTAs of inactive
+// Reads each ACTIVE expert's weights once per 4 of its rows (so once for decode batches); CTAs of inactive
 // experts exit at once. Reads counts on the device only: no host sync, no allocation, graph-capturable.
-// Correct for any R (rows of an expert are processed in tiles of 8). R == 0 launches nothing.
+// Correct for any R (rows of an expert are processed in tiles of 4). R == 0 launches nothing.
 Status moe_expert_ffn_decode(const MoeFfnParams& params, cudaStream_t stream);
 
 // Scratch bytes of the prefill path: fp32 [rows, 2 * intermediate].
