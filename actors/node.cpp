@@ -110,8 +110,14 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
   const bool needs_model = role == NodeRole::kServe || role == NodeRole::kPrefill || role == NodeRole::kDecode;
   const bool needs_tokenizer = role == NodeRole::kServe || role == NodeRole::kDecode;
   if (needs_model && !options.model) {
-    auto model = engine::Model::load(options.model_dir);
+    auto model = engine::open_model(options.model_dir, options.device);
     if (!model.is_ok()) return model.status().with_context("load model " + options.model_dir.string());
+    if (options.device.device != "cpu") {
+      const engine::BackendCapacity c = (*model)->backend()->capacity();
+      std::cerr << "model on " << c.device << ": " << c.weight_bytes / (1 << 20) << " MiB of weights, " << c.state_slots
+                << " request-state slots, " << c.cache_pages << " MLA pages of " << c.page_tokens << " tokens ("
+                << c.requests_that_fit(32768) << " requests of 32k tokens fit)\n";
+    }
     options.model = std::shared_ptr<const engine::Model>(std::move(model).value());
   }
   if (needs_tokenizer && !options.tokenizer) {

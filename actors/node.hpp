@@ -16,6 +16,7 @@
 #include "actors/router_observer.hpp"
 #include "common/status.hpp"
 #include "engine/model.hpp"
+#include "engine/open_model.hpp"
 #include "router/inference_service.hpp"
 #include "tokenizer/tiktoken_tokenizer.hpp"
 
@@ -29,6 +30,7 @@ struct NodeOptions {
   std::filesystem::path model_dir;
   std::shared_ptr<const engine::Model> model;
   std::shared_ptr<const tokenizer::Tokenizer> tokenizer;
+  engine::DeviceOptions device;  // where the workers' model runs (cpu, cuda:N) when loaded from model_dir
 
   int64_t prefill_workers = 1;  // kServe
   int64_t decode_workers = 1;   // kServe

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "common/status.hpp"
+#include "engine/open_model.hpp"
 
 namespace deltaserve::cli {
 
@@ -22,6 +23,7 @@ Result<std::filesystem::path> resolve_model_dir(const std::optional<std::string>
 
 struct GenerateOptions {
   std::optional<std::string> model;
+  engine::DeviceOptions device;
   std::string prompt;
   bool chat = false;
   int64_t max_tokens = 64;
@@ -81,6 +83,7 @@ struct TransportOptions {
 // fatal startup errors (bad model, port taken, registry unreachable) print "error: ..." and return 1.
 struct ServeOptions {  // deltaserve serve: registry + router + workers + HTTP in one process
   std::optional<std::string> model;
+  engine::DeviceOptions device;
   std::string host = "127.0.0.1";
   uint16_t port = 8000;
   std::optional<std::string> api_keys;
@@ -119,6 +122,7 @@ int run_router(const RouterOptions& options, std::ostream& out, std::ostream& er
 struct WorkerOptions {  // deltaserve prefill | decode
   bool decode = false;
   std::optional<std::string> model;
+  engine::DeviceOptions device;
   std::string join;  // HOST:PORT of the router's cluster listener
   int64_t prefill_chunk = 512;
   int64_t max_batch = 32;

@@ -5,6 +5,7 @@
 
 #include "cli/commands.hpp"
 #include "engine/model.hpp"
+#include "engine/open_model.hpp"
 #include "engine/sampler.hpp"
 #include "tokenizer/chat_template.hpp"
 #include "tokenizer/incremental_decoder.hpp"
@@ -41,7 +42,7 @@ int run_generate(const GenerateOptions& options, std::ostream& out, std::ostream
   };
   auto dir = resolve_model_dir(options.model);
   if (!dir.is_ok()) return fail(dir.status());
-  auto model = engine::Model::load(*dir);
+  auto model = engine::open_model(*dir, options.device);
   if (!model.is_ok()) return fail(model.status());
   auto tok = tokenizer::Tokenizer::load(*dir);
   if (!tok.is_ok()) return fail(tok.status().with_context("tokenizer in " + dir->string()));

@@ -86,6 +86,10 @@ int main(int argc, char** argv) {
                        "Print one JSON line per token with its logprob and the top-K alternatives (0..20)");
   generate->add_option("--prefill-chunk", gen.prefill_chunk, "Prefill chunk in tokens")->capture_default_str();
   generate->add_flag("--ignore-eos", gen.ignore_eos, "Do not stop at the end-of-sequence token");
+  generate->add_option("--device", gen.device.device, "Where the model runs: cpu | cuda | cuda:N")
+      ->capture_default_str();
+  generate->add_option("--gpu-memory-fraction", gen.device.gpu_memory_fraction, "Share of the GPU's memory to use")
+      ->capture_default_str();
 
   TokenizeOptions tok;
   auto* tokenize = app.add_subcommand("tokenize", "Print the token ids of a text as a JSON list");
@@ -149,6 +153,20 @@ int main(int argc, char** argv) {
     }
   };
 
+  // Device flags of the roles that run the model (serve, prefill, decode).
+  auto add_device_options = [&](CLI::App* sub, deltaserve::engine::DeviceOptions& d) {
+    role_option(sub, "device", d.device, "Where the model runs: cpu | cuda | cuda:N");
+    role_option(sub, "gpu-memory-fraction", d.gpu_memory_fraction,
+                "Share of the GPU's memory for weights, request states, MLA pages and scratch")
+        ->check(CLI::Range(0.01, 1.0));
+    role_option(sub, "gpu-max-batch-tokens", d.gpu_max_batch_tokens, "Tokens of one GPU forward pass at most")
+        ->check(CLI::PositiveNumber);
+    role_option(sub, "gpu-max-requests", d.gpu_max_requests, "GPU request-state slots at most")
+        ->check(CLI::PositiveNumber);
+    role_option(sub, "random-weights", d.random_weights,
+                "Benchmarks only: draw the weights on the GPU from config.json (the checkpoint is not read)");
+  };
+
   // Handoff transport flags (serve, prefill, decode).
   auto add_transport_options = [&](CLI::App* sub, TransportOptions& t) {
     role_option(sub, "transport", t.transport, "Handoff of request states: caf (inside the actor message) | ucx")
@@ -180,6 +198,7 @@ int main(int argc, char** argv) {
   role_option(serve, "drain-timeout-ms", serve_opts.drain_timeout_ms, drain_help)->check(CLI::NonNegativeNumber);
   role_option(serve, "metrics-listen", serve_opts.metrics_listen, front_metrics_help);
   add_cache_options(serve, serve_opts.cache, true, true);
+  add_device_options(serve, serve_opts.device);
   add_transport_options(serve, serve_opts.transport);
 
   RouterOptions router_opts;
@@ -212,6 +231,7 @@ int main(int argc, char** argv) {
   role_option(prefill, "drain-timeout-ms", prefill_opts.drain_timeout_ms, drain_help)->check(CLI::NonNegativeNumber);
   role_option(prefill, "metrics-listen", prefill_opts.metrics_listen, worker_metrics_help);
   add_cache_options(prefill, prefill_opts.cache, true, false);
+  add_device_options(prefill, prefill_opts.device);
   add_transport_options(prefill, prefill_opts.transport);
 
   WorkerOptions decode_opts;
@@ -226,6 +246,7 @@ int main(int argc, char** argv) {
   role_option(decode, "drain-timeout-ms", decode_opts.drain_timeout_ms, drain_help)->check(CLI::NonNegativeNumber);
   role_option(decode, "metrics-listen", decode_opts.metrics_listen, worker_metrics_help);
   add_transport_options(decode, decode_opts.transport);
+  add_device_options(decode, decode_opts.device);
 
   CLI11_PARSE(app, argc, argv);
   deltaserve::kernels::cpu::set_num_threads(threads);

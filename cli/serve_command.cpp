@@ -284,6 +284,7 @@ int run_serve(const ServeOptions& o, std::ostream& out, std::ostream& err) {
   actors::NodeOptions node_options;
   node_options.role = actors::NodeRole::kServe;
   node_options.model_dir = *dir;
+  node_options.device = o.device;
   node_options.prefill_workers = o.prefill_workers;
   node_options.decode_workers = o.decode_workers;
   node_options.max_batch = o.max_batch;
@@ -350,6 +351,7 @@ int run_worker(const WorkerOptions& o, std::ostream& out, std::ostream& err) {
   actors::NodeOptions node_options;
   node_options.role = o.decode ? actors::NodeRole::kDecode : actors::NodeRole::kPrefill;
   node_options.model_dir = *dir;
+  node_options.device = o.device;
   node_options.max_batch = o.max_batch;
   node_options.prefill_chunk = o.prefill_chunk;
   node_options.join_host = join->first;
