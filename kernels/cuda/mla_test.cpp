@@ -1,0 +1,531 @@
+// GPU paged MLA (mla_write_rows, mla_decode, mla_prefill) vs the CPU references, ctest label gpu.
+// Inputs given to the CPU are the bf16 values the GPU reads (q, cache rows and kv_b rounded to bf16), so only
+// fp32 accumulation order (and exp2 vs exp) differs. Tolerance on attention outputs (O(0.1..1)):
+// |gpu - cpu| <= 5e-3 + 5e-3 |cpu| per element (cpu::mla_attention_naive); every failure log prints the max error,
+// its index (sequence, token, head, column) and expected vs actual. Cache writes: within one bf16 rounding step
+// of cpu::rms_norm (the fp32 value may round the other way), the k_rot part exact. Every page slot, page table
+// entry and output padding that must not be read or written is NaN-poisoned (or a garbage page id).
+#include "kernels/cpu/mla.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <numeric>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/basic_ops.hpp"
+#include "kernels/cuda/kda_test_util.hpp"
+#include "kernels/cuda/mla.hpp"
+
+namespace deltaserve::kernels::cuda::test {
+namespace {
+
+struct MlaShape {
+  int heads, kv_lora, nope, rope, v_head;
+};
+constexpr MlaShape kTiny{2, 32, 16, 8, 16};
+constexpr MlaShape kKimi48B{32, 512, 128, 64, 128};
+constexpr MlaShape kK3{96, 512, 128, 64, 128};  // 3 head groups of 32
+constexpr MlaShape kOdd{40, 96, 24, 0, 40};     // head groups 32 + 8, no rope part
+constexpr float kAtol = 5e-3f, kRtol = 5e-3f;
+
+std::string shape_name(const MlaShape& s) {
+  std::ostringstream os;
+  os << "H=" << s.heads << " kv_lora=" << s.kv_lora << " nope=" << s.nope << " rope=" << s.rope << " v=" << s.v_head;
+  return os.str();
+}
+
+bool is_poison(__nv_bfloat16 x) {
+  return __nv_bfloat16_raw(x).x == __nv_bfloat16_raw(bf16_nan()).x;
+}
+
+std::vector<float> rounded_normal(std::mt19937& rng, size_t n, float mean, float stddev) {
+  std::vector<float> x = normal_vector(rng, n, mean, stddev);
+  for (float& v : x) v = bf16_round(v);
+  return x;
+}
+
+struct Batch {
+  std::vector<int> q_lens;
+  std::vector<int> contexts;
+  int page_size = 64;
+  int max_context = 0;  // 0: the largest context (at least 1)
+};
+
+std::string batch_name(const Batch& b) {
+  std::ostringstream os;
+  os << "page_size=" << b.page_size << " max_context=" << b.max_context << " (q_len, context):";
+  for (size_t n = 0; n < b.q_lens.size(); ++n) os << " (" << b.q_lens[n] << ", " << b.contexts[n] << ")";
+  return os.str();
+}
+
+// Builds a shuffled, poisoned page pool holding each sequence's rows, runs the GPU launcher and compares every
+// output against cpu::mla_attention_naive on the same bf16 values.
+void check_attention(const MlaShape& shape, const Batch& batch, bool decode, uint32_t seed) {
+  SCOPED_TRACE(std::string(decode ? "mla_decode " : "mla_prefill ") + shape_name(shape) + " " + batch_name(batch));
+  std::mt19937 rng(seed);
+  const int H = shape.heads, kv = shape.kv_lora, nope = shape.nope, rope = shape.rope, v_head = shape.v_head;
+  const int width = kv + rope, q_width = nope + rope, ps = batch.page_size;
+  const int N = static_cast<int>(batch.q_lens.size());
+  const int64_t row_stride = (width + 7) / 8 * 8 + 8;
+  const int num_layers = 2, layer = 1;
+  int max_context = batch.max_context;
+  int total_pages = 5;  // spare pages stay NaN
+  std::vector<int32_t> cu_q(N + 1, 0);
+  for (int n = 0; n < N; ++n) {
+    ASSERT_LE(batch.q_lens[n], batch.contexts[n]);
+    cu_q[n + 1] = cu_q[n] + batch.q_lens[n];
+    total_pages += (batch.contexts[n] + ps - 1) / ps;
+    if (batch.max_context == 0) max_context = std::max(max_context, batch.contexts[n]);
+  }
+  max_context = std::max(max_context, 1);
+  const int64_t T = cu_q[N];
+  int max_pages = (max_context + ps - 1) / ps + 1;
+  for (int n = 0; n < N; ++n) max_pages = std::max(max_pages, (batch.contexts[n] + ps - 1) / ps + 1);
+
+  // Pages: shuffled ids; table entries past a sequence's pages hold garbage ids (never read).
+  std::vector<int32_t> page_ids(total_pages);
+  std::iota(page_ids.begin(), page_ids.end(), 0);
+  std::shuffle(page_ids.begin(), page_ids.end(), rng);
+  const int32_t garbage[3] = {-1, INT32_MAX, total_pages + 7};
+  std::vector<int32_t> table(static_cast<size_t>(N) * max_pages);
+  for (size_t i = 0; i < table.size(); ++i) table[i] = garbage[i % 3];
+  const size_t pool_size = static_cast<size_t>(total_pages) * num_layers * ps * row_stride;
+  std::vector<__nv_bfloat16> pool(pool_size, bf16_nan());
+  std::vector<std::vector<float>> caches(N);  // contiguous [context, width] per sequence (CPU side)
+  int next_page = 0;
+  for (int n = 0; n < N; ++n) {
+    const int context = batch.contexts[n];
+    for (int p = 0; p < (context + ps - 1) / ps; ++p)
+      table[static_cast<size_t>(n) * max_pages + p] = page_ids[next_page++];
+    caches[n] = rounded_normal(rng, static_cast<size_t>(context) * width, 0.0f, 1.0f);
+    for (int j = 0; j < context; ++j) {
+      const int64_t page = table[static_cast<size_t>(n) * max_pages + j / ps];
+      const size_t base = static_cast<size_t>(((page * num_layers + layer) * ps + j % ps) * row_stride);
+      for (int c = 0; c < width; ++c) pool[base + c] = __float2bfloat16(caches[n][static_cast<size_t>(j) * width + c]);
+    }
+  }
+  // q with a NaN-padded row stride; kv_b.
+  const int64_t q_stride = static_cast<int64_t>(H) * q_width + 8;
+  std::vector<float> q = rounded_normal(rng, static_cast<size_t>(T) * H * q_width, 0.0f, 1.0f);
+  std::vector<__nv_bfloat16> q_host(static_cast<size_t>(std::max<int64_t>(T, 1)) * q_stride, bf16_nan());
+  for (int64_t t = 0; t < T; ++t) {
+    for (int i = 0; i < H * q_width; ++i) q_host[t * q_stride + i] = __float2bfloat16(q[t * H * q_width + i]);
+  }
+  std::vector<float> kv_b =
+      rounded_normal(rng, static_cast<size_t>(H) * (nope + v_head) * kv, 0.0f, 1.0f / std::sqrt(float(kv)));
+  const float scale = 1.0f / std::sqrt(static_cast<float>(q_width));
+
+  // CPU reference.
+  std::vector<float> expected(static_cast<size_t>(T) * H * v_head, 0.0f);
+  const cpu::MlaDims dims{H, kv, nope, rope, v_head, scale};
+  for (int n = 0; n < N; ++n) {
+    const int q_len = batch.q_lens[n];
+    if (q_len == 0) continue;
+    cpu::mla_attention_naive(dims, q.data() + static_cast<size_t>(cu_q[n]) * H * q_width, q_len,
+                             batch.contexts[n] - q_len, caches[n].data(), width, batch.contexts[n], kv_b.data(),
+                             expected.data() + static_cast<size_t>(cu_q[n]) * H * v_head);
+  }
+
+  // GPU.
+  const size_t out_size = static_cast<size_t>(T) * H * v_head, out_pad = 64;
+  DeviceBuffer<__nv_bfloat16> pool_d(pool_size), q_d(q_host.size()), kv_b_d(kv_b.size());
+  DeviceBuffer<int32_t> cu_q_d(N + 1), ctx_d(std::max(N, 1)), table_d(table.size());
+  DeviceBuffer<float> out_d(out_size + out_pad);
+  pool_d.upload(pool);
+  q_d.upload(q_host);
+  kv_b_d.upload(to_bf16(kv_b));
+  cu_q_d.upload(cu_q);
+  ctx_d.upload(std::vector<int32_t>(batch.contexts.begin(), batch.contexts.end()));
+  table_d.upload(table);
+  out_d.upload(std::vector<float>(out_size + out_pad, NAN));
+  const size_t ws_bytes = mla_attention_workspace_bytes(H, kv, rope, T, max_context);
+  ASSERT_GT(ws_bytes, 0u);
+  DeviceBuffer<char> ws_d(ws_bytes);
+  ASSERT_NE(ws_d.get(), nullptr);
+
+  MlaAttentionParams p;
+  p.num_heads = H;
+  p.kv_lora_rank = kv;
+  p.qk_nope = nope;
+  p.qk_rope = rope;
+  p.v_head = v_head;
+  p.softmax_scale = scale;
+  p.pool = MlaPagePool{pool_d.get(), total_pages, num_layers, ps, row_stride, width};
+  p.layer = layer;
+  p.num_seqs = N;
+  p.num_tokens = T;
+  p.cu_q = cu_q_d.get();
+  p.context_lens = ctx_d.get();
+  p.block_tables = table_d.get();
+  p.max_pages_per_seq = max_pages;
+  p.max_context = max_context;
+  p.q = q_d.get();
+  p.q_stride = q_stride;
+  p.kv_b = kv_b_d.get();
+  p.out = out_d.get();
+  p.workspace = ws_d.get();
+  p.workspace_bytes = ws_bytes;
+  const Status status = decode ? mla_decode(p, nullptr) : mla_prefill(p, nullptr);
+  ASSERT_TRUE(status.is_ok()) << status.to_string();
+  DS_CUDA_OK(cudaDeviceSynchronize());
+  DS_CUDA_OK(cudaGetLastError());
+  const std::vector<float> out = out_d.download();
+  std::printf("  [%s] T=%lld splits=%d workspace=%zu bytes\n", decode ? "decode" : "prefill", static_cast<long long>(T),
+              mla_num_splits(T, max_context), ws_bytes);
+
+  // Compare.
+  double max_err = 0.0;
+  size_t max_at = 0, failures = 0;
+  std::vector<int> seq_of(static_cast<size_t>(T));
+  for (int n = 0; n < N; ++n) {
+    for (int t = cu_q[n]; t < cu_q[n + 1]; ++t) seq_of[t] = n;
+  }
+  auto where = [&](size_t i) {
+    const int64_t t = static_cast<int64_t>(i / (static_cast<size_t>(H) * v_head));
+    const int h = static_cast<int>(i / v_head % H), c = static_cast<int>(i % v_head);
+    const int n = seq_of[t];
+    std::ostringstream os;
+    os << "token " << t << " (seq " << n << ", query " << t - cu_q[n] << " at position "
+       << batch.contexts[n] - batch.q_lens[n] + (t - cu_q[n]) << ") head " << h << " col " << c;
+    return os.str();
+  };
+  for (size_t i = 0; i < out_size; ++i) {
+    const double err = std::isfinite(out[i]) ? std::fabs(static_cast<double>(out[i]) - expected[i]) : INFINITY;
+    if (err > max_err || (std::isinf(err) && !std::isinf(max_err))) {
+      max_err = err;
+      max_at = i;
+    }
+    if (err > kAtol + kRtol * std::fabs(expected[i])) {
+      if (failures < 5) {
+        ADD_FAILURE() << "mismatch at " << where(i) << ": expected " << expected[i] << " got " << out[i] << " (abs err "
+                      << err << ")";
+      }
+      ++failures;
+    }
+  }
+  if (out_size > 0) {
+    const double rel = relative_error(out.data(), expected.data(), out_size);
+    std::printf("  max abs err %.3g at %s (expected %.6g got %.6g); relative L2 %.3g; %zu of %zu outside tolerance\n",
+                max_err, where(max_at).c_str(), expected[max_at], out[max_at], rel, failures, out_size);
+  }
+  EXPECT_EQ(failures, 0u) << "max abs err " << max_err;
+  for (size_t i = out_size; i < out_size + out_pad; ++i) {
+    ASSERT_TRUE(std::isnan(out[i])) << "output padding written at " << i - out_size << " past the end";
+  }
+}
+
+std::vector<int> ones(size_t n) {
+  return std::vector<int>(n, 1);
+}
+
+// ---- decode ----------------------------------------------------------------------------------------------------
+TEST(MlaDecode, TinyContexts) {
+  const Batch batch{ones(6), {1, 63, 64, 65, 1000, 4097}};
+  check_attention(kTiny, batch, /*decode=*/true, 1);
+  check_attention(kTiny, batch, /*decode=*/false, 1);
+}
+
+TEST(MlaDecode, Kimi48BContexts) {
+  const Batch batch{ones(6), {1, 63, 64, 65, 1000, 4097}};
+  check_attention(kKimi48B, batch, /*decode=*/true, 2);
+}
+
+TEST(MlaDecode, PageSizes16And256) {
+  for (int page_size : {16, 256}) {
+    const Batch batch{ones(5), {1, 15, 17, 257, 700}, page_size};
+    check_attention(kTiny, batch, /*decode=*/true, 3);
+    check_attention(kKimi48B, batch, /*decode=*/true, 4);
+  }
+}
+
+TEST(MlaDecode, K3AndOddHeadGroups) {
+  check_attention(kK3, Batch{ones(3), {1, 64, 333}}, /*decode=*/true, 5);
+  check_attention(kOdd, Batch{ones(4), {2, 64, 129, 1500}}, /*decode=*/true, 6);
+}
+
+TEST(MlaDecode, ForcedSplitsOnShortContexts) {
+  // max_context far above the real lengths: many splits, most of them empty on the device.
+  const Batch batch{ones(3), {1, 5, 70}, 64, 100000};
+  ASSERT_GT(mla_num_splits(3, 100000), 1);
+  check_attention(kTiny, batch, /*decode=*/true, 7);
+  check_attention(kKimi48B, batch, /*decode=*/true, 8);
+}
+
+TEST(MlaDecode, ZeroLengthSequencesInBatch) {
+  // q_len 0 with context 0 and with a context; one query token per other sequence.
+  check_attention(kTiny, Batch{{1, 0, 1, 0, 1}, {10, 0, 33, 20, 1}}, /*decode=*/true, 9);
+  check_attention(kKimi48B, Batch{{0, 1, 0}, {0, 600, 5}}, /*decode=*/true, 10);
+}
+
+TEST(MlaDecode, LargeBatchOneSplit) {
+  std::vector<int> contexts(300);
+  for (size_t n = 0; n < contexts.size(); ++n) contexts[n] = 1 + static_cast<int>(n * 7 % 200);
+  check_attention(kTiny, Batch{ones(contexts.size()), contexts}, /*decode=*/true, 11);
+}
+
+// ---- prefill ---------------------------------------------------------------------------------------------------
+TEST(MlaPrefill, TinyChunksOverHistory) {
+  for (int history : {0, 5, 64, 300}) {
+    Batch batch;
+    for (int q_len : {1, 17, 64, 200}) {
+      batch.q_lens.push_back(q_len);
+      batch.contexts.push_back(history + q_len);
+    }
+    check_attention(kTiny, batch, /*decode=*/false, 20 + history);
+  }
+}
+
+TEST(MlaPrefill, Kimi48BChunksOverHistory) {
+  check_attention(kKimi48B, Batch{{1, 17, 64, 200}, {1, 17, 64, 200}}, /*decode=*/false, 30);
+  check_attention(kKimi48B, Batch{{17, 200}, {22, 500}}, /*decode=*/false, 31);
+  check_attention(kKimi48B, Batch{{1, 64}, {65, 128}}, /*decode=*/false, 32);
+}
+
+TEST(MlaPrefill, MixedBatchWithZeroLengthSequence) {
+  check_attention(kTiny, Batch{{3, 0, 1, 50, 0}, {10, 7, 1, 50, 0}}, /*decode=*/false, 40);
+  check_attention(kKimi48B, Batch{{3, 0, 1, 50}, {10, 7, 1000, 50}}, /*decode=*/false, 41);
+  check_attention(kOdd, Batch{{5, 0, 33}, {5, 3, 100}, 16}, /*decode=*/false, 42);
+}
+
+TEST(MlaPrefill, SplitsOnFewTokensWithLongHistory) {
+  // Few query tokens over a long history: more than one split per token.
+  const Batch batch{{2, 3}, {3000, 4500}};
+  ASSERT_GT(mla_num_splits(5, 4500), 1);
+  check_attention(kKimi48B, batch, /*decode=*/false, 50);
+  check_attention(kTiny, Batch{{4}, {9}, 64, 50000}, /*decode=*/false, 51);
+}
+
+TEST(MlaPrefill, NoTokensIsANoOp) {
+  check_attention(kTiny, Batch{{0, 0}, {0, 12}}, /*decode=*/false, 60);
+}
+
+// ---- page writes -----------------------------------------------------------------------------------------------
+void check_write_rows(const MlaShape& shape, uint32_t seed) {
+  SCOPED_TRACE("mla_write_rows " + shape_name(shape));
+  std::mt19937 rng(seed);
+  const int kv = shape.kv_lora, rope = shape.rope, width = kv + rope;
+  const int num_pages = 4, num_layers = 3, layer = 1, ps = 16;
+  const int64_t row_stride = (width + 7) / 8 * 8 + 8;
+  const int64_t T = 37, kv_stride = width + 5, capacity = static_cast<int64_t>(num_pages) * ps;
+  std::vector<float> kv_in = normal_vector(rng, static_cast<size_t>(T * kv_stride), 0.0f, 2.0f);
+  std::vector<float> weight = normal_vector(rng, kv, 1.0f, 0.2f);
+  std::vector<int64_t> all_slots(capacity);
+  std::iota(all_slots.begin(), all_slots.end(), 0);
+  std::shuffle(all_slots.begin(), all_slots.end(), rng);
+  std::vector<int64_t> slots(T);
+  for (int64_t t = 0; t < T; ++t) slots[t] = (t % 5 == 2) ? -1 : (t % 11 == 7 ? capacity + 3 : all_slots[t]);
+  const float eps = 1e-5f;
+  const size_t pool_size = static_cast<size_t>(num_pages) * num_layers * ps * row_stride;
+  DeviceBuffer<__nv_bfloat16> pool_d(pool_size);
+  DeviceBuffer<float> kv_d(kv_in.size()), w_d(weight.size());
+  DeviceBuffer<int64_t> slots_d(slots.size());
+  pool_d.upload(std::vector<__nv_bfloat16>(pool_size, bf16_nan()));
+  kv_d.upload(kv_in);
+  w_d.upload(weight);
+  slots_d.upload(slots);
+  MlaWriteParams p;
+  p.pool = MlaPagePool{pool_d.get(), num_pages, num_layers, ps, row_stride, width};
+  p.layer = layer;
+  p.num_tokens = T;
+  p.kv = kv_d.get();
+  p.kv_stride = kv_stride;
+  p.norm_weight = w_d.get();
+  p.eps = eps;
+  p.kv_lora_rank = kv;
+  p.qk_rope = rope;
+  p.slot_mapping = slots_d.get();
+  const Status status = mla_write_rows(p, nullptr);
+  ASSERT_TRUE(status.is_ok()) << status.to_string();
+  DS_CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<__nv_bfloat16> pool = pool_d.download();
+
+  std::vector<bool> written(pool_size, false);
+  int mismatches = 0;
+  double max_err = 0.0;
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0 || slot >= capacity) continue;
+    std::vector<float> normed(kv);
+    cpu::rms_norm(&kv_in[t * kv_stride], weight.data(), normed.data(), 1, kv, eps);
+    const size_t base = static_cast<size_t>((((slot / ps) * num_layers + layer) * ps + slot % ps) * row_stride);
+    for (int c = 0; c < width; ++c) {
+      written[base + c] = true;
+      const float got = __bfloat162float(pool[base + c]);
+      const float want = c < kv ? normed[c] : kv_in[t * kv_stride + c];
+      // One bf16 step (8 mantissa bits) for the normed part; the k_rot part is a plain rounding.
+      const float tol = c < kv ? std::fabs(want) * (1.0f / 128.0f) + 1e-6f : 0.0f;
+      const float err = std::isfinite(got) ? std::fabs(got - (c < kv ? want : bf16_round(want))) : INFINITY;
+      max_err = std::max<double>(max_err, err);
+      if (err > tol && mismatches++ < 5) {
+        ADD_FAILURE() << "token " << t << " slot " << slot << " col " << c << ": expected " << want << " got " << got;
+      }
+    }
+  }
+  std::printf("  mla_write_rows max abs err %.3g\n", max_err);
+  EXPECT_EQ(mismatches, 0);
+  size_t stray = 0;
+  for (size_t i = 0; i < pool_size; ++i) {
+    if (!written[i] && !is_poison(pool[i]) && stray++ < 5) ADD_FAILURE() << "pool element " << i << " overwritten";
+  }
+  EXPECT_EQ(stray, 0u);
+}
+
+TEST(MlaWriteRows, MatchesRmsNormAndLayout) {
+  check_write_rows(kTiny, 70);
+  check_write_rows(kKimi48B, 71);
+}
+
+// ---- validation (no GPU work: every call below must be rejected before launching) ------------------------------
+template <class T>
+T* fake_device(uintptr_t address = 4096) {
+  return reinterpret_cast<T*>(address);
+}
+
+MlaAttentionParams valid_attention_params() {
+  MlaAttentionParams p;
+  p.num_heads = 32;
+  p.kv_lora_rank = 512;
+  p.qk_nope = 128;
+  p.qk_rope = 64;
+  p.v_head = 128;
+  p.softmax_scale = 0.07f;
+  p.pool = MlaPagePool{fake_device<__nv_bfloat16>(), 10, 2, 64, 576, 576};
+  p.layer = 1;
+  p.num_seqs = 2;
+  p.num_tokens = 2;
+  p.cu_q = fake_device<int32_t>();
+  p.context_lens = fake_device<int32_t>();
+  p.block_tables = fake_device<int32_t>();
+  p.max_pages_per_seq = 4;
+  p.max_context = 256;
+  p.q = fake_device<__nv_bfloat16>();
+  p.q_stride = 32 * 192;
+  p.kv_b = fake_device<__nv_bfloat16>();
+  p.out = fake_device<float>();
+  p.workspace = fake_device<void>();
+  p.workspace_bytes = mla_attention_workspace_bytes(32, 512, 64, 2, 256);
+  return p;
+}
+
+TEST(MlaAttentionValidation, RejectsBadHostInputs) {
+  struct Bad {
+    const char* what;
+    void (*edit)(MlaAttentionParams&);
+  };
+  const Bad cases[] = {
+      {"num_heads 0", [](MlaAttentionParams& p) { p.num_heads = 0; }},
+      {"num_heads 129", [](MlaAttentionParams& p) { p.num_heads = 129; }},
+      {"kv_lora 20", [](MlaAttentionParams& p) { p.kv_lora_rank = 20; }},
+      {"kv_lora 520", [](MlaAttentionParams& p) { p.kv_lora_rank = 520; }},
+      {"rope 12", [](MlaAttentionParams& p) { p.qk_rope = 12; }},
+      {"rope 72", [](MlaAttentionParams& p) { p.qk_rope = 72; }},
+      {"nope 0", [](MlaAttentionParams& p) { p.qk_nope = 0; }},
+      {"nope 193", [](MlaAttentionParams& p) { p.qk_nope = 193; }},
+      {"v_head 257", [](MlaAttentionParams& p) { p.v_head = 257; }},
+      {"scale nan", [](MlaAttentionParams& p) { p.softmax_scale = NAN; }},
+      {"pages null", [](MlaAttentionParams& p) { p.pool.pages = nullptr; }},
+      {"pages misaligned", [](MlaAttentionParams& p) { p.pool.pages = fake_device<__nv_bfloat16>(4098); }},
+      {"num_pages 0", [](MlaAttentionParams& p) { p.pool.num_pages = 0; }},
+      {"layer out of range", [](MlaAttentionParams& p) { p.layer = 2; }},
+      {"page_size 24", [](MlaAttentionParams& p) { p.pool.page_size = 24; }},
+      {"page_size 272", [](MlaAttentionParams& p) { p.pool.page_size = 272; }},
+      {"row_stride < width", [](MlaAttentionParams& p) { p.pool.row_stride = 568; }},
+      {"row_stride not multiple of 8", [](MlaAttentionParams& p) { p.pool.row_stride = 580; }},
+      {"width mismatch", [](MlaAttentionParams& p) { p.pool.width = 512; }},
+      {"num_tokens negative", [](MlaAttentionParams& p) { p.num_tokens = -1; }},
+      {"tokens without sequences", [](MlaAttentionParams& p) { p.num_seqs = 0; }},
+      {"max_pages 0", [](MlaAttentionParams& p) { p.max_pages_per_seq = 0; }},
+      {"max_context above table", [](MlaAttentionParams& p) { p.max_context = 257; }},
+      {"max_context 0 with tokens", [](MlaAttentionParams& p) { p.max_context = 0; }},
+      {"q_stride small", [](MlaAttentionParams& p) { p.q_stride = 32 * 192 - 1; }},
+      {"cu_q null", [](MlaAttentionParams& p) { p.cu_q = nullptr; }},
+      {"q null", [](MlaAttentionParams& p) { p.q = nullptr; }},
+      {"out null", [](MlaAttentionParams& p) { p.out = nullptr; }},
+      {"workspace small", [](MlaAttentionParams& p) { p.workspace_bytes -= 1; }},
+      {"workspace misaligned", [](MlaAttentionParams& p) { p.workspace = fake_device<void>(4100); }},
+  };
+  for (const Bad& bad : cases) {
+    MlaAttentionParams p = valid_attention_params();
+    bad.edit(p);
+    const Status decode = mla_decode(p, nullptr);
+    const Status prefill = mla_prefill(p, nullptr);
+    EXPECT_EQ(decode.code(), StatusCode::kInvalidArgument) << bad.what << ": " << decode.to_string();
+    EXPECT_EQ(prefill.code(), StatusCode::kInvalidArgument) << bad.what << ": " << prefill.to_string();
+  }
+  // Decode takes at most one query token per sequence; prefill takes any.
+  MlaAttentionParams p = valid_attention_params();
+  p.num_seqs = 1;
+  EXPECT_EQ(mla_decode(p, nullptr).code(), StatusCode::kInvalidArgument);
+  // No query tokens: nothing to launch, device pointers may be null.
+  p = valid_attention_params();
+  p.num_tokens = 0;
+  p.q = nullptr;
+  p.out = nullptr;
+  p.workspace = nullptr;
+  p.workspace_bytes = 0;
+  EXPECT_TRUE(mla_decode(p, nullptr).is_ok());
+  EXPECT_TRUE(mla_prefill(p, nullptr).is_ok());
+}
+
+TEST(MlaAttentionValidation, WorkspaceCoversEverySmallerBatch) {
+  for (int max_context : {1, 512, 513, 4097, 131072}) {
+    const size_t bytes = mla_attention_workspace_bytes(32, 512, 64, 300, max_context);
+    for (int64_t t = 1; t <= 300; ++t) {
+      const int splits = mla_num_splits(t, max_context);
+      ASSERT_GE(splits, 1);
+      ASSERT_LE(splits, kMlaMaxSplits);
+      const size_t need = static_cast<size_t>(t) * 32 * (576 * 4 + static_cast<size_t>(splits) * (512 * 4 + 8));
+      ASSERT_GE(bytes, need) << "t=" << t << " max_context=" << max_context;
+    }
+  }
+  EXPECT_EQ(mla_num_splits(1, 100), 1);
+  EXPECT_GT(mla_num_splits(1, 100000), 1);
+}
+
+TEST(MlaWriteRowsValidation, RejectsBadHostInputs) {
+  auto valid = [] {
+    MlaWriteParams p;
+    p.pool = MlaPagePool{fake_device<__nv_bfloat16>(), 10, 2, 64, 40, 40};
+    p.layer = 0;
+    p.num_tokens = 3;
+    p.kv = fake_device<float>();
+    p.kv_stride = 40;
+    p.norm_weight = fake_device<float>();
+    p.kv_lora_rank = 32;
+    p.qk_rope = 8;
+    p.slot_mapping = fake_device<int64_t>();
+    return p;
+  };
+  struct Bad {
+    const char* what;
+    void (*edit)(MlaWriteParams&);
+  };
+  const Bad cases[] = {
+      {"pages null", [](MlaWriteParams& p) { p.pool.pages = nullptr; }},
+      {"layer out of range", [](MlaWriteParams& p) { p.layer = 2; }},
+      {"page_size 8", [](MlaWriteParams& p) { p.pool.page_size = 8; }},
+      {"width mismatch", [](MlaWriteParams& p) { p.qk_rope = 16; }},
+      {"kv_stride small", [](MlaWriteParams& p) { p.kv_stride = 39; }},
+      {"eps negative", [](MlaWriteParams& p) { p.eps = -1.0f; }},
+      {"num_tokens negative", [](MlaWriteParams& p) { p.num_tokens = -2; }},
+      {"kv null", [](MlaWriteParams& p) { p.kv = nullptr; }},
+      {"slot_mapping null", [](MlaWriteParams& p) { p.slot_mapping = nullptr; }},
+      {"norm_weight null", [](MlaWriteParams& p) { p.norm_weight = nullptr; }},
+  };
+  for (const Bad& bad : cases) {
+    MlaWriteParams p = valid();
+    bad.edit(p);
+    const Status s = mla_write_rows(p, nullptr);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << bad.what << ": " << s.to_string();
+  }
+  MlaWriteParams p = valid();
+  p.num_tokens = 0;
+  p.kv = nullptr;
+  EXPECT_TRUE(mla_write_rows(p, nullptr).is_ok());
+}
+
+}  // namespace
+}  // namespace deltaserve::kernels::cuda::test
