@@ -94,7 +94,7 @@ size_t moe_ffn_prefill_workspace_bytes(int64_t rows, int64_t intermediate);
 // Prefill path: many rows per expert; tensor cores via cuBLAS (cublasGemmEx per expert, bf16 in, fp32 compute)
 // with the glu in a neighbouring kernel. host_offsets: the host copy of expert_offsets [E + 1] (the caller copied
 // it back; validated: 0 = offsets[0] <= ... <= offsets[E] <= R). handle: caller-owned; this function sets its
-// stream. Experts with no rows are skipped; rows >= offsets[E] are not written.
+// stream and its pointer mode (host). Experts with no rows are skipped; rows >= offsets[E] are not written.
 Status moe_expert_ffn_prefill(const MoeFfnParams& params, const std::vector<int32_t>& host_offsets,
                               cublasHandle_t handle, cudaStream_t stream);
 
