@@ -20,6 +20,7 @@
 
 #include "kernels/cuda/mla.hpp"
 #include "kernels/cuda/mla_attention.cuh"
+#include "kernels/cuda/mma_sm80.cuh"
 
 namespace deltaserve::kernels::cuda {
 namespace {
@@ -34,6 +35,9 @@ constexpr int kAbsorbThreads = 256;
 constexpr int kCombineThreads = 256;
 constexpr int kTargetCtas = 2 * 132;  // about two waves of H200 SMs
 constexpr float kLog2e = 1.4426950408889634f;
+// mla_decode runs the tensor-core attention kernel (bf16 q̃ and P); false falls back to the fp32 CUDA-core kernel
+// that mla_prefill uses (same partials, same combine), e.g. to tell a tensor-core fault from anything else.
+constexpr bool kDecodeOnTensorCores = true;
 
 int head_group_size(int num_heads, int kv_lora_rank) {
   return std::min({num_heads, kMaxHeadGroup, kAttnThreads * kAccPerThread / kv_lora_rank});
@@ -274,6 +278,281 @@ __global__ void __launch_bounds__(kAttnThreads, 1) mla_split_attention_kernel(At
   if (tid < heads) a.partial_ml[part + tid] = make_float2(s_m[tid], s_l[tid]);
 }
 
+// ---- 2b. split attention on tensor cores (decode) --------------------------------------------------------------
+// Same grid, partials and contract as mla_split_attention_kernel, for head groups of up to 32 heads (two m16
+// tiles). q̃ is rounded to bf16 in shared memory; rows arrive by cp.async into two buffers of 64 rows (the next
+// tile loads while this one computes; rows past the slice or on bad page ids are zero-filled, never read).
+//   scores S [heads x 64] = q̃ · rowsᵀ   (mma m16n8k16, fp32 accumulate; warp = (m tile, 16-row pair))
+//   online softmax per head in fp32 (warp per head, S and P through shared memory, P rounded to bf16)
+//   O [heads x kv_lora] = O · rescale + P · rows[:, :kv_lora]   (warp = up to 4 column pairs of 16, registers)
+constexpr int kTcThreads = 256;
+constexpr int kTcWarps = kTcThreads / 32;
+constexpr int kTcRows = 64;     // rows per tile
+constexpr int kTcGroup = 32;    // heads per CTA (2 m tiles)
+constexpr int kTcMaxPairs = 4;  // 16-column pairs of the latent per warp: kv_lora <= 16 * 4 * 8 = 512
+constexpr int kTcPad = 8;       // bf16 elements of padding per smem row (ldmatrix bank spread)
+
+struct TcLayout {
+  int width16, ld_rows, ld_p;
+  size_t q, rows0, rows1, scores, p, stats, total;
+};
+
+__host__ __device__ inline size_t tc_align(size_t x) {
+  return (x + 127) / 128 * 128;
+}
+
+__host__ __device__ inline TcLayout tc_layout(int width) {
+  TcLayout l;
+  l.width16 = (width + 15) / 16 * 16;
+  l.ld_rows = l.width16 + kTcPad;
+  l.ld_p = kTcRows + kTcPad;
+  size_t off = 0;
+  l.q = off;
+  off += tc_align(sizeof(__nv_bfloat16) * kTcGroup * l.ld_rows);
+  l.rows0 = off;
+  off += tc_align(sizeof(__nv_bfloat16) * kTcRows * l.ld_rows);
+  l.rows1 = off;
+  off += tc_align(sizeof(__nv_bfloat16) * kTcRows * l.ld_rows);
+  l.scores = off;
+  off += tc_align(sizeof(float) * kTcGroup * kTcRows);
+  l.p = off;
+  off += tc_align(sizeof(__nv_bfloat16) * kTcGroup * l.ld_p);
+  l.stats = off;
+  off += tc_align(sizeof(float) * 3 * kTcGroup);
+  l.total = off;
+  return l;
+}
+
+// Issues the cp.async copies of rows [tile, tile + count) of the sequence into `dst` (zero-filled past count).
+__device__ __forceinline__ void tc_load_rows(const AttentionArgs& a, const int32_t* table, int64_t tile, int count,
+                                             __nv_bfloat16* dst, int ld, int vecs_per_row) {
+  for (int v = threadIdx.x; v < kTcRows * vecs_per_row; v += kTcThreads) {
+    const int r = v / vecs_per_row, cv = v - r * vecs_per_row;
+    const __nv_bfloat16* src = a.pages;
+    bool valid = false;
+    if (r < count) {
+      const int64_t position = tile + r;
+      const int32_t page = table[position / a.page_size];
+      if (page >= 0 && page < a.num_pages) {
+        src = a.pages +
+              ((static_cast<int64_t>(page) * a.num_layers + a.layer) * a.page_size + position % a.page_size) *
+                  a.row_stride +
+              cv * 8;
+        valid = true;
+      }
+    }
+    detail::cp_async16_zfill(dst + r * ld + cv * 8, src, valid);
+  }
+}
+
+__global__ void __launch_bounds__(kTcThreads, 1) mla_split_attention_tc_kernel(AttentionArgs a) {
+  extern __shared__ __align__(128) unsigned char tc_smem[];
+  const int width = a.kv_lora + a.rope;
+  const TcLayout L = tc_layout(width);
+  __nv_bfloat16* s_q = reinterpret_cast<__nv_bfloat16*>(tc_smem + L.q);          // [32][ld_rows]
+  __nv_bfloat16* s_rows0 = reinterpret_cast<__nv_bfloat16*>(tc_smem + L.rows0);  // [64][ld_rows], even tiles
+  __nv_bfloat16* s_rows1 = reinterpret_cast<__nv_bfloat16*>(tc_smem + L.rows1);  // odd tiles
+  float* s_s = reinterpret_cast<float*>(tc_smem + L.scores);                     // [32][64]
+  __nv_bfloat16* s_p = reinterpret_cast<__nv_bfloat16*>(tc_smem + L.p);          // [32][ld_p]
+  float* s_scale = reinterpret_cast<float*>(tc_smem + L.stats);                  // [32]
+  float* s_m = s_scale + kTcGroup;
+  float* s_l = s_m + kTcGroup;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, tq = lane & 3;
+  const int64_t t = blockIdx.x;
+  const int split = blockIdx.y;
+  const int h0 = blockIdx.z * kTcGroup;
+  const int heads = min(kTcGroup, a.num_heads - h0);
+  const int m_tiles = (heads + 15) / 16;
+
+  int lo = 0, hi = a.num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (a.cu_q[mid] <= t) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  const int n = lo;
+  const int64_t q_begin = a.cu_q[n];
+  const int64_t q_len = static_cast<int64_t>(a.cu_q[n + 1]) - q_begin;
+  const int64_t context = a.context_lens[n];
+  int64_t visible = context - q_len + (t - q_begin) + 1;
+  visible = i64_max(0, i64_min(visible, static_cast<int64_t>(a.max_pages_per_seq) * a.page_size));
+  const int64_t per_split = (visible + a.splits - 1) / a.splits;
+  const int64_t row_begin = i64_min(visible, per_split * split);
+  const int64_t row_end = i64_min(visible, row_begin + per_split);
+  const int32_t* table = a.block_tables + static_cast<int64_t>(n) * a.max_pages_per_seq;
+  const int vecs_per_row = width / 8;
+  const int num_tiles = static_cast<int>((row_end - row_begin + kTcRows - 1) / kTcRows);
+
+  if (num_tiles > 0) {
+    tc_load_rows(a, table, row_begin, static_cast<int>(i64_min(kTcRows, row_end - row_begin)), s_rows0, L.ld_rows,
+                 vecs_per_row);
+  }
+  detail::cp_async_commit();
+
+  // q̃ (bf16, zero for padding heads and columns), zero column padding of both row buffers, zero P, stats.
+  const float* q_src = a.q_tilde + (t * a.num_heads + h0) * width;
+  for (int i = tid; i < kTcGroup * L.width16; i += kTcThreads) {
+    const int h = i / L.width16, c = i - h * L.width16;
+    const float x = (h < heads && c < width) ? q_src[h * width + c] : 0.0f;
+    s_q[h * L.ld_rows + c] = __float2bfloat16(x);
+  }
+  const int pad_cols = L.width16 - width;
+  for (int i = tid; i < 2 * kTcRows * pad_cols; i += kTcThreads) {
+    const int b = i / (kTcRows * pad_cols), rem = i - b * kTcRows * pad_cols;
+    const int r = rem / pad_cols, c = width + rem % pad_cols;
+    (b == 0 ? s_rows0 : s_rows1)[r * L.ld_rows + c] = __float2bfloat16(0.0f);
+  }
+  for (int i = tid; i < kTcGroup * L.ld_p; i += kTcThreads) s_p[i] = __float2bfloat16(0.0f);
+  if (tid < kTcGroup) {
+    s_m[tid] = -INFINITY;
+    s_l[tid] = 0.0f;
+    s_scale[tid] = 1.0f;
+  }
+
+  const int pairs = (a.kv_lora + 15) / 16;  // 16-column pairs of the latent
+  float acc[kTcMaxPairs][2][2][4];          // [pair slot][m tile][n tile of the pair][fragment]
+#pragma unroll
+  for (int j = 0; j < kTcMaxPairs; ++j)
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][mt][nt][e] = 0.0f;
+
+  for (int it = 0; it < num_tiles; ++it) {
+    const int64_t tile = row_begin + static_cast<int64_t>(it) * kTcRows;
+    const int rows = static_cast<int>(i64_min(kTcRows, row_end - tile));
+    if (it + 1 < num_tiles) {
+      const int64_t next = tile + kTcRows;
+      tc_load_rows(a, table, next, static_cast<int>(i64_min(kTcRows, row_end - next)), (it & 1) ? s_rows0 : s_rows1,
+                   L.ld_rows, vecs_per_row);
+      detail::cp_async_commit();
+      detail::cp_async_wait<1>();
+    } else {
+      detail::cp_async_wait<0>();
+    }
+    __syncthreads();
+    const __nv_bfloat16* rows_buf = (it & 1) ? s_rows1 : s_rows0;
+
+    // Scores: warp -> (m tile warp / 4, rows 16 * (warp % 4) .. + 16).
+    if (warp < 4 * m_tiles) {
+      const int mt = warp >> 2, n0 = (warp & 3) * 16;
+      float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int k0 = 0; k0 < L.width16; k0 += 16) {
+        uint32_t af[4], bf[4];
+        detail::load_a(af, s_q, L.ld_rows, mt * 16, k0);
+        detail::load_b_nk(bf, rows_buf, L.ld_rows, n0, k0);
+        detail::mma_bf16_16816(c0, af, bf[0], bf[1]);
+        detail::mma_bf16_16816(c1, af, bf[2], bf[3]);
+      }
+      const int m = mt * 16 + g;
+      s_s[m * kTcRows + n0 + 2 * tq] = c0[0];
+      s_s[m * kTcRows + n0 + 2 * tq + 1] = c0[1];
+      s_s[(m + 8) * kTcRows + n0 + 2 * tq] = c0[2];
+      s_s[(m + 8) * kTcRows + n0 + 2 * tq + 1] = c0[3];
+      s_s[m * kTcRows + n0 + 8 + 2 * tq] = c1[0];
+      s_s[m * kTcRows + n0 + 8 + 2 * tq + 1] = c1[1];
+      s_s[(m + 8) * kTcRows + n0 + 8 + 2 * tq] = c1[2];
+      s_s[(m + 8) * kTcRows + n0 + 8 + 2 * tq + 1] = c1[3];
+    }
+    __syncthreads();
+    // Online softmax: warp per head, lane -> rows lane and lane + 32.
+    for (int h = warp; h < heads; h += kTcWarps) {
+      const float s0 = lane < rows ? s_s[h * kTcRows + lane] : -INFINITY;
+      const float s1 = lane + 32 < rows ? s_s[h * kTcRows + lane + 32] : -INFINITY;
+      const float m_old = s_m[h];
+      const float m_new = fmaxf(m_old, warp_max(fmaxf(s0, s1)));  // finite: rows >= 1
+      const float p0 = lane < rows ? exp2f(s0 - m_new) : 0.0f;
+      const float p1 = lane + 32 < rows ? exp2f(s1 - m_new) : 0.0f;
+      const __nv_bfloat16 b0 = __float2bfloat16(p0), b1 = __float2bfloat16(p1);
+      // The denominator sums the bf16 values the P·V product uses, so the weights stay normalised.
+      const float sum = warp_sum(__bfloat162float(b0) + __bfloat162float(b1));
+      s_p[h * L.ld_p + lane] = b0;
+      s_p[h * L.ld_p + lane + 32] = b1;
+      if (lane == 0) {
+        const float rescale = exp2f(m_old - m_new);
+        s_scale[h] = rescale;
+        s_m[h] = m_new;
+        s_l[h] = s_l[h] * rescale + sum;
+      }
+    }
+    __syncthreads();
+    // O = O * rescale + P · rows.
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      if (mt < m_tiles) {
+        const float r_lo = s_scale[mt * 16 + g], r_hi = s_scale[mt * 16 + g + 8];
+#pragma unroll
+        for (int j = 0; j < kTcMaxPairs; ++j) {
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) {
+            acc[j][mt][nt][0] *= r_lo;
+            acc[j][mt][nt][1] *= r_lo;
+            acc[j][mt][nt][2] *= r_hi;
+            acc[j][mt][nt][3] *= r_hi;
+          }
+        }
+      }
+    }
+    for (int k0 = 0; k0 < kTcRows; k0 += 16) {
+      uint32_t af[2][4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        if (mt < m_tiles) detail::load_a(af[mt], s_p, L.ld_p, mt * 16, k0);
+      }
+#pragma unroll
+      for (int j = 0; j < kTcMaxPairs; ++j) {
+        const int pair = warp + j * kTcWarps;
+        if (pair < pairs) {
+          uint32_t bf[4];
+          detail::load_b_kn(bf, rows_buf, L.ld_rows, pair * 16, k0);
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt) {
+            if (mt < m_tiles) {
+              detail::mma_bf16_16816(acc[j][mt][0], af[mt], bf[0], bf[1]);
+              detail::mma_bf16_16816(acc[j][mt][1], af[mt], bf[2], bf[3]);
+            }
+          }
+        }
+      }
+    }
+    __syncthreads();  // rows_buf, s_s and s_p are free for the next tile
+  }
+  __syncthreads();
+  const int64_t part = (t * a.splits + split) * a.num_heads + h0;
+  float* out_o = a.partial_o + part * a.kv_lora;
+#pragma unroll
+  for (int j = 0; j < kTcMaxPairs; ++j) {
+    const int pair = warp + j * kTcWarps;
+    if (pair >= pairs) continue;
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const int col = pair * 16 + nt * 8 + 2 * tq;
+        const int h_lo = mt * 16 + g, h_hi = h_lo + 8;
+        if (col < a.kv_lora) {  // kv_lora is a multiple of 8, so col + 1 < kv_lora too
+          if (h_lo < heads) {
+            out_o[h_lo * a.kv_lora + col] = acc[j][mt][nt][0];
+            out_o[h_lo * a.kv_lora + col + 1] = acc[j][mt][nt][1];
+          }
+          if (h_hi < heads) {
+            out_o[h_hi * a.kv_lora + col] = acc[j][mt][nt][2];
+            out_o[h_hi * a.kv_lora + col + 1] = acc[j][mt][nt][3];
+          }
+        }
+      }
+    }
+  }
+  if (tid < heads) a.partial_ml[part + tid] = make_float2(s_m[tid], s_l[tid]);
+}
+
 // ---- 3. combine + W_UV ----------------------------------------------------------------------------------------
 // grid (T, H), block kCombineThreads.
 __global__ void __launch_bounds__(kCombineThreads)
@@ -448,11 +727,13 @@ Status mla_attention_launch(const MlaAttentionParams& p, bool decode, const char
                                                                 p.kv_lora_rank, p.qk_nope, p.qk_rope, p.v_head, scale,
                                                                 q_tilde);
 
-  const int group = head_group_size(p.num_heads, p.kv_lora_rank);
+  const bool tensor_cores = decode && kDecodeOnTensorCores;
+  const int group = tensor_cores ? std::min(p.num_heads, kTcGroup) : head_group_size(p.num_heads, p.kv_lora_rank);
   const int width = p.kv_lora_rank + p.qk_rope;
-  const size_t smem = attention_smem_bytes(group, width);
-  if (cudaError_t e = cudaFuncSetAttribute(mla_split_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(smem));
+  const size_t smem = tensor_cores ? tc_layout(width).total : attention_smem_bytes(group, width);
+  const void* kernel = tensor_cores ? reinterpret_cast<const void*>(mla_split_attention_tc_kernel)
+                                    : reinterpret_cast<const void*>(mla_split_attention_kernel);
+  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
       e != cudaSuccess) {
     return Status(StatusCode::kInternal, w + ": cudaFuncSetAttribute: " + cudaGetErrorString(e));
   }
@@ -478,7 +759,11 @@ Status mla_attention_launch(const MlaAttentionParams& p, bool decode, const char
   args.partial_ml = partial_ml;
   const dim3 attention_grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(splits),
                             static_cast<unsigned>((p.num_heads + group - 1) / group));
-  mla_split_attention_kernel<<<attention_grid, kAttnThreads, smem, stream>>>(args);
+  if (tensor_cores) {
+    mla_split_attention_tc_kernel<<<attention_grid, kTcThreads, smem, stream>>>(args);
+  } else {
+    mla_split_attention_kernel<<<attention_grid, kAttnThreads, smem, stream>>>(args);
+  }
 
   const dim3 combine_grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(p.num_heads));
   mla_combine_kernel<<<combine_grid, kCombineThreads, 0, stream>>>(partial_o, partial_ml, p.kv_b, p.num_heads,

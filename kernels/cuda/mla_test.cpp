@@ -1,11 +1,14 @@
 // GPU paged MLA (mla_write_rows, mla_decode, mla_prefill) vs the CPU references, ctest label gpu.
-// Inputs given to the CPU are the bf16 values the GPU reads (q, cache rows and kv_b rounded to bf16), so only
-// fp32 accumulation order (and exp2 vs exp) differs. Tolerance on attention outputs (O(0.1..1)):
-// |gpu - cpu| <= 5e-3 + 5e-3 |cpu| per element (cpu::mla_attention_naive); every failure log prints the max error,
-// its index (sequence, token, head, column) and expected vs actual. Cache writes: within one bf16 rounding step
-// of cpu::rms_norm (the fp32 value may round the other way), the k_rot part exact. Every page slot, page table
-// entry and output padding that must not be read or written is NaN-poisoned (or a garbage page id).
-#include "kernels/cpu/mla.hpp"
+// Inputs given to the CPU are the bf16 values the GPU reads (q, cache rows and kv_b rounded to bf16), so only the
+// GPU's own roundings and the accumulation order differ. Tolerances per output element (outputs are O(0.1..1)),
+// against cpu::mla_attention_naive:
+//   mla_prefill (fp32 CUDA-core attention):                 |gpu - cpu| <= 5e-3 + 5e-3 |cpu|
+//   mla_decode (tensor cores: q̃ and P rounded to bf16):      |gpu - cpu| <= 2e-2 + 1e-2 |cpu|
+// Every failure log prints the max error, its index (sequence, token, head, column) and expected vs actual.
+// Cache writes: within one bf16 rounding step of cpu::rms_norm (the fp32 value may round the other way), the k_rot
+// part exact. Every page slot, page table entry and output padding that must not be read or written is
+// NaN-poisoned (or holds a garbage page id).
+#include "kernels/cuda/mla.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -17,7 +20,6 @@
 
 #include "kernels/cpu/basic_ops.hpp"
 #include "kernels/cuda/kda_test_util.hpp"
-#include "kernels/cuda/mla.hpp"
 
 namespace deltaserve::kernels::cuda::test {
 namespace {
@@ -29,7 +31,6 @@ constexpr MlaShape kTiny{2, 32, 16, 8, 16};
 constexpr MlaShape kKimi48B{32, 512, 128, 64, 128};
 constexpr MlaShape kK3{96, 512, 128, 64, 128};  // 3 head groups of 32
 constexpr MlaShape kOdd{40, 96, 24, 0, 40};     // head groups 32 + 8, no rope part
-constexpr float kAtol = 5e-3f, kRtol = 5e-3f;
 
 std::string shape_name(const MlaShape& s) {
   std::ostringstream os;
@@ -142,9 +143,8 @@ void check_attention(const MlaShape& shape, const Batch& batch, bool decode, uin
   table_d.upload(table);
   out_d.upload(std::vector<float>(out_size + out_pad, NAN));
   const size_t ws_bytes = mla_attention_workspace_bytes(H, kv, rope, T, max_context);
-  ASSERT_GT(ws_bytes, 0u);
   DeviceBuffer<char> ws_d(ws_bytes);
-  ASSERT_NE(ws_d.get(), nullptr);
+  if (T > 0) ASSERT_NE(ws_d.get(), nullptr) << "workspace of " << ws_bytes << " bytes";
 
   MlaAttentionParams p;
   p.num_heads = H;
@@ -177,6 +177,7 @@ void check_attention(const MlaShape& shape, const Batch& batch, bool decode, uin
               mla_num_splits(T, max_context), ws_bytes);
 
   // Compare.
+  const float atol = decode ? 2e-2f : 5e-3f, rtol = decode ? 1e-2f : 5e-3f;
   double max_err = 0.0;
   size_t max_at = 0, failures = 0;
   std::vector<int> seq_of(static_cast<size_t>(T));
@@ -198,7 +199,7 @@ void check_attention(const MlaShape& shape, const Batch& batch, bool decode, uin
       max_err = err;
       max_at = i;
     }
-    if (err > kAtol + kRtol * std::fabs(expected[i])) {
+    if (err > atol + rtol * std::fabs(expected[i])) {
       if (failures < 5) {
         ADD_FAILURE() << "mismatch at " << where(i) << ": expected " << expected[i] << " got " << out[i] << " (abs err "
                       << err << ")";
