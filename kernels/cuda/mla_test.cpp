@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "kernels/cpu/basic_ops.hpp"
+#include "kernels/cpu/mla.hpp"
 #include "kernels/cuda/kda_test_util.hpp"
 
 namespace deltaserve::kernels::cuda::test {
@@ -144,7 +145,9 @@ void check_attention(const MlaShape& shape, const Batch& batch, bool decode, uin
   out_d.upload(std::vector<float>(out_size + out_pad, NAN));
   const size_t ws_bytes = mla_attention_workspace_bytes(H, kv, rope, T, max_context);
   DeviceBuffer<char> ws_d(ws_bytes);
-  if (T > 0) ASSERT_NE(ws_d.get(), nullptr) << "workspace of " << ws_bytes << " bytes";
+  if (T > 0) {
+    ASSERT_NE(ws_d.get(), nullptr) << "workspace of " << ws_bytes << " bytes";
+  }
 
   MlaAttentionParams p;
   p.num_heads = H;
