@@ -286,10 +286,15 @@ Status moe_expert_ffn_decode(const MoeFfnParams& params, cudaStream_t stream) {
                params.situ_beta,    params.situ_linear_beta};
   const unsigned slots = static_cast<unsigned>(R < w.num_experts ? R : w.num_experts);
   const size_t smem1 = static_cast<size_t>(kRowTile * W * 2), smem2 = static_cast<size_t>(kRowTile * I * 2);
-  // Not a stream operation (allowed while capturing); per device, so set on every call.
-  cudaError_t error =
-      cudaFuncSetAttribute(moe_gate_up_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem1));
-  if (error == cudaSuccess) {
+  // Only widths above 6144 need more than the default 48 KiB; the attribute call is then made on every launch
+  // (it is per device). The served shapes never need it, so their launches stay plain graph-capturable kernels.
+  constexpr size_t kDefaultSmem = 48 * 1024;
+  cudaError_t error = cudaSuccess;
+  if (smem1 > kDefaultSmem) {
+    error =
+        cudaFuncSetAttribute(moe_gate_up_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem1));
+  }
+  if (error == cudaSuccess && smem2 > kDefaultSmem) {
     error = cudaFuncSetAttribute(moe_down_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem2));
   }
   if (error != cudaSuccess) {
