@@ -3,6 +3,8 @@
 // exp is the fast intrinsic); bf16 outputs are compared with the bf16-rounded reference, |err| <= 1e-6 + 8e-3 |ref|
 // (one bf16 ulp is 2^-8 relative: a rounding boundary between the two fp32 values can flip one ulp).
 // Outputs carry NaN-poisoned padding (row strides, tails) that must stay NaN.
+#include "kernels/cuda/ops.hpp"
+
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -11,7 +13,6 @@
 
 #include "kernels/cpu/attn_res.hpp"
 #include "kernels/cpu/basic_ops.hpp"
-#include "kernels/cuda/ops.hpp"
 #include "kernels/cuda/ops_test_util.hpp"
 
 namespace deltaserve::kernels::cuda::test {
@@ -127,8 +128,8 @@ TEST(OpsGpu, AddToBf16SigmoidAndGate) {
 }
 
 void run_glu(GluKind kind, int64_t rows, int64_t width, uint32_t seed) {
-  SCOPED_TRACE(std::string(kind == GluKind::kSwiGlu ? "swiglu" : "situ") + " rows " + std::to_string(rows) +
-               " width " + std::to_string(width));
+  SCOPED_TRACE(std::string(kind == GluKind::kSwiGlu ? "swiglu" : "situ") + " rows " + std::to_string(rows) + " width " +
+               std::to_string(width));
   std::mt19937 rng(seed);
   const float beta = 3.0f, beta_linear = 5.0f;
   std::vector<float> gate_up = normal_vector(rng, rows * 2 * width, 0.0f, 4.0f);
@@ -236,8 +237,8 @@ TEST(OpsGpu, EmbeddingGatherOutOfRangeIsNan) {
       EXPECT_TRUE(all_nan(&out[t * hidden], hidden, "row of out-of-range id " + std::to_string(id)));
       continue;
     }
-    const std::vector<float> row = to_float(std::vector<__nv_bfloat16>(&table[id * hidden], &table[(id + 1) * hidden]),
-                                            hidden);
+    const std::vector<float> row =
+        to_float(std::vector<__nv_bfloat16>(&table[id * hidden], &table[(id + 1) * hidden]), hidden);
     EXPECT_TRUE(bit_equal(&out[t * hidden], row.data(), hidden, "row " + std::to_string(t)));
   }
   for (int i = 0; i < 8; ++i) EXPECT_EQ(out[T * hidden + i], 12345.0f) << "past the output, index " << i;
@@ -269,8 +270,7 @@ TEST(OpsGpu, GatherScatterSlots) {
     EXPECT_TRUE(bit_equal(&gathered[i * row_floats], expected.data(), row_floats, "gathered row " + std::to_string(i)));
   }
   dense_d.upload(dense_in);
-  ASSERT_TRUE(
-      cuda::scatter_slots(dense_d.get(), row_bytes, slots_d.get(), n, scattered_d.get(), stream.get()).is_ok());
+  ASSERT_TRUE(cuda::scatter_slots(dense_d.get(), row_bytes, slots_d.get(), n, scattered_d.get(), stream.get()).is_ok());
   stream.sync();
   std::vector<float> expected = pool;
   for (int64_t i = 0; i < n; ++i) {

@@ -51,8 +51,8 @@ inline ::testing::AssertionResult all_close(const float* actual, const float* ex
   out.precision(9);
   out << what << ": " << bad << " of " << n << " elements outside atol " << atol << " + rtol " << rtol
       << "; worst at index " << worst << ": expected " << expected[worst] << ", actual " << actual[worst]
-      << "; max abs err " << max_abs << ", max rel err " << max_rel
-      << ", rel L2 err " << (norm2 > 0.0 ? std::sqrt(diff2 / norm2) : std::sqrt(diff2));
+      << "; max abs err " << max_abs << ", max rel err " << max_rel << ", rel L2 err "
+      << (norm2 > 0.0 ? std::sqrt(diff2 / norm2) : std::sqrt(diff2));
   return ::testing::AssertionFailure() << out.str();
 }
 
@@ -71,8 +71,8 @@ inline ::testing::AssertionResult bit_equal(const float* actual, const float* ex
     if (std::memcmp(actual + i, expected + i, sizeof(float)) != 0) {
       std::ostringstream out;
       out.precision(9);
-      out << what << ": first difference at index " << i << " of " << n << ": expected " << expected[i]
-          << ", actual " << actual[i];
+      out << what << ": first difference at index " << i << " of " << n << ": expected " << expected[i] << ", actual "
+          << actual[i];
       return ::testing::AssertionFailure() << out.str();
     }
   }
