@@ -83,6 +83,9 @@ struct MlaAttentionParams {
   float* out = nullptr;                 // [T, H, v_head] fp32
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
+  // false (default): scores and P·V on tensor cores (q̃ and the softmax weights rounded to bf16, fp32 accumulate);
+  // true: the fp32 CUDA-core kernel (exact up to fp32 rounding, several times slower; a reference and debug path).
+  bool fp32_attention = false;
 };
 // Workspace for a batch of up to max_tokens query tokens with contexts up to max_context (device, 256-byte
 // aligned sections: absorbed queries fp32 [T, H, kv_lora + rope], per-split latent partials fp32

@@ -3,17 +3,22 @@
 // Three kernels on the stream:
 //   1. absorb:    q̃[t, h] = [W_UK_hᵀ q_nope (kv_lora) ‖ q_rot (rope)] · scale · log2(e)   (fp32, workspace)
 //   2. attention: one CTA per (query token, context split, group of up to 32 heads). It walks its slice of the
-//                 token's visible rows in tiles of 32 rows: each tile is read from the pages once (16-byte loads,
-//                 bf16 -> fp32 in shared memory) and used by every head of the group, so a decode step reads
-//                 each cache row from HBM once per head group (once for H <= 32 at kv_lora 512). Scores,
-//                 online softmax (base 2, max-subtracted) and the unnormalised latent sum Σ p_j c_j are fp32 on
-//                 CUDA cores; the slice's (max, sum, latent sum) go to the workspace.
+//                 token's visible rows in tiles; each tile is read from the pages once and used by every head of
+//                 the group, so a decode step reads each cache row from HBM once per head group (once for
+//                 H <= 32). Online softmax in base 2 with max subtraction, fp32; the slice's (max, sum,
+//                 unnormalised latent sum Σ p_j c_j) go to the workspace. Two kernels:
+//                   tensor cores (default): mma.sync bf16 for scores and P·rows, q̃ and P rounded to bf16, rows
+//                     double-buffered by cp.async in tiles of 64;
+//                   fp32 CUDA cores (MlaAttentionParams::fp32_attention): everything fp32, tiles of 32 rows; the
+//                     exact reference path the tests hold the tensor-core kernel against, several times slower.
 //   3. combine:   per (token, head) the splits are merged exactly (log-sum-exp weights), normalised, and
 //                 out = W_UV_h o_lat (fp32).
 // The split count is fixed on the host from (num_tokens, max_context); each CTA reads the real context length
 // on the device and may find its slice empty, so a graph captured with a bound stays valid as lengths grow.
-// The attention kernel is CUDA-core fp32 (not mma.sync): correct for every supported shape, but compute bound
-// rather than memory bound at H = 32..64 (about 4 H (kv_lora + rope) FLOPs per row and head group).
+// Prefill runs the same kernels with one CTA per query token: every token re-reads its visible rows (from L2 when
+// a chunk's tokens run together) and spends 2 H (kv_lora + rope + kv_lora) FLOPs per visible row (absorbed form,
+// about 3.4x the naive form's 2 H (qk_nope + qk_rope + v_head)); a naive-form prefill over query tiles is future
+// work.
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -35,9 +40,6 @@ constexpr int kAbsorbThreads = 256;
 constexpr int kCombineThreads = 256;
 constexpr int kTargetCtas = 2 * 132;  // about two waves of H200 SMs
 constexpr float kLog2e = 1.4426950408889634f;
-// mla_decode runs the tensor-core attention kernel (bf16 q̃ and P); false falls back to the fp32 CUDA-core kernel
-// that mla_prefill uses (same partials, same combine), e.g. to tell a tensor-core fault from anything else.
-constexpr bool kDecodeOnTensorCores = true;
 
 int head_group_size(int num_heads, int kv_lora_rank) {
   return std::min({num_heads, kMaxHeadGroup, kAttnThreads * kAccPerThread / kv_lora_rank});
@@ -278,7 +280,7 @@ __global__ void __launch_bounds__(kAttnThreads, 1) mla_split_attention_kernel(At
   if (tid < heads) a.partial_ml[part + tid] = make_float2(s_m[tid], s_l[tid]);
 }
 
-// ---- 2b. split attention on tensor cores (decode) --------------------------------------------------------------
+// ---- 2b. split attention on tensor cores -------------------------------------------------------------------
 // Same grid, partials and contract as mla_split_attention_kernel, for head groups of up to 32 heads (two m16
 // tiles). q̃ is rounded to bf16 in shared memory; rows arrive by cp.async into two buffers of 64 rows (the next
 // tile loads while this one computes; rows past the slice or on bad page ids are zero-filled, never read).
@@ -727,7 +729,7 @@ Status mla_attention_launch(const MlaAttentionParams& p, bool decode, const char
                                                                 p.kv_lora_rank, p.qk_nope, p.qk_rope, p.v_head, scale,
                                                                 q_tilde);
 
-  const bool tensor_cores = decode && kDecodeOnTensorCores;
+  const bool tensor_cores = !p.fp32_attention;
   const int group = tensor_cores ? std::min(p.num_heads, kTcGroup) : head_group_size(p.num_heads, p.kv_lora_rank);
   const int width = p.kv_lora_rank + p.qk_rope;
   const size_t smem = tensor_cores ? tc_layout(width).total : attention_smem_bytes(group, width);
