@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <numeric>
 #include <sstream>
 #include <string>
@@ -88,7 +89,8 @@ struct Batch {
   std::vector<int> q_lens;
   std::vector<int> contexts;
   int page_size = 64;
-  int max_context = 0;  // 0: the largest context (at least 1)
+  int max_context = 0;        // 0: the largest context (at least 1)
+  bool write_kernel = false;  // rows produced by mla_write_rows from fp32 kv (read back for the CPU side)
 };
 
 std::string batch_name(const Batch& b) {
@@ -143,6 +145,52 @@ void check_attention(const MlaShape& shape, const Batch& batch, uint32_t seed) {
       const int64_t page = table[static_cast<size_t>(n) * max_pages + j / ps];
       const size_t base = static_cast<size_t>(((page * num_layers + layer) * ps + j % ps) * row_stride);
       for (int c = 0; c < width; ++c) pool[base + c] = __float2bfloat16(caches[n][static_cast<size_t>(j) * width + c]);
+    }
+  }
+  if (batch.write_kernel) {
+    // The same positions written by mla_write_rows from fp32 kv rows (latent RMS-normed), in one call for all
+    // sequences; the CPU reference then reads the rows back from the pool.
+    std::vector<float> kv_rows;
+    std::vector<int64_t> slots;
+    for (int n = 0; n < N; ++n) {
+      for (int j = 0; j < batch.contexts[n]; ++j) {
+        const int64_t page = table[static_cast<size_t>(n) * max_pages + j / ps];
+        slots.push_back(page * ps + j % ps);
+        for (int c = 0; c < width + 3; ++c) kv_rows.push_back(c < width ? 3.0f * caches[n][j * width + c] : NAN);
+      }
+    }
+    const std::vector<float> weight = normal_vector(rng, kv, 1.0f, 0.2f);
+    std::vector<__nv_bfloat16> poisoned(pool_size, bf16_nan());
+    DeviceBuffer<__nv_bfloat16> pool_w(pool_size);
+    DeviceBuffer<float> kv_w(std::max<size_t>(kv_rows.size(), 1)), weight_w(weight.size());
+    DeviceBuffer<int64_t> slots_w(std::max<size_t>(slots.size(), 1));
+    pool_w.upload(poisoned);
+    kv_w.upload(kv_rows);
+    weight_w.upload(weight);
+    slots_w.upload(slots);
+    MlaWriteParams w;
+    w.pool = MlaPagePool{pool_w.get(), total_pages, num_layers, ps, row_stride, width};
+    w.layer = layer;
+    w.num_tokens = static_cast<int64_t>(slots.size());
+    w.kv = kv_w.get();
+    w.kv_stride = width + 3;
+    w.norm_weight = weight_w.get();
+    w.kv_lora_rank = kv;
+    w.qk_rope = rope;
+    w.slot_mapping = slots_w.get();
+    const Status written = mla_write_rows(w, nullptr);
+    ASSERT_TRUE(written.is_ok()) << written.to_string();
+    DS_CUDA_OK(cudaDeviceSynchronize());
+    pool = pool_w.download();
+    for (int n = 0; n < N; ++n) {
+      for (int j = 0; j < batch.contexts[n]; ++j) {
+        const int64_t page = table[static_cast<size_t>(n) * max_pages + j / ps];
+        const size_t base = static_cast<size_t>(((page * num_layers + layer) * ps + j % ps) * row_stride);
+        for (int c = 0; c < width; ++c) {
+          caches[n][static_cast<size_t>(j) * width + c] = __bfloat162float(pool[base + c]);
+          ASSERT_TRUE(std::isfinite(caches[n][static_cast<size_t>(j) * width + c])) << "row not written";
+        }
+      }
     }
   }
   // q with a NaN-padded row stride; kv_b.
@@ -207,6 +255,7 @@ void check_attention(const MlaShape& shape, const Batch& batch, uint32_t seed) {
   p.workspace = ws_d.get();
   p.workspace_bytes = ws_bytes;
   const bool decode_shaped = std::all_of(batch.q_lens.begin(), batch.q_lens.end(), [](int l) { return l <= 1; });
+  std::vector<float> decode_out;  // mla_decode on tensor cores, launched directly
   for (int mode = 0; mode < 4; ++mode) {
     const bool decode = mode < 2, fp32 = (mode % 2) == 1;
     if (decode && !decode_shaped) continue;
@@ -219,6 +268,7 @@ void check_attention(const MlaShape& shape, const Batch& batch, uint32_t seed) {
     DS_CUDA_OK(cudaDeviceSynchronize());
     DS_CUDA_OK(cudaGetLastError());
     const std::vector<float> out = out_d.download();
+    if (mode == 0) decode_out = out;
     compare_outputs(name, out, expected, out_size, fp32, [&](size_t i) {
       const int64_t t = static_cast<int64_t>(i / (static_cast<size_t>(H) * v_head));
       const int h = static_cast<int>(i / v_head % H), c = static_cast<int>(i % v_head);
@@ -233,6 +283,32 @@ void check_attention(const MlaShape& shape, const Batch& batch, uint32_t seed) {
                 mla_num_splits(T, max_context), ws_bytes);
     for (size_t i = out_size; i < out_size + out_pad; ++i) {
       ASSERT_TRUE(std::isnan(out[i])) << "output padding written at " << i - out_size << " past the end";
+    }
+  }
+  // mla_decode captured in a CUDA graph (global capture mode) and replayed: bit-identical to the direct launch.
+  if (decode_shaped && T > 0) {
+    SCOPED_TRACE("mla_decode captured in a CUDA graph");
+    cudaStream_t stream = nullptr;
+    DS_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    out_d.upload(std::vector<float>(out_size + out_pad, NAN));
+    p.fp32_attention = false;
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    DS_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    const Status status = mla_decode(p, stream);
+    DS_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    ASSERT_TRUE(status.is_ok()) << status.to_string();
+    DS_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    DS_CUDA_OK(cudaGraphLaunch(exec, stream));
+    DS_CUDA_OK(cudaGraphLaunch(exec, stream));
+    DS_CUDA_OK(cudaStreamSynchronize(stream));
+    const std::vector<float> out = out_d.download();
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+    for (size_t i = 0; i < out_size; ++i) {
+      ASSERT_EQ(std::memcmp(&out[i], &decode_out[i], sizeof(float)), 0)
+          << "graph replay differs at " << i << ": " << out[i] << " vs " << decode_out[i];
     }
   }
 }
@@ -315,6 +391,13 @@ TEST(MlaPrefill, SplitsOnFewTokensWithLongHistory) {
   ASSERT_GT(mla_num_splits(5, 4500), 1);
   check_attention(kKimi48B, batch, 50);
   check_attention(kTiny, Batch{{4}, {9}, 64, 50000}, 51);
+}
+
+TEST(MlaPrefill, ReadsRowsWrittenByWriteRows) {
+  Batch batch{{7, 21, 1}, {40, 21, 17}, 16};
+  batch.write_kernel = true;
+  check_attention(kTiny, batch, 61);
+  check_attention(kKimi48B, batch, 62);
 }
 
 TEST(MlaPrefill, NoTokensIsANoOp) {
