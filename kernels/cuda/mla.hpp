@@ -89,7 +89,9 @@ struct MlaAttentionParams {
 };
 // Workspace for a batch of up to max_tokens query tokens with contexts up to max_context (device, 256-byte
 // aligned sections: absorbed queries fp32 [T, H, kv_lora + rope], per-split latent partials fp32
-// [T, splits, H, kv_lora] and their (max, sum) pairs). 0 for non-positive dims.
+// [T, splits, H, kv_lora] and their (max, sum) pairs): about 4 T H (kv_lora + rope + splits (kv_lora + 2)) bytes,
+// e.g. 140 KB per token at Kimi-48B dims with one split (long prefill chunks), so chunk prefill accordingly.
+// 0 for non-positive dims.
 size_t mla_attention_workspace_bytes(int num_heads, int kv_lora_rank, int qk_rope, int64_t max_tokens, int max_context);
 // Both launchers are asynchronous on `stream` and need, beyond the shapes above: kv_lora_rank and qk_rope multiples
 // of 8 (16-byte row loads), pool.width == kv_lora_rank + qk_rope, workspace_bytes >=

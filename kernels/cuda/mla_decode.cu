@@ -109,6 +109,7 @@ __global__ void __launch_bounds__(kAbsorbThreads)
     float acc[kAbsorbTokens];
 #pragma unroll
     for (int tt = 0; tt < kAbsorbTokens; ++tt) acc[tt] = 0.0f;
+#pragma unroll 8
     for (int d = 0; d < nope; ++d) {
       const float w = __bfloat162float(w_uk[static_cast<int64_t>(d) * kv_lora + c]);
 #pragma unroll
@@ -607,6 +608,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   for (int v = warp; v < v_head; v += kCombineThreads / 32) {
     const __nv_bfloat16* w_row = w_uv + static_cast<int64_t>(v) * kv_lora;
     float acc = 0.0f;
+#pragma unroll 4
     for (int c = lane; c < kv_lora; c += 32) acc = fmaf(__bfloat162float(w_row[c]), s_latent[c], acc);
     acc = warp_sum(acc);
     if (lane == 0) out[(t * num_heads + h) * v_head + v] = acc;
