@@ -1,0 +1,265 @@
+// CudaBackend construction: device and weights, the memory plan (scratch, state slots, MLA pages) and the thin
+// Backend methods; the pass itself is in cuda_model.cpp.
+#include "engine/cuda/cuda_backend.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#include "engine/cuda/cuda_model.hpp"
+#include "kernels/cuda/kda.hpp"
+#include "kernels/cuda/mla.hpp"
+
+namespace deltaserve::engine::cuda {
+
+namespace kc = kernels::cuda;
+
+namespace {
+
+// Shapes the kernels cannot take, reported before anything is allocated.
+Status check_supported(const ModelConfig& c, const CudaBackendOptions& o) {
+  auto unsupported = [](const std::string& what) { return unimplemented("CUDA backend: " + what); };
+  if (c.hidden_size % 8 != 0) return unsupported("hidden_size must be a multiple of 8");
+  if (c.num_layers_of(LayerKind::kKda) > 0) {
+    if (c.kda.head_dim > 128) return unsupported("KDA head_dim above 128");
+    if (c.kda.conv_kernel_size < 1 || c.kda.conv_kernel_size > 4) return unsupported("KDA conv kernel outside [1, 4]");
+  }
+  if (c.num_layers_of(LayerKind::kMla) > 0) {
+    const MlaConfig& m = c.mla;
+    if (m.kv_lora_rank % 8 != 0 || m.qk_rope_head_dim % 8 != 0) {
+      return unsupported("MLA kv_lora_rank and qk_rope_head_dim must be multiples of 8");
+    }
+    if (m.kv_lora_rank > kc::kMlaMaxKvLora || m.qk_rope_head_dim > kc::kMlaMaxRope ||
+        m.qk_nope_head_dim > kc::kMlaMaxNope || m.v_head_dim > kc::kMlaMaxVHead || m.num_heads > kc::kMlaMaxHeads) {
+      return unsupported("MLA dimensions beyond the kernels' limits (kernels/cuda/mla.hpp)");
+    }
+  }
+  if (o.page_tokens < 16 || o.page_tokens > kc::kMlaMaxPageSize || o.page_tokens % 16 != 0) {
+    return invalid_argument("page_tokens must be a multiple of 16 in [16, 256]");
+  }
+  if (o.max_batch_tokens < 1) return invalid_argument("max_batch_tokens must be positive");
+  if (o.max_requests < 1) return invalid_argument("max_requests must be positive");
+  if (!(o.memory_fraction > 0.0 && o.memory_fraction <= 1.0)) return invalid_argument("memory_fraction in (0, 1]");
+  return Status::ok();
+}
+
+// Allocates the fixed scratch of `impl` for max_rows tokens.
+Status allocate_scratch(CudaBackend::Impl& impl) {
+  const ModelConfig& c = impl.config;
+  const int64_t R = impl.max_rows, hidden = c.hidden_size;
+  const size_t row_f32 = align_up(static_cast<size_t>(R * hidden) * 4);
+  const size_t row_bf16 = align_up(static_cast<size_t>(R * hidden) * 2);
+  const int64_t rotating =
+      c.attn_res_block_size ? (c.num_layers + *c.attn_res_block_size - 1) / *c.attn_res_block_size + 1 : 1;
+  const int64_t f32_buffers = rotating + (c.attn_res_block_size ? 1 : 0) + 1;  // + mixed + normed_f32
+  DS_RETURN_IF_ERROR(
+      impl.stream_memory.allocate(row_f32 * static_cast<size_t>(f32_buffers) + row_bf16, "residual stream"));
+  char* base = impl.stream_memory.as<char>();
+  impl.spare_blocks.clear();
+  for (int64_t i = 0; i < rotating; ++i) impl.spare_blocks.push_back(reinterpret_cast<float*>(base + i * row_f32));
+  impl.residual = impl.spare_blocks.front();
+  size_t at = static_cast<size_t>(rotating) * row_f32;
+  if (c.attn_res_block_size) {
+    impl.mixed = reinterpret_cast<float*>(base + at);
+    at += row_f32;
+  }
+  impl.normed_f32 = reinterpret_cast<float*>(base + at);
+  at += row_f32;
+  impl.normed = reinterpret_cast<__nv_bfloat16*>(base + at);
+
+  const size_t arena = arena_bytes(c, R);
+  DS_RETURN_IF_ERROR(impl.arena_memory.allocate(arena, "layer scratch"));
+  impl.arena.assign(impl.arena_memory.data(), arena);
+
+  const StateShape& s = impl.shape;
+  if (s.kda_layers > 0 && s.head_dim == kc::kKdaHeadDim) {
+    const int H = static_cast<int>(s.heads);
+    size_t workspace = kc::kda_prefill_workspace_bytes({0, static_cast<int32_t>(R)}, H);
+    if (R > kKdaPrefillGroup) {  // a group of single tokens and one long sequence: the most chunks per group
+      std::vector<int32_t> cu;
+      for (int32_t i = 0; i < kKdaPrefillGroup; ++i) cu.push_back(i);
+      cu.push_back(static_cast<int32_t>(R));
+      workspace = std::max(workspace, kc::kda_prefill_workspace_bytes(cu, H));
+    }
+    DS_RETURN_IF_ERROR(impl.kda_workspace.allocate(align_up(workspace), "KDA prefill workspace"));
+    DS_RETURN_IF_ERROR(impl.kda_dense_states.allocate(static_cast<size_t>(kKdaPrefillGroup * s.state_floats()) * 4,
+                                                      "KDA gathered states"));
+  }
+  if (s.mla_layers > 0) {
+    const MlaConfig& m = c.mla;
+    const int context = static_cast<int>(std::min<int64_t>(
+        c.max_position_embeddings > 0 ? c.max_position_embeddings : int64_t{1} << 20, int64_t{1} << 30));
+    size_t workspace = 0;
+    for (int64_t T = 1;; T = std::min(T * 2, R)) {
+      workspace = std::max(
+          workspace, kc::mla_attention_workspace_bytes(static_cast<int>(m.num_heads), static_cast<int>(m.kv_lora_rank),
+                                                       static_cast<int>(m.qk_rope_head_dim), T, context));
+      if (T == R) break;
+    }
+    DS_RETURN_IF_ERROR(impl.mla_workspace.allocate(align_up(workspace), "MLA attention workspace"));
+  }
+
+  // LM head in pieces of at most ~256 MiB of logits.
+  const int64_t vocab = c.vocab_size;
+  impl.logit_chunk = std::clamp<int64_t>((int64_t{256} << 20) / (vocab * 4), 1, std::min<int64_t>(R, 1024));
+  const size_t head_f32 = align_up(static_cast<size_t>(impl.logit_chunk * hidden) * 4);
+  const size_t head_bf16 = align_up(static_cast<size_t>(impl.logit_chunk * hidden) * 2);
+  DS_RETURN_IF_ERROR(impl.head_memory.allocate(
+      head_f32 + head_bf16 + align_up(static_cast<size_t>(impl.logit_chunk * vocab) * 4), "LM head"));
+  impl.head_rows = impl.head_memory.as<float>();
+  impl.head_normed = reinterpret_cast<__nv_bfloat16*>(impl.head_memory.as<char>() + head_f32);
+  impl.logits = reinterpret_cast<float*>(impl.head_memory.as<char>() + head_f32 + head_bf16);
+  // Tables of a pass of R tokens in R sequences with short contexts; grown on demand.
+  DS_RETURN_IF_ERROR(impl.table_memory.allocate(align_up(static_cast<size_t>(R) * 64 + 4096), "per-pass tables"));
+  return Status::ok();
+}
+
+Result<std::shared_ptr<Backend>> make_backend(const ModelConfig& config, const WeightSource& source,
+                                              const CudaBackendOptions& options) {
+  DS_RETURN_IF_ERROR(check_supported(config, options));
+  auto impl = std::make_unique<CudaBackend::Impl>();
+  impl->config = config;
+  impl->options = options;
+  impl->shape = StateShape::of(config);
+  impl->max_rows = options.max_batch_tokens;
+
+  DS_CUDA_RETURN(cudaSetDevice(options.device));
+  DS_CUDA_RETURN(cudaFree(nullptr));  // creates the context, so cudaMemGetInfo sees its cost
+  cudaDeviceProp props{};
+  DS_CUDA_RETURN(cudaGetDeviceProperties(&props, options.device));
+  impl->device_name = "cuda:" + std::to_string(options.device) + " (" + props.name + ")";
+  impl->pools = std::make_shared<DevicePools>(options.device, impl->shape);
+  DS_RETURN_IF_ERROR(impl->pools->create_stream());
+  DS_RETURN_IF_ERROR(impl->gemm.init(impl->pools->stream()));
+
+  size_t free_bytes = 0, total_bytes = 0;
+  DS_CUDA_RETURN(cudaMemGetInfo(&free_bytes, &total_bytes));
+  const auto budget = static_cast<int64_t>(
+      std::min<double>(static_cast<double>(free_bytes), options.memory_fraction * static_cast<double>(total_bytes)));
+  const int64_t weight_bytes = device_weight_bytes(config);
+  if (weight_bytes > budget) {
+    return Status(StatusCode::kResourceExhausted,
+                  "CUDA backend: the weights need " + std::to_string(weight_bytes) + " bytes, the budget is " +
+                      std::to_string(budget) + " (memory_fraction " + std::to_string(options.memory_fraction) + " of " +
+                      std::to_string(total_bytes) + ", " + std::to_string(free_bytes) + " free)");
+  }
+  DS_ASSIGN_OR_RETURN(impl->weights, load_device_weights(config, source, impl->pools->stream()));
+
+  size_t free_before_scratch = 0;
+  DS_CUDA_RETURN(cudaMemGetInfo(&free_before_scratch, &total_bytes));
+  DS_RETURN_IF_ERROR(allocate_scratch(*impl));
+  size_t free_after_scratch = 0;
+  DS_CUDA_RETURN(cudaMemGetInfo(&free_after_scratch, &total_bytes));
+  const int64_t used = static_cast<int64_t>(free_bytes) - static_cast<int64_t>(free_after_scratch);
+  const int64_t remaining = budget - used;
+
+  // State slots and pages: explicit counts win; otherwise slots take at most half of what is left (and no more
+  // than max_requests), pages the rest.
+  const StateShape& s = impl->shape;
+  const int64_t slot_bytes = std::max<int64_t>(s.slot_bytes(), 1);
+  const int64_t page_bytes = s.mla_layers > 0 ? s.page_bytes(options.page_tokens) : 0;
+  int64_t slots = options.state_slots, pages = s.mla_layers > 0 ? options.cache_pages : 0;
+  if (slots <= 0) {
+    const int64_t for_slots = s.mla_layers == 0 ? remaining
+                              : pages > 0       ? remaining - pages * page_bytes
+                                                : remaining / 2;
+    slots = std::min(options.max_requests, for_slots / slot_bytes);
+  }
+  if (s.mla_layers > 0 && pages <= 0) pages = (remaining - slots * slot_bytes) / page_bytes;
+  if (slots < 1 || (s.mla_layers > 0 && pages < 1)) {
+    return Status(StatusCode::kResourceExhausted,
+                  "CUDA backend: no room for request state after weights (" + std::to_string(weight_bytes) +
+                      " bytes) and scratch: " + std::to_string(remaining) + " bytes left for slots of " +
+                      std::to_string(slot_bytes) + " bytes and pages of " + std::to_string(page_bytes) + " bytes");
+  }
+  DS_RETURN_IF_ERROR(impl->pools->allocate(slots, pages, options.page_tokens));
+
+  BackendCapacity& cap = impl->capacity;
+  cap.device = impl->device_name;
+  cap.weight_bytes = impl->weights->bytes;
+  cap.state_slots = slots;
+  cap.state_slot_bytes = s.slot_bytes();
+  cap.cache_pages = s.mla_layers > 0 ? pages : 0;
+  cap.page_tokens = options.page_tokens;
+  cap.cache_bytes_per_token = s.mla_layers * s.mla_row_stride * 2;
+  size_t free_now = 0;
+  DS_CUDA_RETURN(cudaMemGetInfo(&free_now, &total_bytes));
+  cap.free_bytes_after = static_cast<int64_t>(free_now);
+  return std::shared_ptr<Backend>(std::make_shared<CudaBackend>(std::move(impl)));
+}
+
+}  // namespace
+
+CudaBackend::CudaBackend(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+CudaBackend::~CudaBackend() {
+  if (impl_ && impl_->pools) {
+    (void)cudaSetDevice(impl_->pools->device());
+    (void)cudaStreamSynchronize(impl_->pools->stream());
+  }
+}
+
+std::string CudaBackend::name() const {
+  return impl_->device_name;
+}
+
+BackendCapacity CudaBackend::capacity() const {
+  return impl_->capacity;
+}
+
+Status CudaBackend::forward(std::span<SequenceInput> batch, std::vector<std::vector<float>>& logits,
+                            const ForwardOptions& /*options: the GPU prefill's chunk is fixed at 64*/) {
+  return impl_->run(batch, &logits);
+}
+
+Status CudaBackend::forward_on_device(std::span<SequenceInput> batch, const ForwardOptions& /*options*/) {
+  return impl_->run(batch, nullptr);
+}
+
+Status CudaBackend::synchronize() {
+  std::lock_guard<std::recursive_mutex> lock(impl_->pools->mutex());
+  DS_CUDA_RETURN(cudaSetDevice(impl_->pools->device()));
+  DS_CUDA_RETURN(cudaStreamSynchronize(impl_->pools->stream()));
+  return Status::ok();
+}
+
+const float* CudaBackend::device_logits() const {
+  return impl_->logits;
+}
+int64_t CudaBackend::logit_chunk_rows() const {
+  return impl_->logit_chunk;
+}
+
+int64_t CudaBackend::free_state_slots() const {
+  std::lock_guard<std::recursive_mutex> lock(impl_->pools->mutex());
+  return impl_->pools->free_slots();
+}
+
+int64_t CudaBackend::free_cache_pages() const {
+  std::lock_guard<std::recursive_mutex> lock(impl_->pools->mutex());
+  return impl_->pools->free_pages();
+}
+
+Result<std::shared_ptr<Backend>> make_cuda_backend(const ModelConfig& config, const ModelWeights& weights,
+                                                   const CudaBackendOptions& options) {
+  WeightSource source;
+  source.host = &weights;
+  return make_backend(config, source, options);
+}
+
+Result<std::shared_ptr<Backend>> make_cuda_backend(const ModelConfig& config, const Checkpoint& checkpoint,
+                                                   const CudaBackendOptions& options,
+                                                   std::function<void(int64_t, int64_t)> progress) {
+  WeightSource source;
+  source.checkpoint = &checkpoint;
+  source.progress = std::move(progress);
+  return make_backend(config, source, options);
+}
+
+Result<std::shared_ptr<Backend>> make_cuda_backend_random(const ModelConfig& config, uint64_t seed,
+                                                          const CudaBackendOptions& options) {
+  WeightSource source;
+  source.random_seed = seed;
+  return make_backend(config, source, options);
+}
+
+}  // namespace deltaserve::engine::cuda

@@ -1,0 +1,77 @@
+// The CUDA backend of the engine: the whole hybrid model (KDA, MLA, MoE, dense FFN, AttnRes, LM head) on one
+// NVIDIA GPU (sm_90a) behind engine::Backend, with request state resident on the device (engine/cuda/
+// device_state.hpp). Numerics: residual stream fp32; GEMM inputs bf16 (weights bf16 on the device, activations
+// rounded once), fp32 accumulation; router logits fp32 (fp32 weights and GEMM); norms, softmax, gates fp32; KDA
+// states fp32; MLA cache rows bf16; logits fp32.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/status.hpp"
+#include "engine/backend.hpp"
+#include "engine/checkpoint/safetensors.hpp"
+#include "engine/model.hpp"
+#include "engine/model_config.hpp"
+#include "engine/model_weights.hpp"
+
+namespace deltaserve::engine::cuda {
+
+struct CudaBackendOptions {
+  int device = 0;
+  double memory_fraction = 0.90;    // of the device's memory, for weights + state slots + pages + scratch
+  int64_t max_batch_tokens = 8192;  // rows of one forward pass (prefill chunk + decode tokens): sizes the scratch
+  int64_t max_requests = 1024;      // upper bound of state slots
+  int page_tokens = 64;             // MLA page size (tokens): a multiple of 16 up to 256
+  int64_t state_slots = 0;          // 0 = from the memory plan (min(max_requests, what fits))
+  int64_t cache_pages = 0;          // 0 = from the memory plan (the rest of the budget)
+  bool cuda_graphs = true;          // pure-decode graph capture: not implemented yet (ignored; eager always)
+};
+
+class CudaBackend final : public Backend {
+ public:
+  struct Impl;
+  explicit CudaBackend(std::unique_ptr<Impl> impl);
+  ~CudaBackend() override;
+
+  std::string name() const override;
+  BackendCapacity capacity() const override;
+  // Model::forward's pass (the caller validated the batch). On kResourceExhausted (no free slot or page) no state
+  // was touched; the message says what ran out.
+  [[nodiscard]] Status forward(std::span<SequenceInput> batch, std::vector<std::vector<float>>& logits,
+                               const ForwardOptions& options) override;
+
+  // For benchmarks: the same pass, but the logits stay on the device (device_logits(): the last LM-head piece of
+  // up to logit_chunk_rows() rows, fp32 [rows, vocab]). Validates the batch itself. Asynchronous: the pass may still
+  // run on the device when this returns; synchronize() waits for it.
+  [[nodiscard]] Status forward_on_device(std::span<SequenceInput> batch, const ForwardOptions& options = {});
+  [[nodiscard]] Status synchronize();
+  const float* device_logits() const;
+  int64_t logit_chunk_rows() const;
+
+  // Pool occupancy (tests, metrics).
+  int64_t free_state_slots() const;
+  int64_t free_cache_pages() const;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// Weights from host fp32 tensors (the CPU loader's output; converted to bf16 on upload, small vectors kept fp32).
+Result<std::shared_ptr<Backend>> make_cuda_backend(const ModelConfig& config, const ModelWeights& weights,
+                                                   const CudaBackendOptions& options);
+// Weights streamed tensor by tensor from a checkpoint (never the whole model in host fp32), with a progress callback
+// (device bytes done, bytes total).
+Result<std::shared_ptr<Backend>> make_cuda_backend(const ModelConfig& config, const Checkpoint& checkpoint,
+                                                   const CudaBackendOptions& options,
+                                                   std::function<void(int64_t, int64_t)> progress = {});
+// Random weights initialised on the device (same distributions as engine/make_model: projections scaled
+// 1/sqrt(fan_in), norms near 1), deterministic in `seed`.
+Result<std::shared_ptr<Backend>> make_cuda_backend_random(const ModelConfig& config, uint64_t seed,
+                                                          const CudaBackendOptions& options);
+
+}  // namespace deltaserve::engine::cuda

@@ -1,0 +1,109 @@
+// Internals of CudaBackend: the device weights, pools and scratch of one model on one GPU, and the forward pass
+// (cuda_model.cpp: the layers; cuda_backend.cpp: construction and the memory plan).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "common/status.hpp"
+#include "engine/backend.hpp"
+#include "engine/cuda/cuda_backend.hpp"
+#include "engine/cuda/cuda_util.hpp"
+#include "engine/cuda/device_state.hpp"
+#include "engine/cuda/device_weights.hpp"
+#include "engine/cuda/gemm.hpp"
+#include "engine/model.hpp"
+
+namespace deltaserve::engine::cuda {
+
+// Sequences per kda_chunk_prefill call when their states are gathered from the slot pool into a dense buffer.
+inline constexpr int64_t kKdaPrefillGroup = 32;
+// MoE expert FFN: the bandwidth-bound decode kernel while the batch has at most this many (token, expert) rows per
+// expert on average (it reads an active expert's weights once per 8 of its rows); cuBLAS per expert beyond.
+inline constexpr int64_t kMoeDecodeRowsPerExpert = 4;
+
+// Per-pass tables, host side and their device copies (one upload per pass).
+struct PassTables {
+  int64_t rows = 0;  // T
+  int64_t num_seqs = 0;
+  bool pure_decode = false;           // every sequence has one token
+  std::vector<int32_t> cu;            // [N + 1] token offsets
+  std::vector<int32_t> slots;         // [N] KDA slot of each sequence
+  std::vector<int32_t> context_lens;  // [N] tokens after this pass
+  int max_context = 0;
+  int max_pages = 0;                // block-table row length
+  std::vector<int32_t> logit_rows;  // [W] rows whose logits are wanted
+  std::vector<int32_t> logit_seq;   // [W] sequence of each
+  // Device copies.
+  const int32_t* d_tokens = nullptr;
+  const int32_t* d_slots = nullptr;
+  const int32_t* d_cu = nullptr;
+  const int32_t* d_context_lens = nullptr;
+  const int32_t* d_block_tables = nullptr;
+  const int32_t* d_logit_rows = nullptr;
+  const int64_t* d_slot_mapping = nullptr;
+};
+
+struct CudaBackend::Impl {
+  ModelConfig config;
+  CudaBackendOptions options;
+  std::string device_name;
+  StateShape shape;
+  std::shared_ptr<DevicePools> pools;
+  std::unique_ptr<DeviceWeights> weights;
+  Gemm gemm;
+  BackendCapacity capacity;
+
+  // Scratch (sized for max_rows tokens).
+  int64_t max_rows = 0;
+  DeviceMemory stream_memory;        // residual (+ AttnRes blocks and the mix output), normed rows
+  float* residual = nullptr;         // [R, hidden] fp32: the residual stream (AttnRes: the running block prefix)
+  std::vector<float*> spare_blocks;  // AttnRes: buffers for sealed blocks (ceil(L / B) + 1)
+  float* mixed = nullptr;            // [R, hidden] fp32: AttnRes mix output
+  float* normed_f32 = nullptr;       // [R, hidden] fp32: normed input of the router
+  __nv_bfloat16* normed = nullptr;   // [R, hidden] bf16: normed input of every projection
+  DeviceMemory arena_memory;
+  ScratchArena arena;             // per-layer temporaries
+  DeviceMemory kda_workspace;     // kda_chunk_prefill workspace
+  DeviceMemory kda_dense_states;  // [kKdaPrefillGroup, H, d, d] fp32 (head size 128 only)
+  DeviceMemory mla_workspace;     // MLA attention workspace (grown on demand)
+  int64_t logit_chunk = 0;        // LM-head rows per piece
+  DeviceMemory head_memory;       // gathered final rows (fp32 + bf16) and logits [logit_chunk, vocab]
+  float* head_rows = nullptr;
+  __nv_bfloat16* head_normed = nullptr;
+  float* logits = nullptr;
+  DeviceMemory table_memory;  // per-pass tables (grown on demand)
+  std::vector<char> host_tables;
+
+  // The pass: resolve residencies (taking slots and pages), upload tables, run, copy logits (when `out`), advance.
+  [[nodiscard]] Status run(std::span<SequenceInput> batch, std::vector<std::vector<float>>* out);
+
+ private:
+  [[nodiscard]] Status validate(std::span<SequenceInput> batch) const;
+  [[nodiscard]] Status claim_residencies(std::span<SequenceInput> batch);
+  [[nodiscard]] Status build_tables(std::span<SequenceInput> batch, PassTables& tables);
+  [[nodiscard]] Status forward_layers(const PassTables& tables, const float** final_hidden);
+  [[nodiscard]] Status lm_head(const float* final_hidden, const PassTables& tables, std::span<SequenceInput> batch,
+                               std::vector<std::vector<float>>* out);
+  [[nodiscard]] Status run_kda(const DeviceLayer& layer, const PassTables& tables);
+  [[nodiscard]] Status run_kda_prefill_128(const DeviceLayer& layer, const PassTables& tables, const __nv_bfloat16* q,
+                                           const __nv_bfloat16* k, const __nv_bfloat16* v, const float* gate_raw,
+                                           const float* beta, __nv_bfloat16* o);
+  [[nodiscard]] Status run_mla(const DeviceLayer& layer, const PassTables& tables);
+  [[nodiscard]] Status run_moe(const DeviceMoe& moe, int64_t rows);
+  [[nodiscard]] Status run_dense_ffn(const DeviceFfn& ffn, const __nv_bfloat16* x, int64_t x_stride, int64_t rows);
+  [[nodiscard]] Status ensure_mla_workspace(size_t bytes);
+  [[nodiscard]] Status arena_check(const char* where) const;
+  cudaStream_t stream() const { return pools->stream(); }
+};
+
+// Bytes of the per-layer arena for `rows` tokens (the largest layer's temporaries).
+size_t arena_bytes(const ModelConfig& config, int64_t rows);
+
+}  // namespace deltaserve::engine::cuda

@@ -1,0 +1,58 @@
+#include "engine/cuda/gemm.hpp"
+
+#include <string>
+
+#include "engine/cuda/cuda_util.hpp"
+
+namespace deltaserve::engine::cuda {
+
+Gemm::~Gemm() {
+  if (handle_ != nullptr) (void)cublasDestroy(handle_);
+}
+
+Status Gemm::init(cudaStream_t stream) {
+  DS_CUBLAS_RETURN(cublasCreate(&handle_));
+  stream_ = stream;
+  DS_CUBLAS_RETURN(cublasSetStream(handle_, stream));
+  // Full fp32 for the fp32 GEMMs (the router): no TF32 down-conversion.
+  DS_CUBLAS_RETURN(cublasSetMathMode(handle_, CUBLAS_DEFAULT_MATH));
+  return Status::ok();
+}
+
+// Row-major y[rows, out] = x[rows, in] · w[out, in]^T is, column-major, y^T[out, rows] = w^T[in, out]^T · x^T[in,
+// rows]: A = w read transposed (lda = in), B = x (ldb = x_stride), C = y (ldc = y_stride).
+Status Gemm::gemm_ex(const void* x, cudaDataType x_type, int64_t x_stride, const void* w, int64_t rows, int64_t in,
+                     int64_t out, void* y, cudaDataType y_type, int64_t y_stride, float beta) {
+  if (rows == 0 || out == 0) return Status::ok();
+  if (rows < 0 || in <= 0 || out < 0 || x_stride < in || y_stride < out) {
+    return internal_error("gemm: bad shape rows " + std::to_string(rows) + " in " + std::to_string(in) + " out " +
+                          std::to_string(out) + " x_stride " + std::to_string(x_stride) + " y_stride " +
+                          std::to_string(y_stride));
+  }
+  if (x == nullptr || w == nullptr || y == nullptr) return internal_error("gemm: null pointer");
+  // Another user of the handle (moe_expert_ffn_prefill) may have moved it to its own stream.
+  DS_CUBLAS_RETURN(cublasSetStream(handle_, stream_));
+  const float alpha = 1.0f;
+  DS_CUBLAS_RETURN(cublasGemmEx(handle_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(out), static_cast<int>(rows),
+                                static_cast<int>(in), &alpha, w, x_type, static_cast<int>(in), x, x_type,
+                                static_cast<int>(x_stride), &beta, y, y_type, static_cast<int>(y_stride),
+                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  return Status::ok();
+}
+
+Status Gemm::run(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* w, int64_t rows, int64_t in,
+                 int64_t out, float* y, int64_t y_stride, bool accumulate) {
+  return gemm_ex(x, CUDA_R_16BF, x_stride, w, rows, in, out, y, CUDA_R_32F, y_stride, accumulate ? 1.0f : 0.0f);
+}
+
+Status Gemm::run(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* w, int64_t rows, int64_t in,
+                 int64_t out, __nv_bfloat16* y, int64_t y_stride) {
+  return gemm_ex(x, CUDA_R_16BF, x_stride, w, rows, in, out, y, CUDA_R_16BF, y_stride, 0.0f);
+}
+
+Status Gemm::run_f32(const float* x, int64_t x_stride, const float* w, int64_t rows, int64_t in, int64_t out, float* y,
+                     int64_t y_stride) {
+  return gemm_ex(x, CUDA_R_32F, x_stride, w, rows, in, out, y, CUDA_R_32F, y_stride, 0.0f);
+}
+
+}  // namespace deltaserve::engine::cuda

@@ -1,0 +1,43 @@
+// Dense projections of the CUDA backend through cuBLAS, in the checkpoint's row-major conventions:
+//   y[rows, out] (row stride y_stride) = x[rows, in] (row stride x_stride) · w[out, in]^T   (+= when accumulate)
+// bf16 x bf16 with fp32 compute and fp32 or bf16 output; fp32 x fp32 with fp32 compute (no TF32) for the router.
+#pragma once
+
+#include <cstdint>
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "common/status.hpp"
+
+namespace deltaserve::engine::cuda {
+
+class Gemm {
+ public:
+  Gemm() = default;
+  ~Gemm();
+  Gemm(const Gemm&) = delete;
+  Gemm& operator=(const Gemm&) = delete;
+
+  [[nodiscard]] Status init(cudaStream_t stream);
+  cublasHandle_t handle() const { return handle_; }
+
+  // bf16 weights and activations, fp32 accumulation; y fp32.
+  [[nodiscard]] Status run(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* w, int64_t rows, int64_t in,
+                           int64_t out, float* y, int64_t y_stride, bool accumulate = false);
+  // Same, y rounded once to bf16 (never accumulates).
+  [[nodiscard]] Status run(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* w, int64_t rows, int64_t in,
+                           int64_t out, __nv_bfloat16* y, int64_t y_stride);
+  // fp32 throughout (router logits).
+  [[nodiscard]] Status run_f32(const float* x, int64_t x_stride, const float* w, int64_t rows, int64_t in, int64_t out,
+                               float* y, int64_t y_stride);
+
+ private:
+  [[nodiscard]] Status gemm_ex(const void* x, cudaDataType x_type, int64_t x_stride, const void* w, int64_t rows,
+                               int64_t in, int64_t out, void* y, cudaDataType y_type, int64_t y_stride, float beta);
+  cublasHandle_t handle_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+};
+
+}  // namespace deltaserve::engine::cuda
