@@ -76,8 +76,10 @@ Status kda_recurrent_varlen(const KdaRecurrentParams& p, cudaStream_t stream) {
   if (p.state == nullptr || p.o == nullptr) return invalid_argument(prefix + "state or o is null");
   const int d = p.head_dim;
   const size_t shared_bytes = (static_cast<size_t>(d) * d + 3 * static_cast<size_t>(d)) * sizeof(float);
-  cudaError_t error = cudaFuncSetAttribute(kda_recurrent_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(shared_bytes));
+  // Always the limit for the largest head size, so concurrent launches with other sizes never lower it.
+  constexpr int kMaxSharedBytes = (kKdaGenericMaxHeadDim * kKdaGenericMaxHeadDim + 3 * kKdaGenericMaxHeadDim) * 4;
+  cudaError_t error =
+      cudaFuncSetAttribute(kda_recurrent_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSharedBytes);
   if (error != cudaSuccess) {
     return internal_error(prefix + "cudaFuncSetAttribute: " + cudaGetErrorName(error));
   }

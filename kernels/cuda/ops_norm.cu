@@ -25,14 +25,15 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-// Sum over the block (blockDim.x == kNormThreads); every thread gets the result. `scratch` holds 32 floats.
-__device__ float block_sum(float x, float* scratch) {
+// Sum over the block (blockDim.x == kNormThreads); every thread gets the result. `scratch` holds 32 values.
+template <class T>
+__device__ T block_sum(T x, T* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  x = warp_sum(x);
+  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
   __syncthreads();  // scratch may still be read by a previous call
   if (lane == 0) scratch[warp] = x;
   __syncthreads();
-  float total = 0.0f;
+  T total = 0;
   for (int w = 0; w < kNormThreads / 32; ++w) total += scratch[w];
   return total;
 }
@@ -70,24 +71,26 @@ struct SourceList {
   const float* pointers[kMaxAttnResSources];
 };
 
-// One block per token.
+// One block per token. Logits reduced in fp64 (like the CPU): the softmax amplifies their rounding by |logit|.
 __global__ void attn_res_mix_kernel(SourceList sources, int num_sources, const float* __restrict__ norm_weight,
                                     const float* __restrict__ proj_weight, int64_t dim, float eps,
                                     float* __restrict__ out) {
-  __shared__ float scratch[32];
+  __shared__ double scratch[32];
   __shared__ float weights[kMaxAttnResSources];
   const int64_t t = blockIdx.x;
   for (int i = 0; i < num_sources; ++i) {
     const float* v = sources.pointers[i] + t * dim;
-    float sum_squares = 0.0f, gated = 0.0f;
+    double sum_squares = 0.0, gated = 0.0;
     for (int64_t c = threadIdx.x; c < dim; c += kNormThreads) {
-      const float value = v[c];
+      const double value = v[c];
       sum_squares += value * value;
-      gated += proj_weight[c] * norm_weight[c] * value;
+      gated += static_cast<double>(proj_weight[c] * norm_weight[c]) * value;
     }
     sum_squares = block_sum(sum_squares, scratch);
     gated = block_sum(gated, scratch);
-    if (threadIdx.x == 0) weights[i] = gated / sqrtf(sum_squares / static_cast<float>(dim) + eps);
+    if (threadIdx.x == 0) {
+      weights[i] = static_cast<float>(gated / sqrt(sum_squares / static_cast<double>(dim) + static_cast<double>(eps)));
+    }
   }
   __syncthreads();
   if (threadIdx.x == 0) {

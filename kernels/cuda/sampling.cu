@@ -10,6 +10,8 @@
 // The sums are block reductions (not the CPU's sequential order), so a draw within ~1e-15 of a CDF boundary may
 // pick a neighbour; nothing else differs. One known difference: with top_p < 1 and more than 64 candidates the
 // CPU inverts its CDF over the nucleus in its quickselect's partition order, here in sorted order.
+// Cost: every call sorts all rows (the host cannot see which rows filter): 16 bytes of workspace per logit and a
+// segmented radix sort of rows * vocab pairs (one block per row).
 #include <cfloat>
 #include <string>
 
@@ -25,9 +27,9 @@ constexpr size_t kAlign = 256;
 
 struct RowStats {
   double log_normalizer;  // max + log Σ exp(v - max)
-  float max_value;
+  float max_value;        // 0 when every logit is masked
   int32_t argmax;
-  int32_t pad;
+  int32_t all_masked;  // every logit NaN or -inf: all values count as 0 (uniform)
 };
 
 size_t align_up(size_t x) {
@@ -38,10 +40,10 @@ size_t align_up(size_t x) {
 struct Layout {
   int32_t* offsets = nullptr;  // [rows + 1]
   RowStats* stats = nullptr;   // [rows]
-  float* keys_in = nullptr;    // [rows * vocab]
-  float* keys_out = nullptr;
-  int32_t* ids_in = nullptr;
-  int32_t* ids_out = nullptr;
+  float* keys_a = nullptr;     // [rows * vocab]: the sort's double buffers (cleaned values, then ids)
+  float* keys_b = nullptr;
+  int32_t* ids_a = nullptr;
+  int32_t* ids_b = nullptr;
   void* sort_temp = nullptr;
   size_t sort_temp_bytes = 0;
   size_t total = 0;
@@ -58,15 +60,17 @@ Layout make_layout(void* base, int rows, int64_t vocab) {
   };
   l.offsets = reinterpret_cast<int32_t*>(take((static_cast<size_t>(rows) + 1) * sizeof(int32_t)));
   l.stats = reinterpret_cast<RowStats*>(take(static_cast<size_t>(rows) * sizeof(RowStats)));
-  l.keys_in = reinterpret_cast<float*>(take(n * sizeof(float)));
-  l.keys_out = reinterpret_cast<float*>(take(n * sizeof(float)));
-  l.ids_in = reinterpret_cast<int32_t*>(take(n * sizeof(int32_t)));
-  l.ids_out = reinterpret_cast<int32_t*>(take(n * sizeof(int32_t)));
+  l.keys_a = reinterpret_cast<float*>(take(n * sizeof(float)));
+  l.keys_b = reinterpret_cast<float*>(take(n * sizeof(float)));
+  l.ids_a = reinterpret_cast<int32_t*>(take(n * sizeof(int32_t)));
+  l.ids_b = reinterpret_cast<int32_t*>(take(n * sizeof(int32_t)));
+  // The double-buffer form needs no vocab-sized scratch of its own (the result lands in either buffer).
   size_t temp_bytes = 0;
-  cub::DeviceSegmentedRadixSort::SortPairsDescending(
-      nullptr, temp_bytes, static_cast<const float*>(nullptr), static_cast<float*>(nullptr),
-      static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), static_cast<int>(n), rows,
-      static_cast<const int32_t*>(nullptr), static_cast<const int32_t*>(nullptr));
+  cub::DoubleBuffer<float> keys(l.keys_a, l.keys_b);
+  cub::DoubleBuffer<int32_t> ids(l.ids_a, l.ids_b);
+  cub::DeviceSegmentedRadixSort::SortPairsDescending(nullptr, temp_bytes, keys, ids, static_cast<int>(n), rows,
+                                                     static_cast<const int32_t*>(nullptr),
+                                                     static_cast<const int32_t*>(nullptr));
   l.sort_temp_bytes = temp_bytes;
   l.sort_temp = take(temp_bytes);
   l.total = offset;
@@ -118,8 +122,8 @@ __global__ void __launch_bounds__(kThreads)
   const bool all_masked = best.value == -INFINITY;
   const float max_value = all_masked ? 0.0f : best.value;
   double sum = 0.0;
-  float* keys = l.keys_in + r * vocab;
-  int32_t* ids = l.ids_in + r * vocab;
+  float* keys = l.keys_a + r * vocab;
+  int32_t* ids = l.ids_a + r * vocab;
   for (int64_t i = threadIdx.x; i < vocab; i += kThreads) {
     float v = all_masked ? 0.0f : clean_logit(row[i]);
     if (v == 0.0f) v = 0.0f;  // -0 sorts like +0 (the CPU compares values with ==)
@@ -129,7 +133,8 @@ __global__ void __launch_bounds__(kThreads)
   }
   sum = ReduceDouble(temp.sum).Sum(sum);
   if (threadIdx.x == 0) {
-    l.stats[r] = RowStats{static_cast<double>(max_value) + log(sum), max_value, all_masked ? 0 : best.id, 0};
+    l.stats[r] =
+        RowStats{static_cast<double>(max_value) + log(sum), max_value, all_masked ? 0 : best.id, all_masked ? 1 : 0};
   }
 }
 
@@ -172,13 +177,18 @@ __device__ double block_sum(int64_t count, WeightFn weight) {
   return result;
 }
 
-__global__ void __launch_bounds__(kThreads) choose_kernel(SampleParams p, Layout l) {
+// sorted_keys / sorted_ids_all: the sort's output buffers (which of the two is known on the host after the sort).
+__global__ void __launch_bounds__(kThreads)
+    choose_kernel(SampleParams p, const RowStats* __restrict__ all_stats, const float* __restrict__ sorted_keys,
+                  const int32_t* __restrict__ sorted_ids_all) {
   const int r = blockIdx.x;
   const int64_t vocab = p.vocab;
-  const RowStats stats = l.stats[r];
-  const float* values = l.keys_in + r * vocab;  // cleaned, index order
-  const float* sorted_values = l.keys_out + r * vocab;
-  const int32_t* sorted_ids = l.ids_out + r * vocab;
+  const RowStats stats = all_stats[r];
+  const float* logits = p.logits + r * vocab;  // raw, index order (the sort may have overwritten keys_a)
+  const bool all_masked = stats.all_masked != 0;
+  auto value = [&](int64_t i) { return all_masked ? 0.0f : clean_logit(logits[i]); };
+  const float* sorted_values = sorted_keys + r * vocab;
+  const int32_t* sorted_ids = sorted_ids_all + r * vocab;
 
   // top_logprobs: the sorted prefix (entries past the vocabulary: id -1, -inf).
   for (int i = threadIdx.x; i < p.top_logprobs; i += kThreads) {
@@ -217,7 +227,7 @@ __global__ void __launch_bounds__(kThreads) choose_kernel(SampleParams p, Layout
       const int64_t chosen = first_crossing(kept, positive_weight, u * kept_mass, true);
       if (chosen >= 0) token = sorted_ids[chosen];
     } else {
-      auto weight = [&](int64_t i) { return exp((static_cast<double>(values[i]) - max_value) * inverse_temperature); };
+      auto weight = [&](int64_t i) { return exp((static_cast<double>(value(i)) - max_value) * inverse_temperature); };
       const double total = block_sum(vocab, weight);
       const int64_t chosen = first_crossing(vocab, weight, u * total, true);
       if (chosen >= 0) token = static_cast<int32_t>(chosen);
@@ -225,7 +235,7 @@ __global__ void __launch_bounds__(kThreads) choose_kernel(SampleParams p, Layout
   }
   if (threadIdx.x == 0) {
     p.tokens[r] = token;
-    p.logprobs[r] = static_cast<float>(static_cast<double>(values[token]) - stats.log_normalizer);
+    p.logprobs[r] = static_cast<float>(static_cast<double>(value(token)) - stats.log_normalizer);
   }
 }
 
@@ -263,11 +273,13 @@ Status sample(const SampleParams& p, cudaStream_t stream) {
   cudaError_t error = cudaGetLastError();
   if (error != cudaSuccess) return internal_error(prefix + "prep launch: " + cudaGetErrorName(error));
   size_t temp_bytes = l.sort_temp_bytes;
+  cub::DoubleBuffer<float> keys(l.keys_a, l.keys_b);
+  cub::DoubleBuffer<int32_t> ids(l.ids_a, l.ids_b);
   error = cub::DeviceSegmentedRadixSort::SortPairsDescending(
-      l.sort_temp, temp_bytes, l.keys_in, l.keys_out, l.ids_in, l.ids_out, static_cast<int>(p.rows * p.vocab), p.rows,
+      l.sort_temp, temp_bytes, keys, ids, static_cast<int>(p.rows * p.vocab), p.rows,
       static_cast<const int32_t*>(l.offsets), static_cast<const int32_t*>(l.offsets + 1), 0, 32, stream);
   if (error != cudaSuccess) return internal_error(prefix + "segmented sort: " + cudaGetErrorName(error));
-  choose_kernel<<<p.rows, kThreads, 0, stream>>>(p, l);
+  choose_kernel<<<p.rows, kThreads, 0, stream>>>(p, l.stats, keys.Current(), ids.Current());
   error = cudaGetLastError();
   if (error != cudaSuccess) return internal_error(prefix + "choose launch: " + cudaGetErrorName(error));
   return Status::ok();
