@@ -10,8 +10,8 @@
 // The sums are block reductions (not the CPU's sequential order), so a draw within ~1e-15 of a CDF boundary may
 // pick a neighbour; nothing else differs. One known difference: with top_p < 1 and more than 64 candidates the
 // CPU inverts its CDF over the nucleus in its quickselect's partition order, here in sorted order.
-// Cost: every call sorts all rows (the host cannot see which rows filter): 16 bytes of workspace per logit and a
-// segmented radix sort of rows * vocab pairs (one block per row).
+// Cost: rows that filter or report top_logprobs are sorted whole (a segmented radix sort, one block per row;
+// the other rows get empty segments); the workspace holds 16 bytes per logit.
 #include <cfloat>
 #include <string>
 
@@ -38,9 +38,10 @@ size_t align_up(size_t x) {
 
 // The workspace carve-up; `base` may be null to size it.
 struct Layout {
-  int32_t* offsets = nullptr;  // [rows + 1]
-  RowStats* stats = nullptr;   // [rows]
-  float* keys_a = nullptr;     // [rows * vocab]: the sort's double buffers (cleaned values, then ids)
+  int32_t* begins = nullptr;  // [rows] segment of row r in the sort: [begins[r], ends[r])
+  int32_t* ends = nullptr;    // [rows] (empty when the row needs no sorted order)
+  RowStats* stats = nullptr;  // [rows]
+  float* keys_a = nullptr;    // [rows * vocab]: the sort's double buffers (cleaned values, then ids)
   float* keys_b = nullptr;
   int32_t* ids_a = nullptr;
   int32_t* ids_b = nullptr;
@@ -58,7 +59,8 @@ Layout make_layout(void* base, int rows, int64_t vocab) {
     offset += align_up(bytes);
     return p;
   };
-  l.offsets = reinterpret_cast<int32_t*>(take((static_cast<size_t>(rows) + 1) * sizeof(int32_t)));
+  l.begins = reinterpret_cast<int32_t*>(take(static_cast<size_t>(rows) * sizeof(int32_t)));
+  l.ends = reinterpret_cast<int32_t*>(take(static_cast<size_t>(rows) * sizeof(int32_t)));
   l.stats = reinterpret_cast<RowStats*>(take(static_cast<size_t>(rows) * sizeof(RowStats)));
   l.keys_a = reinterpret_cast<float*>(take(n * sizeof(float)));
   l.keys_b = reinterpret_cast<float*>(take(n * sizeof(float)));
@@ -95,8 +97,7 @@ struct ArgMaxOp {
   }
 };
 
-__global__ void __launch_bounds__(kThreads)
-    prep_kernel(const float* __restrict__ logits, int rows, int64_t vocab, Layout l) {
+__global__ void __launch_bounds__(kThreads) prep_kernel(SampleParams p, Layout l) {
   using Reduce = cub::BlockReduce<ArgMax, kThreads>;
   using ReduceDouble = cub::BlockReduce<double, kThreads>;
   __shared__ union {
@@ -105,10 +106,16 @@ __global__ void __launch_bounds__(kThreads)
   } temp;
   __shared__ ArgMax best_shared;
   const int r = blockIdx.x;
-  const float* row = logits + r * vocab;
+  const int64_t vocab = p.vocab;
+  const float* row = p.logits + r * vocab;
+  // Only rows that filter (top-k / top-p while sampling) or report top_logprobs read the sorted order.
+  const int32_t top_k_raw = p.top_k[r];
+  const int64_t top_k = top_k_raw > 0 && top_k_raw < vocab ? top_k_raw : vocab;
+  const bool sampled = p.temperature[r] > 0.0f && top_k > 1;
+  const bool needs_sort = p.top_logprobs > 0 || (sampled && (top_k < vocab || p.top_p[r] < 1.0f));
   if (threadIdx.x == 0) {
-    l.offsets[r] = static_cast<int32_t>(r * vocab);
-    if (r == rows - 1) l.offsets[rows] = static_cast<int32_t>(static_cast<int64_t>(rows) * vocab);
+    l.begins[r] = static_cast<int32_t>(r * vocab);
+    l.ends[r] = static_cast<int32_t>(r * vocab + (needs_sort ? vocab : 0));
   }
   ArgMax best{-INFINITY, 0x7fffffff};
   for (int64_t i = threadIdx.x; i < vocab; i += kThreads) {
@@ -127,8 +134,10 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t i = threadIdx.x; i < vocab; i += kThreads) {
     float v = all_masked ? 0.0f : clean_logit(row[i]);
     if (v == 0.0f) v = 0.0f;  // -0 sorts like +0 (the CPU compares values with ==)
-    keys[i] = v;
-    ids[i] = static_cast<int32_t>(i);
+    if (needs_sort) {
+      keys[i] = v;
+      ids[i] = static_cast<int32_t>(i);
+    }
     sum += exp(static_cast<double>(v) - max_value);
   }
   sum = ReduceDouble(temp.sum).Sum(sum);
@@ -269,7 +278,7 @@ Status sample(const SampleParams& p, cudaStream_t stream) {
     return invalid_argument(prefix + "workspace must be 256-byte aligned");
   }
   const Layout l = make_layout(p.workspace, p.rows, p.vocab);
-  prep_kernel<<<p.rows, kThreads, 0, stream>>>(p.logits, p.rows, p.vocab, l);
+  prep_kernel<<<p.rows, kThreads, 0, stream>>>(p, l);
   cudaError_t error = cudaGetLastError();
   if (error != cudaSuccess) return internal_error(prefix + "prep launch: " + cudaGetErrorName(error));
   size_t temp_bytes = l.sort_temp_bytes;
@@ -277,7 +286,7 @@ Status sample(const SampleParams& p, cudaStream_t stream) {
   cub::DoubleBuffer<int32_t> ids(l.ids_a, l.ids_b);
   error = cub::DeviceSegmentedRadixSort::SortPairsDescending(
       l.sort_temp, temp_bytes, keys, ids, static_cast<int>(p.rows * p.vocab), p.rows,
-      static_cast<const int32_t*>(l.offsets), static_cast<const int32_t*>(l.offsets + 1), 0, 32, stream);
+      static_cast<const int32_t*>(l.begins), static_cast<const int32_t*>(l.ends), 0, 32, stream);
   if (error != cudaSuccess) return internal_error(prefix + "segmented sort: " + cudaGetErrorName(error));
   choose_kernel<<<p.rows, kThreads, 0, stream>>>(p, l.stats, keys.Current(), ids.Current());
   error = cudaGetLastError();

@@ -320,6 +320,24 @@ TEST(SamplingGpu, RealVocabularyManyRows) {
   compare_rows(logits, vocab, rows, 20, got);
 }
 
+TEST(SamplingGpu, MixedRowsWithoutTopLogprobs) {
+  // Rows that need no sorted order (greedy, unfiltered sampling) get empty sort segments next to rows that do.
+  const int64_t vocab = 2000;
+  std::mt19937 rng(6);
+  std::vector<float> logits;
+  std::vector<RowParams> rows;
+  const RowParams kinds[] = {{0.0f, 1.0f, 0, 0},  {1.0f, 1.0f, 0, 0}, {0.9f, 1.0f, 10, 0},
+                             {1.1f, 0.7f, 48, 0}, {0.5f, 1.0f, 1, 0}, {1.0f, 1.0f, 5000, 0}};
+  for (int r = 0; r < 24; ++r) {
+    const std::vector<float> row = distinct_logits(rng, vocab, 9.0f);
+    logits.insert(logits.end(), row.begin(), row.end());
+    rows.push_back(kinds[r % 6]);
+    rows.back().seed = 300 + r;
+  }
+  const GpuResult got = run_gpu(logits, vocab, rows, 0);
+  compare_rows(logits, vocab, rows, 0, got);
+}
+
 TEST(SamplingGpu, GraphCaptureReplays) {
   const int64_t vocab = 3000;
   std::mt19937 rng(5);
