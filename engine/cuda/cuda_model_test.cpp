@@ -1,0 +1,465 @@
+// The CUDA backend against the CPU reference (engine/model.cpp) on the same weights, ctest label gpu.
+// Models: the tiny presets (head size 32: the generic KDA path) and "real head sizes" variants of both (KDA head
+// 128: kda_decode_step / kda_chunk_prefill; MLA rows of 512 + 64). Weights are bf16-representable (bf16
+// checkpoints), so the GPU's weight conversion is exact and the differences come from bf16 activations.
+// Tolerance per logit vector: max |gpu - cpu| <= 0.05 * max |cpu| + 0.02. Argmax checks only count where the CPU's
+// top-2 margin exceeds that tolerance (nearer ties may flip under bf16 rounding; they are counted and printed).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "common/temp_dir.hpp"
+#include "engine/cuda/cuda_backend.hpp"
+#include "engine/make_model.hpp"
+#include "engine/model.hpp"
+#include "engine/model_weights.hpp"
+#include "engine/test_models.hpp"
+
+namespace deltaserve::engine::cuda {
+namespace {
+
+using testing::random_tokens;
+
+// ---- configurations ------------------------------------------------------------------------------------------
+
+ModelConfig real_head_sizes(ModelConfig c) {
+  c.hidden_size = 256;
+  c.intermediate_size = 256;
+  c.kda.num_heads = 2;
+  c.kda.head_dim = 128;
+  c.kda.gate_low_rank = 128;
+  c.mla.num_heads = 2;
+  c.mla.kv_lora_rank = 512;
+  c.mla.qk_rope_head_dim = 64;
+  c.mla.qk_nope_head_dim = 128;
+  c.mla.v_head_dim = 128;
+  if (c.mla.q_lora_rank) c.mla.q_lora_rank = 64;
+  c.moe.num_experts = 8;
+  c.moe.moe_intermediate_size = 64;
+  if (c.moe.routed_expert_hidden_size) c.moe.routed_expert_hidden_size = 128;
+  return c;
+}
+
+ModelConfig test_config(const std::string& name) {
+  const bool real = name.starts_with("real-");
+  auto config = preset_config(real ? "tiny-" + name.substr(5) : name);
+  EXPECT_TRUE(config.is_ok()) << config.status().to_string();
+  return real ? real_head_sizes(*config) : *config;
+}
+
+CudaBackendOptions test_options() {
+  CudaBackendOptions options;
+  options.memory_fraction = 0.5;
+  options.max_batch_tokens = 512;
+  options.max_requests = 64;
+  options.cache_pages = 2048;
+  return options;
+}
+
+// A CPU model and a GPU model with the same weights (a bf16 checkpoint written with `seed`).
+struct Models {
+  ModelConfig config;
+  std::unique_ptr<Model> cpu;
+  std::unique_ptr<Model> gpu;
+  CudaBackend* backend = nullptr;
+};
+
+Models make_models(const std::string& name, const CudaBackendOptions& options = test_options(),
+                   bool stream_from_checkpoint = false, uint64_t seed = 11) {
+  Models m;
+  m.config = test_config(name);
+  TempDir dir;
+  MakeModelOptions make;
+  make.seed = seed;
+  make.dtype = DType::kBF16;
+  Status written = write_random_model(m.config, dir.path(), make);
+  EXPECT_TRUE(written.is_ok()) << written.to_string();
+  auto checkpoint = Checkpoint::open(dir.path());
+  EXPECT_TRUE(checkpoint.is_ok()) << checkpoint.status().to_string();
+  if (!checkpoint.is_ok()) return m;
+  auto weights = load_model_weights(**checkpoint, m.config);
+  EXPECT_TRUE(weights.is_ok()) << weights.status().to_string();
+  if (!weights.is_ok()) return m;
+  auto backend = stream_from_checkpoint ? make_cuda_backend(m.config, **checkpoint, options)
+                                        : make_cuda_backend(m.config, *weights, options);
+  EXPECT_TRUE(backend.is_ok()) << backend.status().to_string();
+  if (!backend.is_ok()) return m;
+  m.backend = dynamic_cast<CudaBackend*>(backend->get());
+  m.cpu = std::make_unique<Model>(m.config, std::move(weights).value());
+  m.gpu = std::make_unique<Model>(m.config, std::move(backend).value());
+  return m;
+}
+
+// ---- comparisons ---------------------------------------------------------------------------------------------
+
+double max_abs(std::span<const float> v) {
+  double m = 0;
+  for (float x : v) m = std::max(m, static_cast<double>(std::fabs(x)));
+  return m;
+}
+
+double max_diff(std::span<const float> a, std::span<const float> b) {
+  if (a.size() != b.size()) return INFINITY;
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double d = std::fabs(static_cast<double>(a[i]) - b[i]);
+    if (std::isnan(d)) return INFINITY;
+    m = std::max(m, d);
+  }
+  return m;
+}
+
+double tolerance(std::span<const float> reference) {
+  return 0.05 * max_abs(reference) + 0.02;
+}
+
+int32_t argmax(std::span<const float> v) {
+  return static_cast<int32_t>(std::max_element(v.begin(), v.end()) - v.begin());
+}
+
+double top2_margin(std::span<const float> v) {
+  float first = -INFINITY, second = -INFINITY;
+  for (float x : v) {
+    if (x > first) {
+      second = first;
+      first = x;
+    } else if (x > second) {
+      second = x;
+    }
+  }
+  return static_cast<double>(first) - second;
+}
+
+// Logits of one forward pass of one sequence.
+std::vector<float> run(const Model& model, RequestState& state, std::span<const int32_t> tokens, bool all = false) {
+  std::vector<std::vector<float>> out;
+  SequenceInput input{&state, tokens, all};
+  Status status = model.forward({&input, 1}, out);
+  EXPECT_TRUE(status.is_ok()) << status.to_string();
+  return status.is_ok() ? out[0] : std::vector<float>{};
+}
+
+// Tracks the worst step of a run against the tolerance.
+struct StepStats {
+  double worst_ratio = 0;  // max over steps of diff / tolerance
+  int worst_step = -1;
+  double worst_diff = 0, worst_tolerance = 0;
+  int flips_within_tolerance = 0, flips_beyond_tolerance = 0;
+  void add(int step, std::span<const float> gpu, std::span<const float> cpu) {
+    const double diff = max_diff(gpu, cpu), tol = tolerance(cpu);
+    if (diff / tol > worst_ratio || worst_step < 0) {
+      worst_ratio = diff / tol;
+      worst_step = step;
+      worst_diff = diff;
+      worst_tolerance = tol;
+    }
+    if (argmax(gpu) != argmax(cpu)) {
+      if (top2_margin(cpu) > tol) {
+        ++flips_beyond_tolerance;
+        ADD_FAILURE() << "step " << step << ": GPU argmax " << argmax(gpu) << " != CPU argmax " << argmax(cpu)
+                      << " although the CPU's top-2 margin " << top2_margin(cpu) << " exceeds the tolerance " << tol;
+      } else {
+        ++flips_within_tolerance;
+      }
+    }
+  }
+  std::string summary() const {
+    char text[256];
+    std::snprintf(text, sizeof text, "worst step %d: max|diff| %.4g vs tolerance %.4g (%.0f%%); argmax flips %d",
+                  worst_step, worst_diff, worst_tolerance, 100 * worst_ratio, flips_within_tolerance);
+    return text;
+  }
+  bool within_tolerance() const { return worst_ratio <= 1.0; }
+};
+
+class CudaModelTest : public ::testing::TestWithParam<std::string> {};
+
+// (1) Prompt of 40 tokens in one pass, then 128 decode steps fed with the CPU's greedy token.
+TEST_P(CudaModelTest, TeacherForcedGreedyMatchesCpu) {
+  Models m = make_models(GetParam());
+  ASSERT_NE(m.gpu, nullptr);
+  const auto prompt = random_tokens(40, m.config.vocab_size, 1);
+  RequestState cpu_state = m.cpu->new_state(), gpu_state = m.gpu->new_state();
+  StepStats stats;
+  std::vector<float> cpu_logits = run(*m.cpu, cpu_state, prompt);
+  std::vector<float> gpu_logits = run(*m.gpu, gpu_state, prompt);
+  stats.add(0, gpu_logits, cpu_logits);
+  for (int step = 1; step <= 128; ++step) {
+    const int32_t token = argmax(cpu_logits);
+    cpu_logits = run(*m.cpu, cpu_state, {&token, 1});
+    gpu_logits = run(*m.gpu, gpu_state, {&token, 1});
+    ASSERT_EQ(gpu_logits.size(), cpu_logits.size()) << "step " << step;
+    stats.add(step, gpu_logits, cpu_logits);
+  }
+  std::printf("[%s] teacher-forced: %s\n", GetParam().c_str(), stats.summary().c_str());
+  EXPECT_TRUE(stats.within_tolerance()) << stats.summary();
+  EXPECT_EQ(gpu_state.num_tokens(), 40 + 128);
+}
+
+// (2) The prompt in chunks of 7, 16 and 17 tokens equals one pass (all logits) and the CPU.
+TEST_P(CudaModelTest, ChunkedPrefillEqualsOneShotAndCpu) {
+  Models m = make_models(GetParam());
+  ASSERT_NE(m.gpu, nullptr);
+  const int64_t vocab = m.config.vocab_size;
+  const auto prompt = random_tokens(40, vocab, 2);
+  RequestState one = m.gpu->new_state(), cpu_state = m.cpu->new_state();
+  const std::vector<float> one_shot = run(*m.gpu, one, prompt, true);
+  const std::vector<float> cpu = run(*m.cpu, cpu_state, prompt, true);
+  RequestState chunked = m.gpu->new_state();
+  std::vector<float> pieces;
+  size_t begin = 0;
+  for (size_t length : {7, 16, 17}) {
+    const auto logits = run(*m.gpu, chunked, std::span<const int32_t>(prompt).subspan(begin, length), true);
+    pieces.insert(pieces.end(), logits.begin(), logits.end());
+    begin += length;
+  }
+  ASSERT_EQ(pieces.size(), static_cast<size_t>(40 * vocab));
+  StepStats vs_one_shot, vs_cpu;
+  for (int64_t t = 0; t < 40; ++t) {
+    const std::span<const float> row(&pieces[static_cast<size_t>(t * vocab)], static_cast<size_t>(vocab));
+    vs_one_shot.add(static_cast<int>(t), row, {&one_shot[static_cast<size_t>(t * vocab)], static_cast<size_t>(vocab)});
+    vs_cpu.add(static_cast<int>(t), row, {&cpu[static_cast<size_t>(t * vocab)], static_cast<size_t>(vocab)});
+  }
+  std::printf("[%s] chunked vs one pass: %s\n[%s] chunked vs CPU: %s\n", GetParam().c_str(),
+              vs_one_shot.summary().c_str(), GetParam().c_str(), vs_cpu.summary().c_str());
+  EXPECT_TRUE(vs_one_shot.within_tolerance()) << vs_one_shot.summary();
+  EXPECT_TRUE(vs_cpu.within_tolerance()) << vs_cpu.summary();
+  EXPECT_EQ(chunked.num_tokens(), 40);
+}
+
+// (3) One prefill chunk and three decode tokens of other requests in one pass equal each run alone.
+TEST_P(CudaModelTest, MixedBatchEqualsSeparateRuns) {
+  Models m = make_models(GetParam());
+  ASSERT_NE(m.gpu, nullptr);
+  const int64_t vocab = m.config.vocab_size;
+  std::vector<RequestState> decoding;
+  for (int i = 0; i < 3; ++i) {
+    decoding.push_back(m.gpu->new_state());
+    (void)run(*m.gpu, decoding.back(), random_tokens(10 + 13 * i, vocab, 10 + i));
+  }
+  // Copies bring the host containers up to date and carry no residency: they upload on their next pass.
+  std::vector<RequestState> alone(decoding.begin(), decoding.end());
+  RequestState prefill = m.gpu->new_state(), prefill_alone = m.gpu->new_state();
+  const auto chunk = random_tokens(20, vocab, 20);
+  const auto next = random_tokens(3, vocab, 21);
+
+  std::vector<SequenceInput> batch = {{&prefill, chunk, true}};
+  for (int i = 0; i < 3; ++i)
+    batch.push_back({&decoding[static_cast<size_t>(i)], {&next[static_cast<size_t>(i)], 1}, false});
+  std::vector<std::vector<float>> mixed;
+  Status status = m.gpu->forward(batch, mixed);
+  ASSERT_TRUE(status.is_ok()) << status.to_string();
+
+  StepStats stats;
+  stats.add(0, mixed[0], run(*m.gpu, prefill_alone, chunk, true));
+  for (int i = 0; i < 3; ++i) {
+    stats.add(i + 1, mixed[static_cast<size_t>(i + 1)],
+              run(*m.gpu, alone[static_cast<size_t>(i)], {&next[static_cast<size_t>(i)], 1}));
+  }
+  std::printf("[%s] mixed batch vs alone: %s\n", GetParam().c_str(), stats.summary().c_str());
+  EXPECT_TRUE(stats.within_tolerance()) << stats.summary();
+  EXPECT_EQ(prefill.num_tokens(), 20);
+  EXPECT_EQ(decoding[2].num_tokens(), 10 + 26 + 1);
+}
+
+// (4) State round trips: GPU prefill → sync_host → CPU continues; CPU prefill → GPU continues.
+TEST_P(CudaModelTest, StateMovesBetweenCpuAndGpu) {
+  Models m = make_models(GetParam());
+  ASSERT_NE(m.gpu, nullptr);
+  const int64_t vocab = m.config.vocab_size;
+  const auto prompt = random_tokens(40, vocab, 3);
+  const auto follow = random_tokens(16, vocab, 4);
+
+  RequestState gpu_state = m.gpu->new_state(), cpu_state = m.cpu->new_state();
+  (void)run(*m.gpu, gpu_state, prompt);
+  (void)run(*m.cpu, cpu_state, prompt);
+  ASSERT_NE(gpu_state.residency(), nullptr);
+  EXPECT_TRUE(gpu_state.host_stale());
+  Status synced = gpu_state.sync_host();
+  ASSERT_TRUE(synced.is_ok()) << synced.to_string();
+  EXPECT_FALSE(gpu_state.host_stale());
+  // The downloaded caches are near the CPU's own (KDA fp32 states, MLA rows bf16-rounded).
+  for (size_t l = 0; l < cpu_state.kda.size(); ++l) {
+    EXPECT_LT(max_diff(gpu_state.kda[l].recurrent, cpu_state.kda[l].recurrent),
+              0.05 * max_abs(cpu_state.kda[l].recurrent) + 0.02)
+        << "KDA layer " << l << " recurrent state";
+    EXPECT_LT(max_diff(gpu_state.kda[l].conv_v, cpu_state.kda[l].conv_v),
+              0.05 * max_abs(cpu_state.kda[l].conv_v) + 0.02)
+        << "KDA layer " << l << " conv tail";
+  }
+  for (size_t l = 0; l < cpu_state.mla.size(); ++l) {
+    ASSERT_EQ(gpu_state.mla[l].num_tokens(), 40) << "MLA layer " << l;
+    EXPECT_LT(max_diff(gpu_state.mla[l].data(), cpu_state.mla[l].data()),
+              0.05 * max_abs(cpu_state.mla[l].data()) + 0.02)
+        << "MLA layer " << l << " cache rows";
+  }
+
+  RequestState moved_to_cpu = gpu_state;  // host copy, no residency
+  RequestState moved_to_gpu = cpu_state;  // uploaded on its first GPU pass
+  StepStats to_cpu, to_gpu;
+  for (size_t i = 0; i < follow.size(); ++i) {
+    const std::span<const int32_t> token(&follow[i], 1);
+    const auto on_gpu = run(*m.gpu, gpu_state, token);
+    const auto on_cpu = run(*m.cpu, moved_to_cpu, token);
+    const auto reference = run(*m.cpu, cpu_state, token);
+    const auto uploaded = run(*m.gpu, moved_to_gpu, token);
+    to_cpu.add(static_cast<int>(i), on_gpu, on_cpu);
+    to_gpu.add(static_cast<int>(i), uploaded, reference);
+  }
+  std::printf("[%s] GPU state continued on CPU: %s\n[%s] CPU state continued on GPU: %s\n", GetParam().c_str(),
+              to_cpu.summary().c_str(), GetParam().c_str(), to_gpu.summary().c_str());
+  EXPECT_TRUE(to_cpu.within_tolerance()) << to_cpu.summary();
+  EXPECT_TRUE(to_gpu.within_tolerance()) << to_gpu.summary();
+}
+
+// (6) Free-running greedy generation of 128 tokens: the same tokens as the CPU, unless they part where the CPU's
+// own top-2 margin was within the tolerance (a near tie bf16 may break either way).
+TEST_P(CudaModelTest, FreeRunningGreedyMatchesCpu) {
+  Models m = make_models(GetParam());
+  ASSERT_NE(m.gpu, nullptr);
+  const auto prompt = random_tokens(40, m.config.vocab_size, 5);
+  RequestState cpu_state = m.cpu->new_state(), gpu_state = m.gpu->new_state();
+  std::vector<float> cpu_logits = run(*m.cpu, cpu_state, prompt);
+  std::vector<float> gpu_logits = run(*m.gpu, gpu_state, prompt);
+  for (int step = 0; step < 128; ++step) {
+    ASSERT_FALSE(cpu_logits.empty() || gpu_logits.empty());
+    const int32_t cpu_token = argmax(cpu_logits), gpu_token = argmax(gpu_logits);
+    if (cpu_token != gpu_token) {
+      const double margin = top2_margin(cpu_logits), tol = tolerance(cpu_logits);
+      std::printf("[%s] free-running greedy parts at step %d: CPU %d, GPU %d, CPU top-2 margin %.4g (tolerance %.4g)\n",
+                  GetParam().c_str(), step, cpu_token, gpu_token, margin, tol);
+      EXPECT_LE(margin, tol) << "GPU and CPU greedy tokens differ at step " << step
+                             << " although the CPU's top-2 margin exceeds the tolerance";
+      return;
+    }
+    cpu_logits = run(*m.cpu, cpu_state, {&cpu_token, 1});
+    gpu_logits = run(*m.gpu, gpu_state, {&gpu_token, 1});
+  }
+  std::printf("[%s] free-running greedy: 128 identical tokens\n", GetParam().c_str());
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, CudaModelTest, ::testing::Values("tiny-linear", "tiny-k3", "real-linear", "real-k3"),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           std::string name = info.param;
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name;
+                         });
+
+// (5) Slots run out: kResourceExhausted, states untouched; destroying a state returns its slot.
+TEST(CudaBackendPools, SlotsRunOutAndComeBack) {
+  CudaBackendOptions options = test_options();
+  options.state_slots = 2;
+  Models m = make_models("tiny-linear", options);
+  ASSERT_NE(m.gpu, nullptr);
+  EXPECT_EQ(m.backend->capacity().state_slots, 2);
+  const int64_t pages = m.backend->free_cache_pages();
+  const auto tokens = random_tokens(10, m.config.vocab_size, 6);
+  auto a = std::make_unique<RequestState>(m.gpu->new_state());
+  RequestState b = m.gpu->new_state(), c = m.gpu->new_state();
+  (void)run(*m.gpu, *a, tokens);
+  (void)run(*m.gpu, b, tokens);
+  EXPECT_EQ(m.backend->free_state_slots(), 0);
+  EXPECT_EQ(m.backend->free_cache_pages(), pages - 2);
+
+  std::vector<std::vector<float>> out;
+  SequenceInput input{&c, tokens, false};
+  Status status = m.gpu->forward({&input, 1}, out);
+  EXPECT_EQ(status.code(), StatusCode::kResourceExhausted) << status.to_string();
+  EXPECT_NE(status.message().find("slot"), std::string::npos) << status.message();
+  EXPECT_EQ(c.num_tokens(), 0);
+  EXPECT_EQ(c.residency(), nullptr);
+  EXPECT_TRUE(c.same_contents(m.gpu->new_state()));
+
+  // A batch holding a resident request and a new one fails as a whole: the resident one does not advance.
+  const int32_t one = tokens[0];
+  std::vector<SequenceInput> batch = {{&b, {&one, 1}, false}, {&c, tokens, false}};
+  status = m.gpu->forward(batch, out);
+  EXPECT_EQ(status.code(), StatusCode::kResourceExhausted) << status.to_string();
+  EXPECT_EQ(b.num_tokens(), 10);
+
+  a.reset();  // gives its slot and page back
+  EXPECT_EQ(m.backend->free_state_slots(), 1);
+  EXPECT_EQ(m.backend->free_cache_pages(), pages - 1);
+  status = m.gpu->forward({&input, 1}, out);
+  EXPECT_TRUE(status.is_ok()) << status.to_string();
+  EXPECT_EQ(c.num_tokens(), 10);
+  c.reset();  // RequestState::reset drops the device copy
+  EXPECT_EQ(m.backend->free_state_slots(), 1);
+}
+
+TEST(CudaBackendPools, PagesRunOut) {
+  CudaBackendOptions options = test_options();
+  options.cache_pages = 3;
+  options.page_tokens = 16;
+  Models m = make_models("tiny-linear", options);
+  ASSERT_NE(m.gpu, nullptr);
+  RequestState a = m.gpu->new_state(), b = m.gpu->new_state();
+  (void)run(*m.gpu, a, random_tokens(40, m.config.vocab_size, 7));  // 3 pages of 16
+  EXPECT_EQ(m.backend->free_cache_pages(), 0);
+  std::vector<std::vector<float>> out;
+  const auto tokens = random_tokens(5, m.config.vocab_size, 8);
+  SequenceInput input{&b, tokens, false};
+  Status status = m.gpu->forward({&input, 1}, out);
+  EXPECT_EQ(status.code(), StatusCode::kResourceExhausted) << status.to_string();
+  EXPECT_NE(status.message().find("pages"), std::string::npos) << status.message();
+  EXPECT_EQ(b.num_tokens(), 0);
+  // The resident request still fits 8 more tokens in its last page.
+  SequenceInput more{&a, std::span<const int32_t>(tokens).first(5), false};
+  status = m.gpu->forward({&more, 1}, out);
+  EXPECT_TRUE(status.is_ok()) << status.to_string();
+  EXPECT_EQ(a.num_tokens(), 45);
+}
+
+TEST(CudaBackendLoad, CheckpointStreamingEqualsHostWeights) {
+  Models host = make_models("tiny-k3", test_options(), false);
+  Models streamed = make_models("tiny-k3", test_options(), true);
+  ASSERT_NE(host.gpu, nullptr);
+  ASSERT_NE(streamed.gpu, nullptr);
+  EXPECT_EQ(host.backend->capacity().weight_bytes, streamed.backend->capacity().weight_bytes);
+  const auto prompt = random_tokens(24, host.config.vocab_size, 9);
+  RequestState a = host.gpu->new_state(), b = streamed.gpu->new_state();
+  EXPECT_EQ(run(*host.gpu, a, prompt, true), run(*streamed.gpu, b, prompt, true));
+}
+
+TEST(CudaBackendLoad, RandomWeightsOnTheDeviceAreDeterministic) {
+  for (const std::string name : {"tiny-k3", "real-linear"}) {
+    const ModelConfig config = test_config(name);
+    auto first = make_cuda_backend_random(config, 5, test_options());
+    ASSERT_TRUE(first.is_ok()) << first.status().to_string();
+    const Model model(config, std::move(first).value());
+    const auto prompt = random_tokens(30, config.vocab_size, 10);
+    RequestState state = model.new_state();
+    const auto logits = run(model, state, prompt);
+    ASSERT_EQ(logits.size(), static_cast<size_t>(config.vocab_size));
+    for (float x : logits) ASSERT_TRUE(std::isfinite(x)) << name;
+    EXPECT_GT(max_abs(logits), 0.0) << name;
+    auto second = make_cuda_backend_random(config, 5, test_options());
+    ASSERT_TRUE(second.is_ok()) << second.status().to_string();
+    const Model again(config, std::move(second).value());
+    RequestState state2 = again.new_state();
+    EXPECT_EQ(run(again, state2, prompt), logits) << name;
+  }
+}
+
+TEST(CudaBackendLoad, CapacityIsReported) {
+  Models m = make_models("real-k3");
+  ASSERT_NE(m.gpu, nullptr);
+  const BackendCapacity cap = m.backend->capacity();
+  EXPECT_NE(cap.device.find("cuda:0"), std::string::npos) << cap.device;
+  EXPECT_GT(cap.weight_bytes, 0);
+  EXPECT_GT(cap.state_slots, 0);
+  EXPECT_LE(cap.state_slots, 64);
+  EXPECT_EQ(cap.cache_pages, 2048);
+  EXPECT_EQ(cap.page_tokens, 64);
+  EXPECT_EQ(cap.cache_bytes_per_token, 3 * 576 * 2);
+  EXPECT_GT(cap.free_bytes_after, 0);
+  EXPECT_EQ(m.backend->free_state_slots(), cap.state_slots);
+}
+
+}  // namespace
+}  // namespace deltaserve::engine::cuda
