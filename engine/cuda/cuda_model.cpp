@@ -47,6 +47,7 @@ size_t arena_bytes(const ModelConfig& c, int64_t R) {
     kda.add(R * C * 4);                              // gate raw
     kda.add(R * C * 4);                              // output gate
     kda.add(R * H * 4);                              // beta
+    kda.add(R * H * 4);                              // beta of a prefill group, realigned
     for (int i = 0; i < 3; ++i) kda.add(R * C * 4);  // q, k, v (fp32 on the generic path)
     kda.add(R * C * 4);                              // g (generic path)
     kda.add(R * C * 4);                              // o
@@ -285,7 +286,7 @@ Status CudaBackend::Impl::build_tables(std::span<SequenceInput> batch, PassTable
 
 Status CudaBackend::Impl::run_kda_prefill_128(const DeviceLayer& layer, const PassTables& t, const __nv_bfloat16* q,
                                               const __nv_bfloat16* k, const __nv_bfloat16* v, const float* gate_raw,
-                                              const float* beta, __nv_bfloat16* o) {
+                                              const float* beta, float* beta_group, __nv_bfloat16* o) {
   const DeviceKda& w = layer.kda;
   const int64_t H = shape.heads, d = shape.head_dim, C = H * d;
   const int64_t state_bytes = shape.state_floats() * 4;
@@ -323,7 +324,14 @@ Status CudaBackend::Impl::run_kda_prefill_128(const DeviceLayer& layer, const Pa
     p.k = k + row0 * C;
     p.v = v + row0 * C;
     p.g = gate_raw + row0 * C;
+    // The kernel wants 16-byte aligned inputs: a group starting at an odd row has its beta rows copied.
     p.beta = beta + row0 * H;
+    if ((row0 * H) % 4 != 0) {
+      const int64_t group_rows = t.cu[static_cast<size_t>(m)] - row0;
+      DS_CUDA_RETURN(cudaMemcpyAsync(beta_group, beta + row0 * H, static_cast<size_t>(group_rows * H) * sizeof(float),
+                                     cudaMemcpyDeviceToDevice, stream()));
+      p.beta = beta_group;
+    }
     p.q_scale = 1.0f / std::sqrt(static_cast<float>(d));
     p.gate_raw = true;
     p.a_log = w.a_log;
@@ -439,13 +447,14 @@ Status CudaBackend::Impl::run_kda(const DeviceLayer& layer, const PassTables& t)
       auto* k = arena.take<__nv_bfloat16>(T * C);
       auto* v = arena.take<__nv_bfloat16>(T * C);
       auto* o = arena.take<__nv_bfloat16>(T * C);
+      auto* beta_group = arena.take<float>(T * H);
       DS_RETURN_IF_ERROR(arena_check("KDA prefill"));
       prep.q_scale = 1.0f;  // the prefill kernel applies d^-0.5
       prep.q = q;
       prep.k = k;
       prep.v = v;
       DS_RETURN_IF_ERROR_CTX(kc::kda_prep(prep, stream()), "kda_prep");
-      DS_RETURN_IF_ERROR(run_kda_prefill_128(layer, t, q, k, v, gate_raw, beta, o));
+      DS_RETURN_IF_ERROR(run_kda_prefill_128(layer, t, q, k, v, gate_raw, beta, beta_group, o));
       DS_RETURN_IF_ERROR(kc::kda_gated_output_norm(o, out_gate, C, w.o_norm, T, static_cast<int>(H),
                                                    static_cast<int>(d), eps, out, stream()));
     } else {

@@ -94,7 +94,7 @@ struct CudaBackend::Impl {
   [[nodiscard]] Status run_kda(const DeviceLayer& layer, const PassTables& tables);
   [[nodiscard]] Status run_kda_prefill_128(const DeviceLayer& layer, const PassTables& tables, const __nv_bfloat16* q,
                                            const __nv_bfloat16* k, const __nv_bfloat16* v, const float* gate_raw,
-                                           const float* beta, __nv_bfloat16* o);
+                                           const float* beta, float* beta_group, __nv_bfloat16* o);
   [[nodiscard]] Status run_mla(const DeviceLayer& layer, const PassTables& tables);
   [[nodiscard]] Status run_moe(const DeviceMoe& moe, int64_t rows);
   [[nodiscard]] Status run_dense_ffn(const DeviceFfn& ffn, const __nv_bfloat16* x, int64_t x_stride, int64_t rows);
