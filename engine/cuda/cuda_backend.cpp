@@ -88,13 +88,10 @@ Status allocate_scratch(CudaBackend::Impl& impl) {
     const MlaConfig& m = c.mla;
     const int context = static_cast<int>(std::min<int64_t>(
         c.max_position_embeddings > 0 ? c.max_position_embeddings : int64_t{1} << 20, int64_t{1} << 30));
-    size_t workspace = 0;
-    for (int64_t T = 1;; T = std::min(T * 2, R)) {
-      workspace = std::max(
-          workspace, kc::mla_attention_workspace_bytes(static_cast<int>(m.num_heads), static_cast<int>(m.kv_lora_rank),
-                                                       static_cast<int>(m.qk_rope_head_dim), T, context));
-      if (T == R) break;
-    }
+    // Sized for up to R query tokens with contexts up to the model's limit (the kernels' maximum over both).
+    const size_t workspace =
+        kc::mla_attention_workspace_bytes(static_cast<int>(m.num_heads), static_cast<int>(m.kv_lora_rank),
+                                          static_cast<int>(m.qk_rope_head_dim), R, context);
     DS_RETURN_IF_ERROR(impl.mla_workspace.allocate(align_up(workspace), "MLA attention workspace"));
   }
 
