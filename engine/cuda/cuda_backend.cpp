@@ -8,6 +8,7 @@
 #include "engine/cuda/cuda_model.hpp"
 #include "kernels/cuda/kda.hpp"
 #include "kernels/cuda/mla.hpp"
+#include "kernels/cuda/moe.hpp"
 
 namespace deltaserve::engine::cuda {
 
@@ -31,6 +32,15 @@ Status check_supported(const ModelConfig& c, const CudaBackendOptions& o) {
     if (m.kv_lora_rank > kc::kMlaMaxKvLora || m.qk_rope_head_dim > kc::kMlaMaxRope ||
         m.qk_nope_head_dim > kc::kMlaMaxNope || m.v_head_dim > kc::kMlaMaxVHead || m.num_heads > kc::kMlaMaxHeads) {
       return unsupported("MLA dimensions beyond the kernels' limits (kernels/cuda/mla.hpp)");
+    }
+  }
+  if (c.moe.num_experts > 0) {
+    const MoeConfig& m = c.moe;
+    if (m.num_experts > kc::kMoeMaxExperts || m.num_experts_per_token > kc::kMoeMaxTopK) {
+      return unsupported("MoE beyond the router's limits (1024 experts, top-32)");
+    }
+    if (m.routed_expert_hidden_size.value_or(c.hidden_size) % 8 != 0 || m.moe_intermediate_size % 8 != 0) {
+      return unsupported("MoE expert widths must be multiples of 8");
     }
   }
   if (o.page_tokens < 16 || o.page_tokens > kc::kMlaMaxPageSize || o.page_tokens % 16 != 0) {

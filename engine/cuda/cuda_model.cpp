@@ -120,6 +120,11 @@ Status CudaBackend::Impl::validate(std::span<SequenceInput> batch) const {
         return invalid_argument(where + ": token id " + std::to_string(token) + " is outside the vocabulary");
       }
     }
+    const int64_t length = in.state->num_tokens() + static_cast<int64_t>(in.tokens.size());
+    if (config.max_position_embeddings > 0 && length > config.max_position_embeddings) {
+      return out_of_range(where + ": " + std::to_string(length) + " tokens exceed the context limit of " +
+                          std::to_string(config.max_position_embeddings));
+    }
     rows += static_cast<int64_t>(in.tokens.size());
   }
   if (rows > max_rows) {
@@ -400,14 +405,20 @@ Status CudaBackend::Impl::run(std::span<SequenceInput> batch, std::vector<std::v
   PassTables tables;
   DS_RETURN_IF_ERROR(build_tables(batch, tables));
   const float* final_hidden = nullptr;
-  const Status status = forward_layers(tables, &final_hidden);
+  Status status = forward_layers(tables, &final_hidden);
   // Restore the AttnRes buffer rotation whatever happened (forward_layers moved `residual`).
-  if (config.attn_res_block_size) {
-    residual = spare_blocks.front();
+  if (config.attn_res_block_size) residual = spare_blocks.front();
+  if (status.is_ok()) status = lm_head(final_hidden, tables, batch, out);
+  if (status.is_ok()) status = cuda_status(cudaGetLastError(), "forward pass", __FILE__, __LINE__);
+  if (!status.is_ok()) {
+    // Layers may have updated KDA states in place before the failure. Where the host copy is current, let the
+    // device copy go (the next pass uploads the host contents again); a request whose only current copy was on
+    // the device cannot be restored (a failure here is a bug or a broken device).
+    for (SequenceInput& in : batch) {
+      if (!in.state->host_stale()) in.state->drop_device();
+    }
+    return status.with_context("CUDA forward pass");
   }
-  DS_RETURN_IF_ERROR(status);
-  DS_RETURN_IF_ERROR(lm_head(final_hidden, tables, batch, out));
-  DS_CUDA_RETURN(cudaGetLastError());
   for (SequenceInput& in : batch) {
     in.state->set_host_stale(true);
     in.state->advance(static_cast<int64_t>(in.tokens.size()));

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include "common/temp_dir.hpp"
@@ -413,6 +414,48 @@ TEST(CudaBackendPools, PagesRunOut) {
   status = m.gpu->forward({&more, 1}, out);
   EXPECT_TRUE(status.is_ok()) << status.to_string();
   EXPECT_EQ(a.num_tokens(), 45);
+}
+
+TEST(CudaBackendPools, StateMovesBetweenTwoBackends) {
+  Models first = make_models("real-linear");
+  Models second = make_models("real-linear");
+  ASSERT_NE(first.gpu, nullptr);
+  ASSERT_NE(second.gpu, nullptr);
+  const auto prompt = random_tokens(30, first.config.vocab_size, 12);
+  const auto follow = random_tokens(8, first.config.vocab_size, 13);
+  RequestState state = first.gpu->new_state(), reference = first.gpu->new_state();
+  (void)run(*first.gpu, state, prompt);
+  (void)run(*first.gpu, reference, prompt);
+  const int64_t slots = first.backend->free_state_slots();
+  // The second backend downloads the state from the first (sync_host), releases it there and uploads it.
+  StepStats stats;
+  for (size_t i = 0; i < follow.size(); ++i) {
+    const std::span<const int32_t> token(&follow[i], 1);
+    stats.add(static_cast<int>(i), run(*second.gpu, state, token), run(*first.gpu, reference, token));
+  }
+  EXPECT_EQ(first.backend->free_state_slots(), slots + 1);
+  EXPECT_EQ(second.backend->free_state_slots(), second.backend->capacity().state_slots - 1);
+  std::printf("[real-linear] moved between backends: %s\n", stats.summary().c_str());
+  EXPECT_TRUE(stats.within_tolerance()) << stats.summary();
+}
+
+TEST(CudaBackendPools, ForwardOnDeviceKeepsTheLogitsThere) {
+  Models m = make_models("tiny-linear");
+  ASSERT_NE(m.gpu, nullptr);
+  const int64_t vocab = m.config.vocab_size;
+  const auto prompt = random_tokens(12, vocab, 14);
+  RequestState a = m.gpu->new_state(), b = m.gpu->new_state();
+  const auto host = run(*m.gpu, a, prompt);
+  SequenceInput input{&b, prompt, false};
+  Status status = m.backend->forward_on_device({&input, 1});
+  ASSERT_TRUE(status.is_ok()) << status.to_string();
+  ASSERT_TRUE(m.backend->synchronize().is_ok());
+  EXPECT_EQ(b.num_tokens(), 12);
+  std::vector<float> device(static_cast<size_t>(vocab));
+  ASSERT_EQ(
+      cudaMemcpy(device.data(), m.backend->device_logits(), device.size() * sizeof(float), cudaMemcpyDeviceToHost),
+      cudaSuccess);
+  EXPECT_EQ(device, host);
 }
 
 TEST(CudaBackendLoad, CheckpointStreamingEqualsHostWeights) {
