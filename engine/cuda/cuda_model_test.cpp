@@ -455,7 +455,7 @@ TEST(CudaBackendPools, ForwardOnDeviceKeepsTheLogitsThere) {
   ASSERT_EQ(
       cudaMemcpy(device.data(), m.backend->device_logits(), device.size() * sizeof(float), cudaMemcpyDeviceToHost),
       cudaSuccess);
-  EXPECT_EQ(device, host);
+  expect_same_run(device, host, "device logits vs host logits");
 }
 
 TEST(CudaBackendLoad, CheckpointStreamingEqualsHostWeights) {
@@ -466,7 +466,7 @@ TEST(CudaBackendLoad, CheckpointStreamingEqualsHostWeights) {
   EXPECT_EQ(host.backend->capacity().weight_bytes, streamed.backend->capacity().weight_bytes);
   const auto prompt = random_tokens(24, host.config.vocab_size, 9);
   RequestState a = host.gpu->new_state(), b = streamed.gpu->new_state();
-  EXPECT_EQ(run(*host.gpu, a, prompt, true), run(*streamed.gpu, b, prompt, true));
+  expect_same_run(run(*host.gpu, a, prompt, true), run(*streamed.gpu, b, prompt, true), "streamed vs host weights");
 }
 
 TEST(CudaBackendLoad, RandomWeightsOnTheDeviceAreDeterministic) {
@@ -485,7 +485,7 @@ TEST(CudaBackendLoad, RandomWeightsOnTheDeviceAreDeterministic) {
     ASSERT_TRUE(second.is_ok()) << second.status().to_string();
     const Model again(config, std::move(second).value());
     RequestState state2 = again.new_state();
-    EXPECT_EQ(run(again, state2, prompt), logits) << name;
+    expect_same_run(run(again, state2, prompt), logits, name + ": same seed twice");
   }
 }
 
