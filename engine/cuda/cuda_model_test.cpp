@@ -119,6 +119,13 @@ double tolerance(std::span<const float> reference) {
   return 0.05 * max_abs(reference) + 0.02;
 }
 
+// Two GPU runs of the same computation (different slots/pages or backends): identical up to any reduction-order
+// nondeterminism of the kernels (expected bitwise equal).
+void expect_same_run(std::span<const float> a, std::span<const float> b, const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  EXPECT_LE(max_diff(a, b), 1e-5 * max_abs(b) + 1e-6) << what;
+}
+
 int32_t argmax(std::span<const float> v) {
   return static_cast<int32_t>(std::max_element(v.begin(), v.end()) - v.begin());
 }
