@@ -3,6 +3,18 @@
 // device_state.hpp). Numerics: residual stream fp32; GEMM inputs bf16 (weights bf16 on the device, activations
 // rounded once), fp32 accumulation; router logits fp32 (fp32 weights and GEMM); norms, softmax, gates fp32; KDA
 // states fp32; MLA cache rows bf16; logits fp32.
+//
+// Memory plan (at construction; nothing is printed): budget = min(free, memory_fraction × total) of the device.
+// Weights (exact size from expected_tensors) and the scratch for max_batch_tokens rows (residual stream, AttnRes
+// blocks, per-layer arena, KDA prefill and MLA attention workspaces, LM-head pieces) come first; of the rest, state
+// slots take at most half (and at most max_requests) unless state_slots / cache_pages fix either count, and MLA
+// pages take what remains. capacity() reports the result.
+//
+// Paths: KDA head size 128 runs kda_decode_step for pure-decode batches and kda_prep + kda_chunk_prefill (states
+// gathered from the slot pool in groups, or used in place for one sequence) + kda_gated_output_norm otherwise;
+// other head sizes run kda_prep_f32 + kda_gate + kda_recurrent_varlen. MLA uses mla_decode for pure-decode batches
+// and mla_prefill otherwise. MoE experts use moe_expert_ffn_decode while (tokens × top_k) <= 4 × experts, cuBLAS
+// per expert (moe_expert_ffn_prefill) beyond. CUDA graphs are not implemented: every pass is eager.
 #pragma once
 
 #include <cstdint>
