@@ -2,6 +2,10 @@
 // same uniform draw per row. Greedy rows (temperature 0) take the argmax (ties to the lowest id); other rows
 // take softmax(logits / temperature) restricted to top-k (by value desc, id asc), then the nucleus top-p, and
 // invert the CDF at the row's draw. Logits: NaN counts as -inf, +inf as FLT_MAX.
+// One known difference: with top_p < 1 over more than 64 top-k candidates, engine::Sampler walks its nucleus in
+// its quickselect's partition order, this in sorted order: the same nucleus and distribution, but the same draw
+// may pick another token of it. Everywhere else the choice is the CPU's (up to fp64 summation order).
+// Workspace: 16 bytes per logit plus the sort's scratch; only rows that filter or report top_logprobs are sorted.
 #pragma once
 
 #include <cstddef>
