@@ -284,6 +284,12 @@ Status Model::forward(std::span<SequenceInput> sequences, std::vector<std::vecto
     batch.row_begin.push_back(batch.row_begin.back() + static_cast<int64_t>(in.tokens.size()));
   }
   if (backend_) return backend_->forward(sequences, logits, options);
+  // The CPU computes on the host copy: bring a device-resident state home first (its device copy is dropped).
+  for (const SequenceInput& in : sequences) {
+    if (in.state->residency() == nullptr) continue;
+    DS_RETURN_IF_ERROR(in.state->sync_host());
+    in.state->drop_device();
+  }
   const int64_t rows = batch.rows(), hidden = config_.hidden_size;
   const auto size = static_cast<size_t>(rows * hidden);
 

@@ -61,6 +61,7 @@ class RequestState {
   // code that reads them calls sync_host() first (the engine's codecs do), and code that writes them calls
   // drop_device() (the next forward pass uploads the host contents).
   const DeviceResidency* residency() const { return residency_.get(); }
+  DeviceResidency* mutable_residency() { return residency_.get(); }
   void attach_residency(std::unique_ptr<DeviceResidency> residency) { residency_ = std::move(residency); }
   bool host_stale() const { return host_stale_; }
   void set_host_stale(bool stale) { host_stale_ = stale; }

@@ -137,11 +137,10 @@ Status CudaBackend::Impl::validate(std::span<SequenceInput> batch) const {
 
 namespace {
 
-CudaResidency* ours(const RequestState& state, const DevicePools* pools) {
-  const auto* residency = dynamic_cast<const CudaResidency*>(state.residency());
+CudaResidency* ours(RequestState& state, const DevicePools* pools) {
+  auto* residency = dynamic_cast<CudaResidency*>(state.mutable_residency());
   if (residency == nullptr || residency->pools() != pools) return nullptr;
-  // The residency is owned (non-const) by the state; RequestState only hands out a const view.
-  return const_cast<CudaResidency*>(residency);
+  return residency;
 }
 
 }  // namespace
