@@ -236,6 +236,38 @@ int64_t CudaBackend::logit_chunk_rows() const {
   return impl_->logit_chunk;
 }
 
+Status CudaBackend::assume_context(RequestState& state, int64_t tokens) {
+  if (tokens < 0) return invalid_argument("assume_context: negative token count");
+  if (state.num_tokens() != 0 || state.residency() != nullptr) {
+    return invalid_argument("assume_context: the state must be fresh (no tokens, not on a device)");
+  }
+  DevicePools& pools = *impl_->pools;
+  std::lock_guard<std::recursive_mutex> lock(pools.mutex());
+  DS_CUDA_RETURN(cudaSetDevice(pools.device()));
+  const int64_t page_tokens = pools.page_tokens();
+  const int64_t pages = impl_->shape.mla_layers > 0 ? (tokens + page_tokens - 1) / page_tokens : 0;
+  if (pools.free_slots() < 1 || pools.free_pages() < pages) {
+    return Status(StatusCode::kResourceExhausted, "assume_context: " + std::to_string(tokens) +
+                                                      " tokens need a slot and " + std::to_string(pages) + " pages; " +
+                                                      std::to_string(pools.free_slots()) + " slots and " +
+                                                      std::to_string(pools.free_pages()) + " pages are free");
+  }
+  auto residency = std::make_unique<CudaResidency>(impl_->pools, pools.take_slot());
+  DS_RETURN_IF_ERROR(pools.upload(state, residency->slot(), residency->pages()));  // zero KDA state and tails
+  const kernels::cuda::MlaPagePool& pool = pools.page_pool();
+  const int64_t page_elements = static_cast<int64_t>(pool.num_layers) * pool.page_size * pool.row_stride;
+  for (int64_t i = 0; i < pages; ++i) {
+    const int32_t page = pools.take_page();
+    residency->pages().push_back(page);
+    DS_CUDA_RETURN(
+        cudaMemsetAsync(pool.pages + page * page_elements, 0, sizeof(__nv_bfloat16) * page_elements, pools.stream()));
+  }
+  state.attach_residency(std::move(residency));
+  state.advance(tokens);
+  state.set_host_stale(true);
+  return Status::ok();
+}
+
 int64_t CudaBackend::free_state_slots() const {
   std::lock_guard<std::recursive_mutex> lock(impl_->pools->mutex());
   return impl_->pools->free_slots();

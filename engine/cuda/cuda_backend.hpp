@@ -65,6 +65,12 @@ class CudaBackend final : public Backend {
   const float* device_logits() const;
   int64_t logit_chunk_rows() const;
 
+  // For benchmarks of long contexts: gives a fresh `state` (no tokens, no residency) a state slot and the MLA pages of
+  // `tokens` tokens, zero-filled, and advances it by `tokens` as if they had been computed (zero KDA states, zero MLA
+  // rows: the decode work per step is that of a real context of this length; the values are not a real prompt's).
+  // kResourceExhausted when the slot or pages are not free; nothing is taken then.
+  [[nodiscard]] Status assume_context(RequestState& state, int64_t tokens);
+
   // Pool occupancy (tests, metrics).
   int64_t free_state_slots() const;
   int64_t free_cache_pages() const;

@@ -26,8 +26,8 @@ constexpr int kThreads = 512;
 constexpr size_t kAlign = 256;
 
 struct RowStats {
-  double log_normalizer;  // max + log Σ exp(v - max)
-  float max_value;        // 0 when every logit is masked
+  double log_sum;   // log Σ exp(v - max); a logprob is (v - max) - log_sum (max first: FLT_MAX + log 2 == FLT_MAX)
+  float max_value;  // 0 when every logit is masked
   int32_t argmax;
   int32_t all_masked;  // every logit NaN or -inf: all values count as 0 (uniform)
 };
@@ -142,8 +142,7 @@ __global__ void __launch_bounds__(kThreads) prep_kernel(SampleParams p, Layout l
   }
   sum = ReduceDouble(temp.sum).Sum(sum);
   if (threadIdx.x == 0) {
-    l.stats[r] =
-        RowStats{static_cast<double>(max_value) + log(sum), max_value, all_masked ? 0 : best.id, all_masked ? 1 : 0};
+    l.stats[r] = RowStats{log(sum), max_value, all_masked ? 0 : best.id, all_masked ? 1 : 0};
   }
 }
 
@@ -205,7 +204,8 @@ __global__ void __launch_bounds__(kThreads)
     if (p.top_ids != nullptr) p.top_ids[r * p.top_logprobs + i] = valid ? sorted_ids[i] : -1;
     if (p.top_values != nullptr) {
       p.top_values[r * p.top_logprobs + i] =
-          valid ? static_cast<float>(static_cast<double>(sorted_values[i]) - stats.log_normalizer) : -INFINITY;
+          valid ? static_cast<float>((static_cast<double>(sorted_values[i]) - stats.max_value) - stats.log_sum)
+                : -INFINITY;
     }
   }
 
@@ -244,7 +244,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (threadIdx.x == 0) {
     p.tokens[r] = token;
-    p.logprobs[r] = static_cast<float>(static_cast<double>(value(token)) - stats.log_normalizer);
+    p.logprobs[r] = static_cast<float>((static_cast<double>(value(token)) - stats.max_value) - stats.log_sum);
   }
 }
 

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# GPU machine only, from the repo root, after bench/gpu/gpu_tests.sh built build/gpu: the CUDA engine benchmark
+# (bench/gpu/engine_bench.cpp) on Kimi-Linear-48B with random weights and on two K3-shaped layers (KDA + MLA, both
+# MoE: 896 experts do not leave room for more on one GPU). Output: OUTDIR/engine_gpu.jsonl (bench/results format).
+#   bench/gpu/engine.sh OUTDIR COMMIT DATE
+set -uo pipefail
+out=${1:-/tmp/engine-out}
+commit=${2:-unknown}
+date=${3:-unknown}
+mkdir -p "$out"
+bin=build/gpu/engine/cuda/engine_gpu_bench
+cmake --build build/gpu -j16 --target engine_gpu_bench >>"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+common=(--commit "$commit" --date "$date" --machine nvidia-h200)
+echo "== Kimi-Linear-48B (random weights)"
+timeout 330 "$bin" --config tests/data/configs/kimi-linear-48b-a3b.config.json --label kimi-linear-48b "${common[@]}" \
+  >"$out/engine_48b.jsonl" 2>"$out/engine_48b.err"
+echo "rc=$?"; cat "$out/engine_48b.err"
+echo "== K3 layer shapes (2 layers: KDA+MoE, MLA+MoE)"
+timeout 150 "$bin" --config tests/data/configs/kimi-k3-shape.config.json --kinds kda,mla --first-dense 0 \
+  --label k3-2-layers --no-ceilings --prompts 4096,32768 --memory-fraction 0.95 "${common[@]}" \
+  >"$out/engine_k3.jsonl" 2>"$out/engine_k3.err"
+echo "rc=$?"; cat "$out/engine_k3.err"
+cat "$out/engine_48b.jsonl" "$out/engine_k3.jsonl" >"$out/engine_gpu.jsonl"

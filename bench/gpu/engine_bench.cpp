@@ -1,0 +1,439 @@
+// The CUDA engine on one GPU with random weights of a real shape (Kimi-Linear-48B, or a few K3 layers): decode step
+// time per batch size and context, prefill throughput, TTFT of a long prompt and the memory plan, each next to its
+// physical limit measured in the same run (device copy bandwidth, cuBLAS bf16 GEMM peak). GPU machine only.
+//
+//   engine_gpu_bench --config CONFIG.json [--layers N | --kinds kda,mla,...] [--first-dense K] --label NAME
+//                    --commit C --date D
+//                    [--batches 1,8,32,128,256] [--contexts 4096,32768] [--prompts 4096,32768,131072]
+//                    [--memory-fraction 0.92] [--max-prefill-seconds 90]
+//
+// Output: JSON lines in the bench/results format on stdout; progress on stderr.
+//
+// Limits:
+//   decode: bytes one step must read (and write) at least, over the measured copy bandwidth (bytes read+written /
+//     s of a 2 GiB device-to-device copy): every non-expert weight (embedding rows aside), the routed experts the
+//     batch touches (expected distinct experts under uniform routing, E·(1-(1-k/E)^B) per MoE layer — the random
+//     router is near uniform), every KDA state and conv tail read and written, every MLA cache row read once.
+//   prefill: FLOPs of the minimal computation (2 per weight per token for the active weights; MLA attention in the
+//     naive form, causal: 2·(qk_nope+qk_rope + v) per head per (query, key) pair; KDA chunked form
+//     6·d² + 3·C·d + C² per head per token, C = 64) over the measured bf16 GEMM peak.
+// Contexts are set up with CudaBackend::assume_context (zero states and rows: the same work as real ones).
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include "engine/cuda/cuda_backend.hpp"
+#include "engine/model.hpp"
+#include "engine/model_config.hpp"
+#include "engine/model_weights.hpp"
+
+namespace {
+
+using namespace deltaserve;  // NOLINT(google-build-using-namespace)
+using Clock = std::chrono::steady_clock;
+
+struct Args {
+  std::string config_path, label = "model", commit = "unknown", date = "unknown", machine = "nvidia-h200";
+  std::optional<int64_t> layers, first_dense;
+  std::vector<engine::LayerKind> kinds;  // --kinds kda,mla,...: these layers instead of the config's
+  std::vector<int64_t> batches = {1, 8, 32, 128, 256}, contexts = {4096, 32768}, prompts = {4096, 32768, 131072};
+  double memory_fraction = 0.92, max_prefill_seconds = 90;
+  bool ceilings = true;
+};
+
+std::vector<int64_t> parse_list(const std::string& text) {
+  std::vector<int64_t> out;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    if (!item.empty()) out.push_back(std::stoll(item));
+  }
+  return out;
+}
+
+[[noreturn]] void die(const std::string& message) {
+  std::fprintf(stderr, "engine_gpu_bench: %s\n", message.c_str());
+  std::exit(1);
+}
+
+void check(const Status& status, const std::string& what) {
+  if (!status.is_ok()) die(what + ": " + status.to_string());
+}
+
+void check_cuda(cudaError_t error, const std::string& what) {
+  if (error != cudaSuccess) die(what + ": " + cudaGetErrorString(error));
+}
+
+// ---- output --------------------------------------------------------------------------------------------------
+const Args* g_args = nullptr;
+
+std::string number(double v) {
+  if (!std::isfinite(v)) return "null";
+  char text[64];
+  std::snprintf(text, sizeof text, "%.6g", v);
+  return text;
+}
+
+std::string quoted(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += c;
+  }
+  return out + "\"";
+}
+
+void emit(const std::string& bench, const std::string& case_name, const std::string& metric, double value,
+          const std::string& unit, double limit = NAN, double ratio = NAN) {
+  std::printf(
+      "{\"bench\": %s, \"case\": %s, \"metric\": %s, \"value\": %s, \"unit\": %s, \"limit\": %s, "
+      "\"ratio_to_limit\": %s, \"peer\": null, \"peer_value\": null, \"ratio_to_peer\": null, \"machine\": %s, "
+      "\"commit\": %s, \"date\": %s, \"command\": %s}\n",
+      quoted(bench).c_str(), quoted(case_name).c_str(), quoted(metric).c_str(), number(value).c_str(),
+      quoted(unit).c_str(), number(limit).c_str(), number(ratio).c_str(), quoted(g_args->machine).c_str(),
+      quoted(g_args->commit).c_str(), quoted(g_args->date).c_str(), quoted("bench/gpu/engine.sh").c_str());
+  std::fflush(stdout);
+}
+
+// ---- ceilings ------------------------------------------------------------------------------------------------
+double measure_copy_bandwidth() {  // bytes read + written per second
+  const size_t bytes = size_t{2} << 30;
+  void *a = nullptr, *b = nullptr;
+  check_cuda(cudaMalloc(&a, bytes), "cudaMalloc");
+  check_cuda(cudaMalloc(&b, bytes), "cudaMalloc");
+  check_cuda(cudaMemset(a, 1, bytes), "cudaMemset");
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  float best = 1e30f;
+  for (int i = 0; i < 10; ++i) {
+    cudaEventRecord(start);
+    cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice);
+    cudaEventRecord(stop);
+    cudaEventSynchronize(stop);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start, stop);
+    best = std::min(best, ms);
+  }
+  cudaFree(a);
+  cudaFree(b);
+  return 2.0 * static_cast<double>(bytes) / (best * 1e-3);
+}
+
+double measure_gemm_peak() {  // FLOP/s of a bf16 8192^3 GEMM with fp32 accumulation
+  const int n = 8192;
+  void *a = nullptr, *b = nullptr, *c = nullptr;
+  const size_t elems = static_cast<size_t>(n) * n;
+  check_cuda(cudaMalloc(&a, elems * 2), "cudaMalloc");
+  check_cuda(cudaMalloc(&b, elems * 2), "cudaMalloc");
+  check_cuda(cudaMalloc(&c, elems * 2), "cudaMalloc");
+  cudaMemset(a, 0x3c, elems * 2);  // small finite bf16 values
+  cudaMemset(b, 0x3c, elems * 2);
+  cublasHandle_t handle;
+  cublasCreate(&handle);
+  const float alpha = 1, beta = 0;
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  float best = 1e30f;
+  for (int i = 0; i < 10; ++i) {
+    cudaEventRecord(start);
+    cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a, CUDA_R_16BF, n, b, CUDA_R_16BF, n, &beta, c,
+                 CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    cudaEventRecord(stop);
+    cudaEventSynchronize(stop);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start, stop);
+    best = std::min(best, ms);
+  }
+  cublasDestroy(handle);
+  cudaFree(a);
+  cudaFree(b);
+  cudaFree(c);
+  return 2.0 * n * static_cast<double>(n) * n / (best * 1e-3);
+}
+
+// ---- model arithmetic ----------------------------------------------------------------------------------------
+struct ModelBytes {
+  double non_expert = 0;     // bytes of every weight outside the routed experts, embedding table excluded
+  double per_expert = 0;     // bytes of one routed expert (gate, up, down)
+  double embedding_row = 0;  // bytes of one embedding row
+  double active_params = 0;  // weights one token multiplies (non-expert + top_k experts), embedding excluded
+  int64_t moe_layers = 0;
+};
+
+ModelBytes model_bytes(const engine::ModelConfig& c) {
+  ModelBytes m;
+  double expert_params_total = 0;
+  for (const engine::TensorSpec& t : engine::expected_tensors(c)) {
+    double n = 1;
+    for (int64_t d : t.shape) n *= static_cast<double>(d);
+    const bool vector_like =
+        t.shape.size() == 1 || t.name.find("conv1d") != std::string::npos || t.name.find("A_log") != std::string::npos;
+    const bool router = t.name.ends_with("gate.weight") && t.name.find("block_sparse_moe") != std::string::npos;
+    const double bytes = n * (vector_like || router ? 4.0 : 2.0);
+    if (t.name.find(".experts.") != std::string::npos) {
+      expert_params_total += n;
+      continue;
+    }
+    if (t.name.find("embed_tokens") != std::string::npos) {
+      m.embedding_row = 2.0 * static_cast<double>(c.hidden_size);
+      continue;
+    }
+    m.non_expert += bytes;
+    m.active_params += n;
+  }
+  for (int64_t l = 0; l < c.num_layers; ++l) m.moe_layers += c.is_moe_layer(l) ? 1 : 0;
+  if (m.moe_layers > 0) {
+    m.per_expert = 2.0 * expert_params_total / (static_cast<double>(m.moe_layers) * c.moe.num_experts);
+    m.active_params += expert_params_total / static_cast<double>(c.moe.num_experts) * c.moe.num_experts_per_token;
+  }
+  return m;
+}
+
+double kda_state_bytes(const engine::ModelConfig& c) {  // one request, every KDA layer: S + conv tails
+  const double h = c.kda.num_heads, d = c.kda.head_dim;
+  return static_cast<double>(c.num_layers_of(engine::LayerKind::kKda)) *
+         (h * d * d + 3 * h * d * (c.kda.conv_kernel_size - 1)) * 4.0;
+}
+
+double mla_bytes_per_token(const engine::ModelConfig& c) {
+  return static_cast<double>(c.num_layers_of(engine::LayerKind::kMla)) * c.mla.cache_width() * 2.0;
+}
+
+double decode_limit_bytes(const engine::ModelConfig& c, const ModelBytes& m, int64_t batch, int64_t context) {
+  const double e = static_cast<double>(c.moe.num_experts), k = static_cast<double>(c.moe.num_experts_per_token);
+  const double distinct = m.moe_layers > 0 ? e * (1.0 - std::pow(1.0 - k / e, static_cast<double>(batch))) : 0;
+  return m.non_expert + static_cast<double>(m.moe_layers) * distinct * m.per_expert +
+         static_cast<double>(batch) * (m.embedding_row + 2.0 * kda_state_bytes(c) + context * mla_bytes_per_token(c));
+}
+
+// Minimal FLOPs of prefilling `tokens` tokens from an empty context.
+double prefill_flops(const engine::ModelConfig& c, const ModelBytes& m, int64_t tokens) {
+  const double t = static_cast<double>(tokens);
+  double flops = 2.0 * m.active_params * t;
+  const double mla_pair = 2.0 * c.mla.num_heads * (c.mla.qk_head_dim() + c.mla.v_head_dim);
+  flops += static_cast<double>(c.num_layers_of(engine::LayerKind::kMla)) * mla_pair * t * (t + 1) / 2;
+  const double d = c.kda.head_dim, chunk = 64;
+  flops += static_cast<double>(c.num_layers_of(engine::LayerKind::kKda)) * c.kda.num_heads * t *
+           (6 * d * d + 3 * chunk * d + chunk * chunk);
+  return flops;
+}
+
+// ---- runs ----------------------------------------------------------------------------------------------------
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+struct Bench {
+  const Args& args;
+  engine::ModelConfig config;
+  std::shared_ptr<engine::Backend> backend;
+  engine::cuda::CudaBackend* cuda = nullptr;
+  std::unique_ptr<engine::Model> model;
+  ModelBytes bytes;
+  double copy_bw = 0, gemm_peak = 0;
+
+  void decode(int64_t batch, int64_t context) {
+    const std::string name = args.label + ",B=" + std::to_string(batch) + ",ctx=" + std::to_string(context);
+    std::vector<engine::RequestState> states;
+    states.reserve(static_cast<size_t>(batch));
+    for (int64_t i = 0; i < batch; ++i) {
+      states.push_back(model->new_state());
+      const Status assumed = cuda->assume_context(states.back(), context);
+      if (!assumed.is_ok()) {
+        std::fprintf(stderr, "%s: does not fit (%lld requests of this context fit): %s\n", name.c_str(),
+                     static_cast<long long>(i), assumed.to_string().c_str());
+        emit("engine_decode", name, "fits", 0, "bool");
+        emit("engine_decode", name, "requests_that_fit_now", static_cast<double>(i), "requests");
+        return;
+      }
+    }
+    std::vector<int32_t> tokens(static_cast<size_t>(batch));
+    for (int64_t i = 0; i < batch; ++i) tokens[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919) % 150000);
+    std::vector<engine::SequenceInput> inputs;
+    for (int64_t i = 0; i < batch; ++i) {
+      inputs.push_back({&states[static_cast<size_t>(i)], {&tokens[static_cast<size_t>(i)], 1}, false});
+    }
+    auto step = [&] { check(cuda->forward_on_device(inputs), name + " decode step"); };
+    for (int i = 0; i < 3; ++i) step();
+    check(cuda->synchronize(), "synchronize");
+    const int steps = batch >= 128 ? 10 : 20;
+    const auto start = Clock::now();
+    for (int i = 0; i < steps; ++i) step();
+    check(cuda->synchronize(), "synchronize");
+    const double seconds = seconds_since(start) / steps;
+    const double limit_s = decode_limit_bytes(config, bytes, batch, context) / copy_bw;
+    std::fprintf(stderr, "%s: %.3f ms per step (limit %.3f ms)\n", name.c_str(), seconds * 1e3, limit_s * 1e3);
+    emit("engine_decode", name + ",eager", "step_time", seconds * 1e3, "ms", limit_s * 1e3, limit_s / seconds);
+    emit("engine_decode", name + ",eager", "tokens_per_s", static_cast<double>(batch) / seconds, "tokens/s");
+  }
+
+  // Prefills `tokens` tokens in chunks of the backend's max batch; returns seconds (or nullopt when skipped).
+  std::optional<double> prefill(int64_t tokens, int64_t chunk, std::optional<double> projected) {
+    const std::string name = args.label + ",T=" + std::to_string(tokens) + ",chunk=" + std::to_string(chunk);
+    if (projected && *projected > args.max_prefill_seconds) {
+      std::fprintf(stderr, "%s: skipped, projected %.1f s\n", name.c_str(), *projected);
+      emit("engine_prefill", name, "skipped_projected_seconds", *projected, "s");
+      return std::nullopt;
+    }
+    engine::RequestState state = model->new_state();
+    std::vector<int32_t> prompt(static_cast<size_t>(tokens));
+    for (int64_t i = 0; i < tokens; ++i) prompt[static_cast<size_t>(i)] = static_cast<int32_t>((i * 104729) % 160000);
+    const auto start = Clock::now();
+    for (int64_t begin = 0; begin < tokens; begin += chunk) {
+      const int64_t n = std::min(chunk, tokens - begin);
+      engine::SequenceInput input{
+          &state, std::span<const int32_t>(prompt).subspan(static_cast<size_t>(begin), static_cast<size_t>(n)), false};
+      check(cuda->forward_on_device({&input, 1}), name + " prefill chunk");
+    }
+    check(cuda->synchronize(), "synchronize");
+    const double seconds = seconds_since(start);
+    // TTFT adds the first decode step of this request (the cluster's N-1 prefill + 1 decode).
+    const int32_t next = 42;
+    engine::SequenceInput first{&state, {&next, 1}, false};
+    const auto decode_start = Clock::now();
+    check(cuda->forward_on_device({&first, 1}), name + " first decode step");
+    check(cuda->synchronize(), "synchronize");
+    const double ttft = seconds + seconds_since(decode_start);
+    const double flops = prefill_flops(config, bytes, tokens);
+    const double limit_s = flops / gemm_peak;
+    std::fprintf(stderr, "%s: %.3f s, %.0f tokens/s (FLOP limit %.3f s), TTFT %.3f s\n", name.c_str(), seconds,
+                 static_cast<double>(tokens) / seconds, limit_s, ttft);
+    emit("engine_prefill", name, "tokens_per_s", static_cast<double>(tokens) / seconds, "tokens/s",
+         static_cast<double>(tokens) / limit_s, limit_s / seconds);
+    emit("engine_prefill", name, "achieved_flops", flops / seconds / 1e12, "TFLOP/s", gemm_peak / 1e12,
+         flops / seconds / gemm_peak);
+    emit("engine_prefill", name, "ttft", ttft, "s", limit_s, limit_s / ttft);
+    return seconds;
+  }
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args args;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) die("missing value for " + flag);
+      return argv[++i];
+    };
+    if (flag == "--config")
+      args.config_path = value();
+    else if (flag == "--label")
+      args.label = value();
+    else if (flag == "--commit")
+      args.commit = value();
+    else if (flag == "--date")
+      args.date = value();
+    else if (flag == "--machine")
+      args.machine = value();
+    else if (flag == "--layers")
+      args.layers = std::stoll(value());
+    else if (flag == "--first-dense")
+      args.first_dense = std::stoll(value());
+    else if (flag == "--kinds") {
+      std::stringstream in(value());
+      std::string kind;
+      while (std::getline(in, kind, ',')) {
+        if (kind != "kda" && kind != "mla") die("--kinds: '" + kind + "' is not kda or mla");
+        args.kinds.push_back(kind == "kda" ? engine::LayerKind::kKda : engine::LayerKind::kMla);
+      }
+    } else if (flag == "--batches")
+      args.batches = parse_list(value());
+    else if (flag == "--contexts")
+      args.contexts = parse_list(value());
+    else if (flag == "--prompts")
+      args.prompts = parse_list(value());
+    else if (flag == "--memory-fraction")
+      args.memory_fraction = std::stod(value());
+    else if (flag == "--max-prefill-seconds")
+      args.max_prefill_seconds = std::stod(value());
+    else if (flag == "--no-ceilings")
+      args.ceilings = false;
+    else
+      die("unknown flag " + flag);
+  }
+  if (args.config_path.empty()) die("--config is required");
+  g_args = &args;
+
+  Bench bench{args};
+  auto config = engine::load_model_config(args.config_path);
+  check(config.status(), "config " + args.config_path);
+  bench.config = *config;
+  if (args.layers) {  // the first N layers of the model (kinds as in the config)
+    bench.config.num_layers = *args.layers;
+    bench.config.layer_kinds.resize(static_cast<size_t>(*args.layers));
+  }
+  if (!args.kinds.empty()) {
+    bench.config.num_layers = static_cast<int64_t>(args.kinds.size());
+    bench.config.layer_kinds = args.kinds;
+  }
+  if (args.first_dense) bench.config.moe.first_k_dense_replace = *args.first_dense;
+  bench.bytes = model_bytes(bench.config);
+
+  bench.copy_bw = measure_copy_bandwidth();
+  bench.gemm_peak = measure_gemm_peak();
+  std::fprintf(stderr, "copy %.3f TB/s, bf16 GEMM %.1f TFLOP/s\n", bench.copy_bw / 1e12, bench.gemm_peak / 1e12);
+  if (args.ceilings) {
+    emit("gpu_copy_ceiling", "device-to-device copy 2 GiB, bytes read+written", "bandwidth", bench.copy_bw / 1e12,
+         "TB/s");
+    emit("gpu_gemm_ceiling", "cuBLAS bf16 GEMM 8192^3, fp32 accumulate", "throughput", bench.gemm_peak / 1e12,
+         "TFLOP/s");
+  }
+
+  engine::cuda::CudaBackendOptions options;
+  options.memory_fraction = args.memory_fraction;
+  options.max_batch_tokens = 8192;
+  options.max_requests = 512;
+  const auto load_start = Clock::now();
+  auto backend = engine::cuda::make_cuda_backend_random(bench.config, 1, options);
+  check(backend.status(), "random weights on the device");
+  check_cuda(cudaDeviceSynchronize(), "init");
+  const double load_s = seconds_since(load_start);
+  bench.backend = *backend;
+  bench.cuda = dynamic_cast<engine::cuda::CudaBackend*>(bench.backend.get());
+  bench.model = std::make_unique<engine::Model>(bench.config, bench.backend);
+  const engine::BackendCapacity cap = bench.backend->capacity();
+  std::fprintf(stderr,
+               "%s: %.1f GB weights (random, %.1f s), %lld slots of %.1f MB, %lld pages of %lld tokens, %.2f GB free\n",
+               args.label.c_str(), cap.weight_bytes / 1e9, load_s, static_cast<long long>(cap.state_slots),
+               cap.state_slot_bytes / 1e6, static_cast<long long>(cap.cache_pages),
+               static_cast<long long>(cap.page_tokens), cap.free_bytes_after / 1e9);
+  emit("engine_memory", args.label, "weight_bytes", static_cast<double>(cap.weight_bytes) / 1e9, "GB");
+  emit("engine_memory", args.label, "state_slots", static_cast<double>(cap.state_slots), "slots");
+  emit("engine_memory", args.label, "cache_pages", static_cast<double>(cap.cache_pages), "pages");
+  emit("engine_memory", args.label + ",32k-token requests", "requests_that_fit",
+       static_cast<double>(cap.requests_that_fit(32768)), "requests");
+
+  for (int64_t context : args.contexts) {
+    for (int64_t batch : args.batches) bench.decode(batch, context);
+  }
+  std::optional<double> last_seconds;
+  int64_t last_tokens = 0;
+  for (int64_t tokens : args.prompts) {
+    std::optional<double> projected;
+    if (last_seconds) {  // attention grows with the square of the length: a pessimistic projection
+      const double r = static_cast<double>(tokens) / static_cast<double>(last_tokens);
+      projected = *last_seconds * r * r;
+    }
+    auto seconds = bench.prefill(tokens, options.max_batch_tokens, projected);
+    if (seconds) {
+      last_seconds = seconds;
+      last_tokens = tokens;
+    }
+  }
+  return 0;
+}
