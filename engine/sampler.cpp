@@ -170,7 +170,10 @@ SampledToken Sampler::sample(std::span<const float> logits) {
   }
   double raw_sum = 0.0;  // Σ exp(value - max), index order
   for (int32_t i = 0; i < vocab; ++i) raw_sum += std::exp(double(values_[i]) - max_value);
-  const double log_normalizer = max_value + std::log(raw_sum);
+  // logprob(v) = (v - max) - log Σ e^(v - max): the max is subtracted first, so +inf logits (= FLT_MAX) that tie
+  // still share the mass (FLT_MAX + log 2 would round back to FLT_MAX in fp64).
+  const double log_sum = std::log(raw_sum);
+  auto logprob = [&](int32_t id) { return static_cast<float>((double(values_[id]) - max_value) - log_sum); };
 
   order_.resize(logits.size());
   std::iota(order_.begin(), order_.end(), 0);
@@ -223,13 +226,13 @@ SampledToken Sampler::sample(std::span<const float> logits) {
     }
   }
 
-  SampledToken result{token, static_cast<float>(double(values_[token]) - log_normalizer), {}};
+  SampledToken result{token, logprob(token), {}};
   const int64_t num_top = std::min<int64_t>(params_.top_logprobs, vocab);
   if (num_top > 0) {
     sort_prefix(num_top);
     result.top.reserve(static_cast<size_t>(num_top));
     for (int64_t i = 0; i < num_top; ++i) {
-      result.top.push_back({order_[i], static_cast<float>(double(values_[order_[i]]) - log_normalizer)});
+      result.top.push_back({order_[i], logprob(order_[i])});
     }
   }
   return result;

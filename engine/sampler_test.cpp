@@ -237,6 +237,19 @@ TEST(Sampler, MaskedAndNaNTokensAreNeverSampled) {
   EXPECT_NEAR(sampled.logprob, -std::log(4.0), 1e-6);
 }
 
+TEST(Sampler, PositiveInfinityTiesShareTheMass) {
+  // +inf counts as FLT_MAX: two of them tie, each with half the mass (not logprob 0 from FLT_MAX + log 2 == FLT_MAX).
+  const float inf = std::numeric_limits<float>::infinity();
+  const std::vector<float> logits = {1.0f, inf, -2.0f, inf};
+  Sampler sampler({.temperature = 0.0f, .top_logprobs = 2});
+  const SampledToken sampled = sampler.sample(logits);
+  EXPECT_EQ(sampled.token, 1);
+  EXPECT_NEAR(sampled.logprob, std::log(0.5), 1e-6);
+  ASSERT_EQ(sampled.top.size(), 2u);
+  EXPECT_EQ(sampled.top[1].token, 3);
+  EXPECT_NEAR(sampled.top[1].logprob, std::log(0.5), 1e-6);
+}
+
 TEST(Sampler, SingleTokenVocabulary) {
   const std::vector<float> logits = {-3.0f};
   for (int32_t token : draw({.top_p = 0.3f, .seed = 1}, logits, 10)) EXPECT_EQ(token, 0);
