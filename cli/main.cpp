@@ -87,6 +87,7 @@ int main(int argc, char** argv) {
   generate->add_option("--prefill-chunk", gen.prefill_chunk, "Prefill chunk in tokens")->capture_default_str();
   generate->add_flag("--ignore-eos", gen.ignore_eos, "Do not stop at the end-of-sequence token");
   generate->add_option("--device", gen.device.device, "Where the model runs: cpu | cuda | cuda:N")
+      ->envname("DELTASERVE_DEVICE")
       ->capture_default_str();
   generate->add_option("--gpu-memory-fraction", gen.device.gpu_memory_fraction, "Share of the GPU's memory to use")
       ->capture_default_str();
