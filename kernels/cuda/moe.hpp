@@ -8,7 +8,8 @@
 // Every launcher validates its host-visible inputs and returns a Status before anything is launched; device
 // pointers are checked for null only (their contents cannot be read here). Everything is asynchronous on `stream`;
 // no launcher allocates or synchronises with the host, so all but the prefill FFN (which reads host offsets) are
-// CUDA-graph capturable.
+// CUDA-graph capturable. moe_expert_ffn_grouped (tensor cores, device tile schedule) serves both many-row decode
+// batches and prefill without host offsets; moe_expert_ffn_decode dispatches to it above 4 rows per expert.
 #pragma once
 
 #include <cstddef>
@@ -82,21 +83,52 @@ struct MoeFfnParams {
   // output [R, 2I]), 16-byte aligned. The decode path ignores it.
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
+  // Path selection. false (default): moe_expert_ffn_prefill runs the grouped tensor-core kernels
+  // (moe_expert_ffn_grouped) and moe_expert_ffn_decode hands batches of more than kMoeDecodeGemvRowsPerExpert rows
+  // per expert (R > that * E) to them. true: the original paths exactly (per-expert cublasGemmEx loop + glu kernel
+  // for prefill; the GEMV kernels for any R in decode), kept for tests and as a fallback. The environment variable
+  // DELTASERVE_MOE_REFERENCE_FFN=1 (read once per process) forces true everywhere.
+  bool use_reference_path = false;
+  // Grouped path only: rows per CTA tile, 64 or 128, or 0 = automatic (moe_grouped_row_tile).
+  int row_tile = 0;
 };
 // Decode path: width and I must be multiples of 8 (16-byte weight rows); pointers 16-byte aligned.
 // Reads each ACTIVE expert's weights once per 4 of its rows (so once for decode batches); CTAs of inactive
 // experts exit at once. Reads counts on the device only: no host sync, no allocation, graph-capturable.
 // Correct for any R (rows of an expert are processed in tiles of 4). R == 0 launches nothing.
+// Unless use_reference_path, R > kMoeDecodeGemvRowsPerExpert * E goes to moe_expert_ffn_grouped (still no host
+// sync; if it rejects the shapes or alignment the GEMV kernels run instead).
 Status moe_expert_ffn_decode(const MoeFfnParams& params, cudaStream_t stream);
 
 // Scratch bytes of the prefill path: fp32 [rows, 2 * intermediate].
 size_t moe_ffn_prefill_workspace_bytes(int64_t rows, int64_t intermediate);
-// Prefill path: many rows per expert; tensor cores via cuBLAS (cublasGemmEx per expert, bf16 in, fp32 compute)
-// with the glu in a neighbouring kernel. host_offsets: the host copy of expert_offsets [E + 1] (the caller copied
-// it back; validated: 0 = offsets[0] <= ... <= offsets[E] <= R). handle: caller-owned; this function sets its
-// stream and its pointer mode (host). Experts with no rows are skipped; rows >= offsets[E] are not written.
+// Prefill path: many rows per expert. Default: moe_expert_ffn_grouped (the host offsets are validated, not needed;
+// handle unused; if the grouped path rejects the shapes or alignment it falls back to the reference path). With
+// use_reference_path: tensor cores via cuBLAS (cublasGemmEx per expert, bf16 in, fp32 compute) with the glu in a
+// neighbouring kernel. host_offsets: the host copy of expert_offsets [E + 1] (the caller copied it back; validated: 0 =
+// offsets[0] <= ... <= offsets[E] <= R). handle: caller-owned; this function sets its stream and its pointer mode
+// (host). Experts with no rows are skipped; rows >= offsets[E] are not written.
 Status moe_expert_ffn_prefill(const MoeFfnParams& params, const std::vector<int32_t>& host_offsets,
                               cublasHandle_t handle, cudaStream_t stream);
+
+// Grouped path: both expert GEMMs as one launch each for all experts (mma.sync bf16 tensor cores, fp32
+// accumulation), the glu fused into the gate/up GEMM's epilogue (activated = bf16(glu), rounded once, as the other
+// paths), y_sorted in fp32. The tile schedule (expert, row tile, column tile) is derived on the device from
+// expert_offsets: no host sync, no allocation, no workspace, graph-capturable. Experts with no rows cost one
+// block-wide scan of the offsets per idle CTA. Requirements: width and intermediate multiples of 8; gate_up, down,
+// x_sorted, activated 16-byte aligned, y_sorted 8-byte aligned; ceil(R / row_tile) + min(E, R) <= 65535. Rows >=
+// offsets[E] are not written. R == 0 launches nothing.
+Status moe_expert_ffn_grouped(const MoeFfnParams& params, cudaStream_t stream);
+// moe_expert_ffn_decode uses its GEMV kernels up to this many rows per expert on average (R <= this * E) and the
+// grouped kernels beyond (unless use_reference_path). Reasoning (not yet measured): a GEMV tile of 4 rows re-reads the
+// expert's weights once per 4 rows; the grouped kernel reads them once per 64 rows.
+constexpr int64_t kMoeDecodeGemvRowsPerExpert = 4;
+// Automatic row tile of the grouped path: 64 rows while R <= this * E (decode-sized batches: weights read once per
+// expert up to 64 rows), 128 beyond (prefill: twice the FLOPs per byte of shared memory traffic).
+constexpr int64_t kMoeGroupedSmallTileRowsPerExpert = 64;
+int moe_grouped_row_tile(int64_t rows, int num_experts);
+// True if DELTASERVE_MOE_REFERENCE_FFN is set to a value other than "0" (cached at the first call).
+bool moe_reference_ffn_forced();
 
 // ---- combine -------------------------------------------------------------------------------------------------
 // out[t, :] (= or +=, accumulate) Σ_j weights[t, j] · y_sorted[assignment_pos[t*k + j], :], j in order 0..k-1 (fixed

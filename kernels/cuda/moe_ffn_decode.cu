@@ -10,6 +10,8 @@
 // processed in tiles of up to 4, with the tile's row count rounded up to 1, 2 or 4 at compile time so a decode
 // step with one or two rows per expert does no wasted FMAs. Bytes per active expert: 2 I W (gate/up) + I W
 // (down), times 2 bytes, once per tile of 4 rows. Two CTAs of 8 warps per SM (<= 128 registers, no spills).
+// Batches of more than kMoeDecodeGemvRowsPerExpert rows per expert go to moe_expert_ffn_grouped (tensor cores,
+// weights read once per 64 rows) unless use_reference_path.
 #include <string>
 
 #include "kernels/cuda/activations.cuh"
@@ -273,6 +275,11 @@ Status moe_expert_ffn_decode(const MoeFfnParams& params, cudaStream_t stream) {
   }
   if (!aligned16(w.gate_up) || !aligned16(w.down) || !aligned16(params.x_sorted) || !aligned16(params.activated)) {
     return invalid_argument("moe_expert_ffn_decode: gate_up, down, x_sorted and activated must be 16-byte aligned");
+  }
+  if (!params.use_reference_path && R > kMoeDecodeGemvRowsPerExpert * w.num_experts && !moe_reference_ffn_forced()) {
+    const Status grouped = moe_expert_ffn_grouped(params, stream);
+    if (grouped.code() != StatusCode::kInvalidArgument) return grouped;
+    // The grouped path's own constraints were not met: the GEMV kernels below handle any R.
   }
   const int64_t gate_up_tiles = (I + kGateUpColsPerCta - 1) / kGateUpColsPerCta;
   const int64_t down_tiles = (W + kDownColsPerCta - 1) / kDownColsPerCta;

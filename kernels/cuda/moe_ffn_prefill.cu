@@ -1,5 +1,6 @@
-// MoE expert FFN, prefill path (contract in moe.hpp): per expert with rows, two cuBLAS bf16 GEMMs with fp32
-// compute (tensor cores) around one glu kernel over all sorted rows.
+// MoE expert FFN, prefill path (contract in moe.hpp). By default it hands the work to moe_expert_ffn_grouped
+// (moe_ffn_grouped.cu). The reference path here: per expert with rows, two cuBLAS bf16 GEMMs with fp32 compute
+// (tensor cores) around one glu kernel over all sorted rows.
 // Row-major data in column-major cuBLAS: a row-major [m, n] matrix is the column-major [n, m] one, so
 //   H[n_e, 2I] = X[n_e, W] · GU^T   is   H^T (2I x n_e, ld 2I) = op_T(GU as W x 2I, ld W) · (X^T as W x n_e, ld W)
 //   Y[n_e, W]  = A[n_e, I] · D^T    is   Y^T (W x n_e, ld W)   = op_T(D as I x W, ld I)   · (A^T as I x n_e, ld I)
@@ -76,6 +77,12 @@ Status moe_expert_ffn_prefill(const MoeFfnParams& params, const std::vector<int3
       (reinterpret_cast<uintptr_t>(params.workspace) & 15u) != 0) {
     return invalid_argument("moe_expert_ffn_prefill: workspace must be 16-byte aligned with >= " +
                             std::to_string(needed) + " bytes (got " + std::to_string(params.workspace_bytes) + ")");
+  }
+
+  if (!params.use_reference_path && !moe_reference_ffn_forced()) {
+    const Status grouped = moe_expert_ffn_grouped(params, stream);
+    if (grouped.code() != StatusCode::kInvalidArgument) return grouped;
+    // The grouped path's own constraints (alignment, row tiles) were not met: the reference path below handles them.
   }
 
   Status status = cublas_status("set stream", cublasSetStream(handle, stream));

@@ -1,0 +1,367 @@
+// MoE expert FFN, grouped tensor-core path (contract in moe.hpp): two launches per layer, whatever the number of
+// experts, with the tile schedule derived on the device from expert_offsets (no host sync, graph-capturable).
+//   1. gate/up + glu: C[r, :] = x_sorted[r, :] · GU_e^T, a CTA computes BM rows x 64 activated columns j0..j0+63 by
+//      multiplying against 128 weight rows (the 64 gate rows j and the 64 up rows I + j, interleaved in shared
+//      memory by 16 so a warp holds gate and up of the same columns in the same accumulator slots), then applies the
+//      glu in registers and writes bf16 `activated` (fp32 math, rounded once).
+//   2. down: y_sorted[r, :] = activated[r, :] · D_e^T, a CTA computes BM rows x 128 output columns in fp32.
+// Grid: x = column tile (fastest, so the CTAs sharing one expert's row tile run together and reuse it in L2),
+// y = global row tile. Row tiles are numbered expert by expert: expert e owns ceil(n_e / BM) of them; every CTA
+// finds its (expert, row tile) with a block-wide scan of the E counts (E <= 1024, ~1 KB of L2 reads). The grid is
+// sized for the worst case, ceil(R / BM) + min(E, R) row tiles; CTAs past the last real tile exit after the scan.
+// Inner loop: mma.sync m16n8k16 bf16 -> fp32, 8 warps as 2 (rows) x 4 (columns), BK = 32, a 3-stage cp.async
+// pipeline; shared rows padded to 40 elements (80 bytes: ldmatrix rows fall in distinct banks).
+// Bounds: rows past an expert's end and k past K are zero-filled (not read); columns past N are zero-filled and
+// not stored. K and N are multiples of 8 (validated), so every 16-byte chunk is either fully in or fully out.
+#include <cstdlib>
+#include <string>
+
+#include "kernels/cuda/activations.cuh"
+#include "kernels/cuda/mma_sm80.cuh"
+#include "kernels/cuda/moe.hpp"
+
+namespace deltaserve::kernels::cuda {
+namespace {
+
+using detail::cp_async16_zfill;
+using detail::cp_async_commit;
+using detail::cp_async_wait;
+using detail::load_a;
+using detail::load_b_nk;
+using detail::mma_bf16_16816;
+
+constexpr int kThreads = 256;
+constexpr int kBN = 128;  // weight rows per CTA tile (gate/up: 64 gate + 64 up; down: 128 output columns)
+constexpr int kBK = 32;
+constexpr int kLds = kBK + 8;  // padded shared row, elements
+constexpr int kStages = 3;
+constexpr int kGateUpColsPerCta = kBN / 2;
+
+struct GroupedArgs {
+  const __nv_bfloat16* a;    // [R, K] rows grouped by expert
+  const __nv_bfloat16* b;    // [E, N_rows, K] weights
+  const int32_t* offsets;    // [E + 1]
+  __nv_bfloat16* activated;  // gate/up mode out [R, I]
+  float* y;                  // down mode out [R, W]
+  int E;
+  int K;           // reduction length (W for gate/up, I for down)
+  int N;           // gate/up: I (activated columns); down: W
+  int64_t b_rows;  // weight rows per expert (2I or W)
+  int glu_situ;
+  float beta, beta_linear;
+};
+
+constexpr size_t smem_bytes(int bm) {
+  return static_cast<size_t>(kStages) * (bm + kBN) * kLds * sizeof(__nv_bfloat16);
+}
+
+// Finds the expert owning global row tile `tile` (tiles of bm rows, numbered expert by expert). Returns false
+// (uniformly across the block) if the tile is past the last one.
+__device__ bool find_row_tile(const int32_t* offsets, int E, int tile, int bm, int* expert, int* row0, int* row_end) {
+  __shared__ int warp_sums[kThreads / 32];
+  __shared__ int found[3];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int per = (E + kThreads - 1) / kThreads;
+  const int e0 = min(tid * per, E), e1 = min(e0 + per, E);
+  int local = 0;
+  for (int e = e0; e < e1; ++e) local += (offsets[e + 1] - offsets[e] + bm - 1) / bm;
+  int inclusive = local;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, inclusive, d);
+    if (lane >= d) inclusive += v;
+  }
+  if (lane == 31) warp_sums[warp] = inclusive;
+  if (tid == 0) found[0] = -1;
+  __syncthreads();
+  int before = inclusive - local;
+  for (int w = 0; w < warp; ++w) before += warp_sums[w];
+  if (tile >= before && tile < before + local) {
+    int t = tile - before;
+    for (int e = e0; e < e1; ++e) {
+      const int begin = offsets[e], n = offsets[e + 1] - begin;
+      const int tiles = (n + bm - 1) / bm;
+      if (t < tiles) {
+        found[0] = e;
+        found[1] = begin + t * bm;
+        found[2] = offsets[e + 1];
+        break;
+      }
+      t -= tiles;
+    }
+  }
+  __syncthreads();
+  if (found[0] < 0) return false;
+  *expert = found[0];
+  *row0 = found[1];
+  *row_end = found[2];
+  return true;
+}
+
+// kGateUp: the CTA's 128 weight rows are gate/up rows of activated columns j0 .. j0 + 63, shared row s holding
+// column j0 + (s / 32) * 16 + s % 16 of the gate (s / 16 even) or up (s / 16 odd) half. Otherwise plain rows.
+template <int BM, bool kGateUp>
+__global__ void __launch_bounds__(kThreads, 2) moe_grouped_gemm_kernel(GroupedArgs p) {
+  constexpr int kWarpRows = BM / 2;       // 2 warps along rows
+  constexpr int kMi = kWarpRows / 16;     // m16 tiles per warp
+  constexpr int kAChunks = BM * kBK / 8;  // 16-byte chunks of one A stage
+  constexpr int kBChunks = kBN * kBK / 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __nv_bfloat16* smem = reinterpret_cast<__nv_bfloat16*>(smem_raw);
+
+  int expert, row0, row_end;
+  if (!find_row_tile(p.offsets, p.E, blockIdx.y, BM, &expert, &row0, &row_end)) return;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp >> 2, wn = warp & 3;
+  const int col_tile = blockIdx.x;
+  const int n_cols = kGateUp ? kGateUpColsPerCta : kBN;
+  const int c0 = col_tile * n_cols;  // first output column (activated column j0, or y column)
+  const __nv_bfloat16* b_expert = p.b + static_cast<int64_t>(expert) * p.b_rows * p.K;
+
+  // Per-thread load slots: global source row pointers (or nullptr when out of range) for this CTA's tile.
+  // A: chunk i -> row i / 4, k chunk i % 4; B likewise.
+  const __nv_bfloat16* a_src[kAChunks / kThreads];
+  const __nv_bfloat16* b_src[kBChunks / kThreads];
+#pragma unroll
+  for (int s = 0; s < kAChunks / kThreads; ++s) {
+    const int i = tid + s * kThreads, r = i / (kBK / 8), kc = i % (kBK / 8);
+    const int row = row0 + r;
+    a_src[s] = row < row_end ? p.a + static_cast<int64_t>(row) * p.K + kc * 8 : nullptr;
+  }
+#pragma unroll
+  for (int s = 0; s < kBChunks / kThreads; ++s) {
+    const int i = tid + s * kThreads, r = i / (kBK / 8), kc = i % (kBK / 8);
+    int64_t wrow;
+    bool valid;
+    if (kGateUp) {
+      const int j = c0 + (r >> 5) * 16 + (r & 15);
+      valid = j < p.N;
+      wrow = ((r >> 4) & 1) ? static_cast<int64_t>(p.N) + j : j;
+    } else {
+      const int n = c0 + r;
+      valid = n < p.N;
+      wrow = n;
+    }
+    b_src[s] = valid ? b_expert + wrow * p.K + kc * 8 : nullptr;
+  }
+
+  auto load_stage = [&](int stage, int kt) {
+    __nv_bfloat16* sa = smem + stage * (BM + kBN) * kLds;
+    __nv_bfloat16* sb = sa + BM * kLds;
+    const int k0 = kt * kBK;
+#pragma unroll
+    for (int s = 0; s < kAChunks / kThreads; ++s) {
+      const int i = tid + s * kThreads, r = i / (kBK / 8), kc = i % (kBK / 8);
+      const bool valid = a_src[s] != nullptr && k0 + kc * 8 < p.K;
+      cp_async16_zfill(sa + r * kLds + kc * 8, valid ? a_src[s] + k0 : p.a, valid);
+    }
+#pragma unroll
+    for (int s = 0; s < kBChunks / kThreads; ++s) {
+      const int i = tid + s * kThreads, r = i / (kBK / 8), kc = i % (kBK / 8);
+      const bool valid = b_src[s] != nullptr && k0 + kc * 8 < p.K;
+      cp_async16_zfill(sb + r * kLds + kc * 8, valid ? b_src[s] + k0 : p.b, valid);
+    }
+  };
+
+  float acc[kMi][4][4];
+#pragma unroll
+  for (int mi = 0; mi < kMi; ++mi) {
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[mi][ni][c] = 0.0f;
+    }
+  }
+
+  const int k_tiles = (p.K + kBK - 1) / kBK;
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < k_tiles) load_stage(s, s);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // stage kt landed for every thread; stage (kt - 1) % kStages is free again
+    const int next = kt + kStages - 1;
+    if (next < k_tiles) load_stage(next % kStages, next);
+    cp_async_commit();
+
+    const __nv_bfloat16* sa = smem + (kt % kStages) * (BM + kBN) * kLds;
+    const __nv_bfloat16* sb = sa + BM * kLds;
+#pragma unroll
+    for (int kk = 0; kk < kBK; kk += 16) {
+      uint32_t a[kMi][4];
+#pragma unroll
+      for (int mi = 0; mi < kMi; ++mi) load_a(a[mi], sa, kLds, wm * kWarpRows + mi * 16, kk);
+      uint32_t b[2][4];
+      load_b_nk(b[0], sb, kLds, wn * 32, kk);
+      load_b_nk(b[1], sb, kLds, wn * 32 + 16, kk);
+#pragma unroll
+      for (int mi = 0; mi < kMi; ++mi) {
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni) {
+          mma_bf16_16816(acc[mi][ni], a[mi], b[ni >> 1][(ni & 1) * 2], b[ni >> 1][(ni & 1) * 2 + 1]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // Epilogue. Accumulator (mi, ni, c): row wm * kWarpRows + mi * 16 + g + (c >= 2 ? 8 : 0),
+  // shared column wn * 32 + ni * 8 + 2t + (c & 1).
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int mi = 0; mi < kMi; ++mi) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = row0 + wm * kWarpRows + mi * 16 + g + half * 8;
+      if (row >= row_end) continue;
+      if (kGateUp) {
+        // n-tiles 0, 1: gate of columns wn * 16 + ni * 8 + 2t (+1); n-tiles 2, 3: up of the same columns.
+#pragma unroll
+        for (int ni = 0; ni < 2; ++ni) {
+          const int j = c0 + wn * 16 + ni * 8 + 2 * t;
+          if (j >= p.N) continue;  // N is even, so j + 1 < N too
+          float v[2];
+#pragma unroll
+          for (int q = 0; q < 2; ++q) {
+            const float gate = acc[mi][ni][half * 2 + q], up = acc[mi][ni + 2][half * 2 + q];
+            v[q] = p.glu_situ ? situ_glu_f(gate, up, p.beta, p.beta_linear) : swiglu_f(gate, up);
+          }
+          *reinterpret_cast<__nv_bfloat162*>(p.activated + static_cast<int64_t>(row) * p.N + j) =
+              __floats2bfloat162_rn(v[0], v[1]);
+        }
+      } else {
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni) {
+          const int n = c0 + wn * 32 + ni * 8 + 2 * t;
+          if (n >= p.N) continue;
+          *reinterpret_cast<float2*>(p.y + static_cast<int64_t>(row) * p.N + n) =
+              make_float2(acc[mi][ni][half * 2], acc[mi][ni][half * 2 + 1]);
+        }
+      }
+    }
+  }
+}
+
+bool aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
+
+Status launch_status(const char* what) {
+  const cudaError_t error = cudaGetLastError();
+  if (error == cudaSuccess) return Status::ok();
+  return internal_error(std::string("moe_expert_ffn_grouped ") + what + ": launch: " + cudaGetErrorName(error) + " (" +
+                        cudaGetErrorString(error) + ")");
+}
+
+template <int BM>
+Status launch_grouped(const MoeFfnParams& params, cudaStream_t stream) {
+  const MoeExpertWeights& w = params.weights;
+  const int64_t W = w.width, I = w.intermediate, R = params.rows;
+  const int E = w.num_experts;
+  const int64_t row_tiles = (R + BM - 1) / BM + (R < E ? R : E);
+  if (row_tiles > 65535) {
+    return invalid_argument("moe_expert_ffn_grouped: too many rows (" + std::to_string(R) + ") for row tiles of " +
+                            std::to_string(BM));
+  }
+  const GroupedArgs common{nullptr,
+                           nullptr,
+                           params.expert_offsets,
+                           params.activated,
+                           params.y_sorted,
+                           E,
+                           0,
+                           0,
+                           0,
+                           params.glu == GluKind::kSitu ? 1 : 0,
+                           params.situ_beta,
+                           params.situ_linear_beta};
+  constexpr size_t kSmem = smem_bytes(BM);
+  // Above the default 48 KiB the opt-in is needed; it is a per-function attribute (no stream work), so the
+  // launches stay graph-capturable.
+  constexpr size_t kDefaultSmem = 48 * 1024;
+  if (kSmem > kDefaultSmem) {
+    for (const void* f : {reinterpret_cast<const void*>(moe_grouped_gemm_kernel<BM, true>),
+                          reinterpret_cast<const void*>(moe_grouped_gemm_kernel<BM, false>)}) {
+      const cudaError_t error =
+          cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
+      if (error != cudaSuccess) {
+        return internal_error(std::string("moe_expert_ffn_grouped: shared memory attribute: ") +
+                              cudaGetErrorString(error));
+      }
+    }
+  }
+  GroupedArgs gu = common;
+  gu.a = params.x_sorted;
+  gu.b = w.gate_up;
+  gu.K = static_cast<int>(W);
+  gu.N = static_cast<int>(I);
+  gu.b_rows = 2 * I;
+  const dim3 grid_gu(static_cast<unsigned>((I + kGateUpColsPerCta - 1) / kGateUpColsPerCta),
+                     static_cast<unsigned>(row_tiles));
+  moe_grouped_gemm_kernel<BM, true><<<grid_gu, kThreads, kSmem, stream>>>(gu);
+  Status status = launch_status("gate/up");
+  if (!status) return status;
+  GroupedArgs down = common;
+  down.a = params.activated;
+  down.b = w.down;
+  down.K = static_cast<int>(I);
+  down.N = static_cast<int>(W);
+  down.b_rows = W;
+  const dim3 grid_down(static_cast<unsigned>((W + kBN - 1) / kBN), static_cast<unsigned>(row_tiles));
+  moe_grouped_gemm_kernel<BM, false><<<grid_down, kThreads, kSmem, stream>>>(down);
+  return launch_status("down");
+}
+
+}  // namespace
+
+bool moe_reference_ffn_forced() {
+  static const bool forced = [] {
+    const char* value = std::getenv("DELTASERVE_MOE_REFERENCE_FFN");
+    return value != nullptr && value[0] != '\0' && std::string(value) != "0";
+  }();
+  return forced;
+}
+
+int moe_grouped_row_tile(int64_t rows, int num_experts) {
+  return rows <= kMoeGroupedSmallTileRowsPerExpert * static_cast<int64_t>(num_experts) ? 64 : 128;
+}
+
+Status moe_expert_ffn_grouped(const MoeFfnParams& params, cudaStream_t stream) {
+  const MoeExpertWeights& w = params.weights;
+  const int64_t W = w.width, I = w.intermediate, R = params.rows;
+  if (w.num_experts < 1 || w.num_experts > kMoeMaxExperts) {
+    return invalid_argument("moe_expert_ffn_grouped: num_experts must be in [1, 1024] (got " +
+                            std::to_string(w.num_experts) + ")");
+  }
+  if (W < 8 || W % 8 != 0 || I < 8 || I % 8 != 0 || W > (1 << 30) || I > (1 << 30)) {
+    return invalid_argument("moe_expert_ffn_grouped: width and intermediate must be positive multiples of 8 (got " +
+                            std::to_string(W) + ", " + std::to_string(I) + ")");
+  }
+  if (R < 0 || R > 0x7fffffff || R * W > (int64_t{1} << 62) / 4 || R * I > (int64_t{1} << 62) / 4) {
+    return invalid_argument("moe_expert_ffn_grouped: rows out of range");
+  }
+  if (params.glu == GluKind::kSitu && !(params.situ_beta > 0.0f && params.situ_linear_beta > 0.0f)) {
+    return invalid_argument("moe_expert_ffn_grouped: SiTU betas must be positive");
+  }
+  if (params.row_tile != 0 && params.row_tile != 64 && params.row_tile != 128) {
+    return invalid_argument("moe_expert_ffn_grouped: row_tile must be 0 (automatic), 64 or 128 (got " +
+                            std::to_string(params.row_tile) + ")");
+  }
+  if (R == 0) return Status::ok();
+  if (w.gate_up == nullptr || w.down == nullptr || params.x_sorted == nullptr || params.expert_offsets == nullptr ||
+      params.activated == nullptr || params.y_sorted == nullptr) {
+    return invalid_argument("moe_expert_ffn_grouped: weights, x_sorted, expert_offsets, activated, y_sorted: non-null");
+  }
+  if (!aligned16(w.gate_up) || !aligned16(w.down) || !aligned16(params.x_sorted) || !aligned16(params.activated) ||
+      (reinterpret_cast<uintptr_t>(params.y_sorted) & 7u) != 0) {
+    return invalid_argument(
+        "moe_expert_ffn_grouped: gate_up, down, x_sorted, activated must be 16-byte aligned, y_sorted 8-byte");
+  }
+  const int bm = params.row_tile != 0 ? params.row_tile : moe_grouped_row_tile(R, w.num_experts);
+  return bm == 64 ? launch_grouped<64>(params, stream) : launch_grouped<128>(params, stream);
+}
+
+}  // namespace deltaserve::kernels::cuda
