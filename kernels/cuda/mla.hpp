@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -58,6 +59,28 @@ struct MlaWriteParams {
 // Asynchronous, graph-capturable. Slots at or past num_pages * page_size are skipped too (never written).
 [[nodiscard]] Status mla_write_rows(const MlaWriteParams& params, cudaStream_t stream);
 
+// The two ways mla_prefill computes the same attention (model.md §4):
+//   absorbed: the decode kernels with one CTA per query token (q̃ = W_UKᵀ q_nope, scores and P·c over the 576-wide
+//             latent rows, W_UV at the end): about 3.4x the naive form's FLOPs at Kimi dims, every token re-reads
+//             its rows. Any shape; graph-capturable.
+//   naive:    per sequence and per block of context rows: gather the block's cache rows into the workspace,
+//             decompress them with one cuBLAS GEMM (K_nope[h] = W_UK[h] c, V[h] = W_UV[h] c, bf16), then a
+//             flash-attention kernel over (64-query tile, head) CTAs on tensor cores (mma.sync bf16, fp32 online
+//             softmax; K and V rounded to bf16, P rounded to bf16), the softmax state carried across blocks in
+//             `out` plus a (max, sum) workspace array. Needs the host copies, a cuBLAS handle, qk_nope and v_head
+//             multiples of 8, qk_nope + qk_rope <= 192, v_head <= 128, and a workspace holding at least one block
+//             of 64 rows (mla_prefill_workspace_bytes). Synchronous planning on the host (no device reads), so not
+//             for graph capture of batches whose lengths change.
+// kAuto picks naive when it can run and every sequence with query tokens has at least kMlaNaiveMinQueries of
+// them (a decode-like sequence in a mixed batch would decompress its whole context for one query, so such batches
+// stay absorbed); otherwise absorbed. The environment variable DELTASERVE_MLA_PREFILL=absorbed turns kAuto into
+// kAbsorbed (a bypass without a rebuild). kNaive fails (InvalidArgument) where the naive form cannot run.
+enum class MlaPrefillForm : int { kAuto = 0, kAbsorbed = 1, kNaive = 2 };
+constexpr int kMlaNaiveMinQueries = 16;
+constexpr int kMlaNaiveMaxQk = 192;  // qk_nope + qk_rope
+constexpr int kMlaNaiveMaxV = 128;
+constexpr int kMlaNaiveBlockGranule = 64;  // context rows per block are a multiple of this
+
 // Attention of a varlen batch of query tokens over each sequence's paged cache (which already holds the rows of
 // these tokens, written by mla_write_rows). Sequence n has q_len[n] = cu_q[n+1] - cu_q[n] query tokens and a
 // context of context_lens[n] rows (>= q_len[n]); query token i of sequence n sits at position
@@ -85,7 +108,17 @@ struct MlaAttentionParams {
   size_t workspace_bytes = 0;
   // false (default): scores and P·V on tensor cores (q̃ and the softmax weights rounded to bf16, fp32 accumulate);
   // true: the fp32 CUDA-core kernel (exact up to fp32 rounding, several times slower; a reference and debug path).
+  // Absorbed form only (mla_decode, and mla_prefill when it runs the absorbed form).
   bool fp32_attention = false;
+
+  // mla_prefill only: which form it runs (see MlaPrefillForm) and what the naive form needs. The naive form plans
+  // on the host from host copies of cu_q [N + 1] and context_lens [N] (the same values as the device arrays; read
+  // during the call only) and decompresses K/V with a cuBLAS GEMM on `cublas` (its stream is set to the launch
+  // stream). Without them kAuto runs the absorbed form.
+  MlaPrefillForm prefill_form = MlaPrefillForm::kAuto;
+  const int32_t* host_cu_q = nullptr;
+  const int32_t* host_context_lens = nullptr;
+  cublasHandle_t cublas = nullptr;
 };
 // Workspace for a batch of up to max_tokens query tokens with contexts up to max_context (device, 256-byte
 // aligned sections: absorbed queries fp32 [T, H, kv_lora + rope], per-split latent partials fp32
@@ -101,6 +134,19 @@ size_t mla_attention_workspace_bytes(int num_heads, int kv_lora_rank, int qk_rop
 [[nodiscard]] Status mla_decode(const MlaAttentionParams& params, cudaStream_t stream);
 // Any batch (prefill chunks, mixed): correct for every shape; may use the naive or absorbed form.
 [[nodiscard]] Status mla_prefill(const MlaAttentionParams& params, cudaStream_t stream);
+
+// Whether the naive form supports these head dims (the other requirements are per call).
+bool mla_prefill_naive_supported(int qk_nope, int qk_rope, int v_head);
+// Workspace for the naive form with up to max_tokens query tokens, decompressing up to block_rows context rows at
+// a time (rounded up to kMlaNaiveBlockGranule): a (max, sum) pair per (token, head), fp32, plus per row the gathered
+// cache row (2 (kv_lora + rope) bytes) and its decompressed K_nope ‖ V for every head (2 H (qk_nope + v_head)
+// bytes), 256-byte aligned sections. Kimi-48B: 8 T H + 17,536 bytes per row, e.g. 64 MiB + 2 MiB for 4096 rows and
+// T = 8192, 562 MiB for 32768 rows. A longer context runs in several blocks (exact: the online softmax state is
+// carried), so block_rows trades memory for fewer, larger GEMMs; 4096..32768 is a good range. mla_prefill takes
+// as many rows per block as workspace_bytes holds, so the absorbed workspace (which is larger for long chunks)
+// serves too: size the buffer as the max of both functions. 0 for non-positive dims.
+size_t mla_prefill_workspace_bytes(int num_heads, int kv_lora_rank, int qk_nope, int qk_rope, int v_head,
+                                   int64_t max_tokens, int block_rows);
 
 // Context splits the attention kernels use for a batch of num_tokens query tokens with contexts up to max_context
 // (1 for short contexts; enough (token, split) CTAs for about two waves of 132 SMs on long ones; at most
