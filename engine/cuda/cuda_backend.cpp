@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 
 #include "engine/cuda/cuda_model.hpp"
 #include "kernels/cuda/kda.hpp"
@@ -128,6 +130,10 @@ Result<std::shared_ptr<Backend>> make_backend(const ModelConfig& config, const W
   impl->options = options;
   impl->shape = StateShape::of(config);
   impl->max_rows = options.max_batch_tokens;
+  if (const char* profile = std::getenv("DELTASERVE_CUDA_PROFILE");
+      profile != nullptr && std::string(profile) != "0" && *profile != '\0') {
+    impl->profiler.enable(true);
+  }
 
   DS_CUDA_RETURN(cudaSetDevice(options.device));
   DS_CUDA_RETURN(cudaFree(nullptr));  // creates the context, so cudaMemGetInfo sees its cost
@@ -202,7 +208,48 @@ CudaBackend::~CudaBackend() {
   if (impl_ && impl_->pools) {
     (void)cudaSetDevice(impl_->pools->device());
     (void)cudaStreamSynchronize(impl_->pools->stream());
+    const std::string table = impl_->profiler.table();
+    if (!table.empty())
+      std::fprintf(stderr, "CUDA backend profile (%s):\n%s", impl_->device_name.c_str(), table.c_str());
   }
+}
+
+void CudaBackend::set_cuda_graphs(bool on) {
+  std::lock_guard<std::recursive_mutex> lock(impl_->pools->mutex());
+  impl_->options.cuda_graphs = on;
+}
+
+bool CudaBackend::cuda_graphs() const {
+  std::lock_guard<std::recursive_mutex> lock(impl_->pools->mutex());
+  return impl_->options.cuda_graphs;
+}
+
+CudaBackend::GraphStats CudaBackend::graph_stats() const {
+  std::lock_guard<std::recursive_mutex> lock(impl_->pools->mutex());
+  const DecodeGraphs& g = impl_->decode_graphs;
+  return {static_cast<int64_t>(g.graphs.size()), g.captures, g.replays, static_cast<int64_t>(g.failed.size())};
+}
+
+void CudaBackend::enable_profile(bool on) {
+  std::lock_guard<std::recursive_mutex> lock(impl_->pools->mutex());
+  impl_->profiler.enable(on);
+}
+
+std::vector<std::pair<std::string, double>> CudaBackend::profile() const {
+  std::lock_guard<std::recursive_mutex> lock(impl_->pools->mutex());
+  std::vector<std::pair<std::string, double>> out;
+  for (const PhaseTime& row : impl_->profiler.totals()) out.emplace_back(row.phase, row.ms);
+  return out;
+}
+
+std::string CudaBackend::profile_table() const {
+  std::lock_guard<std::recursive_mutex> lock(impl_->pools->mutex());
+  return impl_->profiler.table();
+}
+
+void CudaBackend::reset_profile() {
+  std::lock_guard<std::recursive_mutex> lock(impl_->pools->mutex());
+  impl_->profiler.reset();
 }
 
 std::string CudaBackend::name() const {

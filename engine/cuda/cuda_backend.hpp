@@ -14,7 +14,16 @@
 // gathered from the slot pool in groups, or used in place for one sequence) + kda_gated_output_norm otherwise;
 // other head sizes run kda_prep_f32 + kda_gate + kda_recurrent_varlen. MLA uses mla_decode for pure-decode batches
 // and mla_prefill otherwise. MoE experts use moe_expert_ffn_decode while (tokens × top_k) <= 4 × experts, cuBLAS
-// per expert (moe_expert_ffn_prefill) beyond. CUDA graphs are not implemented: every pass is eager.
+// per expert (moe_expert_ffn_prefill) beyond.
+//
+// CUDA graphs (options.cuda_graphs, set_cuda_graphs): a pure-decode pass (one token per sequence) of a batch
+// size seen before is replayed from a graph captured for (exact batch size, power-of-two context bound); the
+// per-pass tables go to fixed device buffers first. Batches whose MoE would take the cuBLAS expert path, or whose
+// logits need more than one LM-head piece, run eagerly, as does every other pass (policy: cuda_graph.cpp).
+//
+// Profiling: DELTASERVE_CUDA_PROFILE=1 (read at construction) times the phases of eager passes with cudaEvents
+// (profile.hpp; a replayed graph counts as one phase) and prints the table to stderr when the backend is
+// destroyed. Off: no events.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +31,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/status.hpp"
@@ -41,7 +51,7 @@ struct CudaBackendOptions {
   int page_tokens = 64;             // MLA page size (tokens): a multiple of 16 up to 256
   int64_t state_slots = 0;          // 0 = from the memory plan (min(max_requests, what fits))
   int64_t cache_pages = 0;          // 0 = from the memory plan (the rest of the budget)
-  bool cuda_graphs = true;          // pure-decode graph capture: not implemented yet (ignored; eager always)
+  bool cuda_graphs = true;          // replay pure-decode passes from CUDA graphs (false: every pass eager)
 };
 
 class CudaBackend final : public Backend {
@@ -70,6 +80,24 @@ class CudaBackend final : public Backend {
   // rows: the decode work per step is that of a real context of this length; the values are not a real prompt's).
   // kResourceExhausted when the slot or pages are not free; nothing is taken then.
   [[nodiscard]] Status assume_context(RequestState& state, int64_t tokens);
+
+  // CUDA graphs on or off from the next pass on (graphs already captured are kept).
+  void set_cuda_graphs(bool on);
+  bool cuda_graphs() const;
+  struct GraphStats {
+    int64_t cached = 0;    // instantiated graphs held now
+    int64_t captures = 0;  // graphs captured so far
+    int64_t replays = 0;   // passes run by a graph replay
+    int64_t failed = 0;    // keys whose capture failed (they run eagerly)
+  };
+  GraphStats graph_stats() const;
+
+  // The per-phase GPU time of eager passes (DELTASERVE_CUDA_PROFILE=1 at construction, or enable_profile(true)):
+  // totals since the last reset, in milliseconds; profile_table() as text (empty when nothing was timed).
+  void enable_profile(bool on);
+  std::vector<std::pair<std::string, double>> profile() const;
+  std::string profile_table() const;
+  void reset_profile();
 
   // Pool occupancy (tests, metrics).
   int64_t free_state_slots() const;

@@ -106,6 +106,7 @@ Status CudaBackend::Impl::run_kda(const DeviceLayer& layer, const PassTables& t)
   auto* out = arena.take<__nv_bfloat16>(T * C);  // gated, normalised output: the input of o_proj
   auto* low = arena.take<__nv_bfloat16>(T * low_width);
   DS_RETURN_IF_ERROR(arena_check("KDA"));
+  profiler.mark(Phase::kKdaProjections, stream());
   DS_RETURN_IF_ERROR(gemm.run(x, hidden, w.fg_a, T, hidden, low_width, low, low_width));
 
   if (d == kc::kKdaHeadDim && t.pure_decode) {
@@ -151,6 +152,7 @@ Status CudaBackend::Impl::run_kda(const DeviceLayer& layer, const PassTables& t)
     p.conv_state = pools->conv_pool(layer.slot);
     p.state = pools->state_pool(layer.slot);
     p.out = out;
+    profiler.mark(Phase::kKdaRecurrence, stream());
     DS_RETURN_IF_ERROR_CTX(kc::kda_decode_step(p, stream()), "kda_decode_step");
   } else {
     auto* qkv = arena.take<__nv_bfloat16>(T * 3 * C);
@@ -198,8 +200,11 @@ Status CudaBackend::Impl::run_kda(const DeviceLayer& layer, const PassTables& t)
       prep.q = q;
       prep.k = k;
       prep.v = v;
+      profiler.mark(Phase::kKdaConv, stream());
       DS_RETURN_IF_ERROR_CTX(kc::kda_prep(prep, stream()), "kda_prep");
+      profiler.mark(Phase::kKdaRecurrence, stream());
       DS_RETURN_IF_ERROR(run_kda_prefill_128(layer, t, q, k, v, gate_raw, beta, beta_group, o));
+      profiler.mark(Phase::kKdaOutput, stream());
       DS_RETURN_IF_ERROR(kc::kda_gated_output_norm(o, out_gate, C, w.o_norm, T, static_cast<int>(H),
                                                    static_cast<int>(d), eps, out, stream()));
     } else {
@@ -210,7 +215,9 @@ Status CudaBackend::Impl::run_kda(const DeviceLayer& layer, const PassTables& t)
       auto* o = arena.take<float>(T * C);
       DS_RETURN_IF_ERROR(arena_check("KDA generic"));
       prep.q_scale = 1.0f / std::sqrt(static_cast<float>(d));
+      profiler.mark(Phase::kKdaConv, stream());
       DS_RETURN_IF_ERROR_CTX(kc::kda_prep_f32(prep, kc::KdaPrepF32Outputs{q, k, v}, stream()), "kda_prep_f32");
+      profiler.mark(Phase::kKdaRecurrence, stream());
       DS_RETURN_IF_ERROR(kc::kda_gate(gate_raw, C, w.a_log, w.dt_bias, T, static_cast<int>(H), static_cast<int>(d),
                                       config.kda.gate_lower_bound, g, stream()));
       kc::KdaRecurrentParams p;
@@ -229,10 +236,12 @@ Status CudaBackend::Impl::run_kda(const DeviceLayer& layer, const PassTables& t)
       p.num_slots = static_cast<int>(pools->num_slots());
       p.o = o;
       DS_RETURN_IF_ERROR_CTX(kc::kda_recurrent_varlen(p, stream()), "kda_recurrent_varlen");
+      profiler.mark(Phase::kKdaOutput, stream());
       DS_RETURN_IF_ERROR(kc::kda_gated_output_norm(o, out_gate, C, w.o_norm, T, static_cast<int>(H),
                                                    static_cast<int>(d), eps, out, stream()));
     }
   }
+  profiler.mark(Phase::kKdaOutput, stream());
   return gemm.run(out, C, w.o_proj, T, C, hidden, residual, hidden, /*accumulate=*/true);
 }
 
@@ -252,6 +261,7 @@ Status CudaBackend::Impl::run_mla(const DeviceLayer& layer, const PassTables& t)
   auto* attention = arena.take<float>(T * v_width);
   auto* gated = arena.take<__nv_bfloat16>(T * v_width);
   DS_RETURN_IF_ERROR(arena_check("MLA"));
+  profiler.mark(Phase::kMlaProjections, stream());
   DS_RETURN_IF_ERROR(gemm.run(x, hidden, w.qa_kva, T, hidden, projected, qa_kv, projected));
   if (m.q_lora_rank) {
     auto* q_low = arena.take<__nv_bfloat16>(T * q_lora);
@@ -274,6 +284,7 @@ Status CudaBackend::Impl::run_mla(const DeviceLayer& layer, const PassTables& t)
   write.kv_lora_rank = static_cast<int>(m.kv_lora_rank);
   write.qk_rope = static_cast<int>(m.qk_rope_head_dim);
   write.slot_mapping = t.d_slot_mapping;
+  profiler.mark(Phase::kMlaAttention, stream());
   DS_RETURN_IF_ERROR_CTX(kc::mla_write_rows(write, stream()), "mla_write_rows");
 
   kc::MlaAttentionParams a;
@@ -306,6 +317,7 @@ Status CudaBackend::Impl::run_mla(const DeviceLayer& layer, const PassTables& t)
     DS_RETURN_IF_ERROR_CTX(kc::mla_prefill(a, stream()), "mla_prefill");
   }
 
+  profiler.mark(Phase::kMlaOutput, stream());
   if (m.use_output_gate) {
     auto* gate = arena.take<float>(T * v_width);
     DS_RETURN_IF_ERROR(arena_check("MLA gate"));
@@ -348,6 +360,7 @@ Status CudaBackend::Impl::run_moe(const DeviceMoe& moe, int64_t T) {
   const size_t plan_bytes = kc::moe_plan_workspace_bytes(T, static_cast<int>(k), static_cast<int>(E));
   auto* plan_workspace = arena.take<char>(static_cast<int64_t>(plan_bytes));
   DS_RETURN_IF_ERROR(arena_check("MoE router"));
+  profiler.mark(Phase::kMoeRouter, stream());
   DS_RETURN_IF_ERROR(gemm.run_f32(normed_f32, hidden, moe.router, T, hidden, E, router_logits, E));
   kc::MoeRoutingConfig routing;
   routing.num_experts = static_cast<int>(E);
@@ -358,11 +371,13 @@ Status CudaBackend::Impl::run_moe(const DeviceMoe& moe, int64_t T) {
   routing.routed_scaling_factor = mc.routed_scaling_factor;
   DS_RETURN_IF_ERROR_CTX(
       kc::moe_route(routing, router_logits, moe.correction_bias, T, expert_ids, expert_weights, stream()), "moe_route");
+  profiler.mark(Phase::kMoePlan, stream());
   DS_RETURN_IF_ERROR_CTX(
       kc::moe_plan(expert_ids, T, static_cast<int>(k), static_cast<int>(E), plan, plan_workspace, plan_bytes, stream()),
       "moe_plan");
 
   // Expert inputs: x, or the latent down-projection of x (LatentMoE).
+  profiler.mark(Phase::kMoeExpertFfn, stream());
   const __nv_bfloat16* expert_in = normed;
   int64_t expert_in_stride = hidden;
   if (latent) {
@@ -407,6 +422,7 @@ Status CudaBackend::Impl::run_moe(const DeviceMoe& moe, int64_t T) {
     DS_RETURN_IF_ERROR_CTX(kc::moe_expert_ffn_prefill(f, offsets, gemm.handle(), stream()), "moe_expert_ffn_prefill");
   }
 
+  profiler.mark(Phase::kMoeCombine, stream());
   if (latent) {
     auto* routed = arena.take<float>(T * width);
     auto* routed_bf16 = arena.take<__nv_bfloat16>(T * width);
@@ -424,7 +440,10 @@ Status CudaBackend::Impl::run_moe(const DeviceMoe& moe, int64_t T) {
     DS_RETURN_IF_ERROR(kc::moe_combine(y_sorted, plan, expert_weights, T, static_cast<int>(k), width,
                                        /*accumulate=*/true, residual, hidden, stream()));
   }
-  if (moe.shared.gate_up != nullptr) DS_RETURN_IF_ERROR(run_dense_ffn(moe.shared, normed, hidden, T));
+  if (moe.shared.gate_up != nullptr) {
+    profiler.mark(Phase::kSharedExperts, stream());
+    DS_RETURN_IF_ERROR(run_dense_ffn(moe.shared, normed, hidden, T));
+  }
   return Status::ok();
 }
 

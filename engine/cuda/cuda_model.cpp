@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <set>
 #include <string>
 
@@ -96,6 +97,7 @@ Status CudaBackend::Impl::arena_check(const char* where) const {
 Status CudaBackend::Impl::ensure_mla_workspace(size_t bytes) {
   if (bytes <= mla_workspace.bytes()) return Status::ok();
   DS_CUDA_RETURN(cudaStreamSynchronize(stream()));
+  decode_graphs.clear();  // they hold the old workspace's address
   return mla_workspace.allocate(align_up(bytes), "MLA attention workspace");
 }
 
@@ -209,7 +211,7 @@ size_t append(std::vector<char>& buffer, const T* values, size_t count) {
 
 }  // namespace
 
-Status CudaBackend::Impl::build_tables(std::span<SequenceInput> batch, PassTables& t) {
+Status CudaBackend::Impl::build_tables(std::span<SequenceInput> batch, PassTables& t, const DecodeGraphKey* graph) {
   const auto N = static_cast<int64_t>(batch.size());
   const int64_t page_tokens = pools->page_tokens();
   t.num_seqs = N;
@@ -250,6 +252,15 @@ Status CudaBackend::Impl::build_tables(std::span<SequenceInput> batch, PassTable
     }
   }
   t.rows = t.cu.back();
+  if (graph != nullptr) {
+    // The graph's layout: block-table rows of its bound, its context bound for the split grid.
+    const bool context_fits = shape.mla_layers == 0 || t.max_context <= graph->context_bound;
+    if (t.max_pages > graph->pages_bound || !context_fits || N != graph->batch) {
+      return internal_error("build_tables: the batch does not fit its decode graph key");
+    }
+    t.max_pages = graph->pages_bound;
+    if (shape.mla_layers > 0) t.max_context = graph->context_bound;
+  }
   std::vector<int32_t> block_tables(static_cast<size_t>(N * t.max_pages), -1);
   for (int64_t s = 0; s < N; ++s) {
     const auto& pages = ours(*batch[static_cast<size_t>(s)].state, pools.get())->pages();
@@ -264,14 +275,36 @@ Status CudaBackend::Impl::build_tables(std::span<SequenceInput> batch, PassTable
   const size_t o_blocks = append(host_tables, block_tables.data(), block_tables.size());
   const size_t o_logits = append(host_tables, t.logit_rows.data(), t.logit_rows.size());
   const size_t o_mapping = append(host_tables, slot_mapping.data(), slot_mapping.size());
-  if (host_tables.size() > table_memory.bytes()) {
-    DS_CUDA_RETURN(cudaStreamSynchronize(stream()));
-    DS_RETURN_IF_ERROR(table_memory.allocate(align_up(host_tables.size() * 2), "per-pass tables"));
+  const char* base = nullptr;
+  if (graph == nullptr) {
+    if (host_tables.size() > table_memory.bytes()) {
+      DS_CUDA_RETURN(cudaStreamSynchronize(stream()));
+      DS_RETURN_IF_ERROR(table_memory.allocate(align_up(host_tables.size() * 2), "per-pass tables"));
+    }
+    // Pageable source: the copy is staged before the call returns, so host_tables may be reused after it.
+    DS_CUDA_RETURN(
+        cudaMemcpyAsync(table_memory.data(), host_tables.data(), host_tables.size(), cudaMemcpyHostToDevice, stream()));
+    base = table_memory.as<char>();
+  } else {
+    // Fixed device buffer (the graphs hold its address): one copy from pinned staging. Growing it moves it, so
+    // every graph is dropped then (the caller captures after this call).
+    DecodeGraphs& g = decode_graphs;
+    if (g.staged == nullptr) DS_CUDA_RETURN(cudaEventCreateWithFlags(&g.staged, cudaEventDisableTiming));
+    DS_CUDA_RETURN(cudaEventSynchronize(g.staged));  // the previous upload has left the staging buffer
+    if (host_tables.size() > g.tables.bytes()) {
+      DS_CUDA_RETURN(cudaStreamSynchronize(stream()));
+      g.clear();
+      DS_RETURN_IF_ERROR(g.tables.allocate(align_up(host_tables.size() * 2), "decode graph tables"));
+    }
+    if (host_tables.size() > g.staging.bytes()) {
+      DS_RETURN_IF_ERROR(g.staging.allocate(align_up(host_tables.size() * 2), "decode graph table staging"));
+    }
+    std::memcpy(g.staging.data(), host_tables.data(), host_tables.size());
+    DS_CUDA_RETURN(
+        cudaMemcpyAsync(g.tables.data(), g.staging.data(), host_tables.size(), cudaMemcpyHostToDevice, stream()));
+    DS_CUDA_RETURN(cudaEventRecord(g.staged, stream()));
+    base = g.tables.as<char>();
   }
-  // Pageable source: the copy is staged before the call returns, so host_tables may be reused after it.
-  DS_CUDA_RETURN(
-      cudaMemcpyAsync(table_memory.data(), host_tables.data(), host_tables.size(), cudaMemcpyHostToDevice, stream()));
-  const char* base = table_memory.as<char>();
   t.d_tokens = reinterpret_cast<const int32_t*>(base + o_tokens);
   t.d_slots = reinterpret_cast<const int32_t*>(base + o_slots);
   t.d_cu = reinterpret_cast<const int32_t*>(base + o_cu);
@@ -287,18 +320,24 @@ Status CudaBackend::Impl::build_tables(std::span<SequenceInput> batch, PassTable
 Status CudaBackend::Impl::forward_layers(const PassTables& t, const float** final_hidden) {
   const int64_t T = t.rows, hidden = config.hidden_size;
   const float eps = config.rms_norm_eps;
+  profiler.mark(Phase::kEmbedding, stream());
   DS_RETURN_IF_ERROR(
       kc::embedding_gather(weights->embed_tokens, config.vocab_size, hidden, t.d_tokens, T, residual, stream()));
 
   // attention(l, x): residual += attention(input_norm(x)); ffn(l, x): residual += ffn(post_attention_norm(x)).
   auto attention = [&](const DeviceLayer& layer, const float* x) -> Status {
+    profiler.mark(Phase::kNorms, stream());
     DS_RETURN_IF_ERROR(kc::rms_norm(x, hidden, layer.input_norm, T, hidden, eps, normed, hidden, stream()));
     return layer.kind == LayerKind::kKda ? run_kda(layer, t) : run_mla(layer, t);
   };
   auto ffn = [&](const DeviceLayer& layer, const float* x) -> Status {
+    profiler.mark(Phase::kNorms, stream());
     DS_RETURN_IF_ERROR(kc::rms_norm(x, hidden, layer.post_attention_norm, T, hidden, eps, normed, hidden, stream()));
     arena.reset();
-    if (!layer.is_moe) return run_dense_ffn(layer.dense, normed, hidden, T);
+    if (!layer.is_moe) {
+      profiler.mark(Phase::kDenseFfn, stream());
+      return run_dense_ffn(layer.dense, normed, hidden, T);
+    }
     DS_RETURN_IF_ERROR(
         kc::rms_norm(x, hidden, layer.post_attention_norm, T, hidden, eps, normed_f32, hidden, stream()));
     return run_moe(layer.moe, T);
@@ -320,6 +359,7 @@ Status CudaBackend::Impl::forward_layers(const PassTables& t, const float** fina
   // spare_blocks[0] is the residual buffer the embeddings went into; the others take over as blocks are sealed.
   std::vector<float*> spares(spare_blocks.begin() + 1, spare_blocks.end());
   auto mix = [&](const DeviceAttnRes& w, float* out) -> Status {
+    profiler.mark(Phase::kNorms, stream());
     std::vector<const float*> sources = blocks;
     sources.push_back(residual);
     if (static_cast<int>(sources.size()) > kc::kMaxAttnResSources) {
@@ -351,41 +391,58 @@ Status CudaBackend::Impl::forward_layers(const PassTables& t, const float** fina
   return Status::ok();
 }
 
+void CudaBackend::Impl::size_logits(std::span<SequenceInput> batch, std::vector<std::vector<float>>& out) const {
+  out.assign(batch.size(), {});
+  for (size_t s = 0; s < batch.size(); ++s) {
+    const int64_t rows = batch[s].all_logits ? static_cast<int64_t>(batch[s].tokens.size()) : 1;
+    out[s].resize(static_cast<size_t>(rows * config.vocab_size));
+  }
+}
+
+Status CudaBackend::Impl::lm_head_piece(const float* final_hidden, const PassTables& t, int64_t begin, int64_t n) {
+  const int64_t hidden = config.hidden_size, vocab = config.vocab_size;
+  DS_RETURN_IF_ERROR(kc::gather_slots(final_hidden, hidden * 4, t.d_logit_rows + begin, n, head_rows, stream()));
+  DS_RETURN_IF_ERROR(kc::rms_norm(head_rows, hidden, weights->final_norm, n, hidden, config.rms_norm_eps, head_normed,
+                                  hidden, stream()));
+  return gemm.run(head_normed, hidden, weights->lm_head, n, hidden, vocab, logits, vocab);
+}
+
+// Rows of one sequence are consecutive: each run is copied in one piece. Synchronises (pageable destinations, and
+// the next piece overwrites `logits`).
+Status CudaBackend::Impl::copy_logits(const PassTables& t, int64_t begin, int64_t n,
+                                      std::vector<std::vector<float>>& out, std::vector<int64_t>& filled) {
+  const int64_t vocab = config.vocab_size;
+  for (int64_t i = 0; i < n;) {
+    const int32_t s = t.logit_seq[static_cast<size_t>(begin + i)];
+    int64_t j = i;
+    while (j < n && t.logit_seq[static_cast<size_t>(begin + j)] == s) ++j;
+    std::vector<float>& dst = out[static_cast<size_t>(s)];
+    int64_t& at = filled[static_cast<size_t>(s)];
+    DS_CUDA_RETURN(cudaMemcpyAsync(dst.data() + at * vocab, logits + i * vocab,
+                                   static_cast<size_t>((j - i) * vocab) * sizeof(float), cudaMemcpyDeviceToHost,
+                                   stream()));
+    at += j - i;
+    i = j;
+  }
+  DS_CUDA_RETURN(cudaStreamSynchronize(stream()));
+  return Status::ok();
+}
+
 Status CudaBackend::Impl::lm_head(const float* final_hidden, const PassTables& t, std::span<SequenceInput> batch,
                                   std::vector<std::vector<float>>* out) {
-  const int64_t hidden = config.hidden_size, vocab = config.vocab_size;
+  profiler.mark(Phase::kLmHead, stream());
   const auto W = static_cast<int64_t>(t.logit_rows.size());
   std::vector<int64_t> filled;
   if (out != nullptr) {
-    out->assign(batch.size(), {});
+    size_logits(batch, *out);
     filled.assign(batch.size(), 0);
-    for (size_t s = 0; s < batch.size(); ++s) {
-      const int64_t rows = batch[s].all_logits ? static_cast<int64_t>(batch[s].tokens.size()) : 1;
-      (*out)[s].resize(static_cast<size_t>(rows * vocab));
-    }
   }
   for (int64_t begin = 0; begin < W; begin += logit_chunk) {
     const int64_t n = std::min(logit_chunk, W - begin);
-    DS_RETURN_IF_ERROR(kc::gather_slots(final_hidden, hidden * 4, t.d_logit_rows + begin, n, head_rows, stream()));
-    DS_RETURN_IF_ERROR(kc::rms_norm(head_rows, hidden, weights->final_norm, n, hidden, config.rms_norm_eps, head_normed,
-                                    hidden, stream()));
-    DS_RETURN_IF_ERROR(gemm.run(head_normed, hidden, weights->lm_head, n, hidden, vocab, logits, vocab));
-    if (out == nullptr) continue;
-    // Rows of one sequence are consecutive: copy each run in one piece.
-    for (int64_t i = 0; i < n;) {
-      const int32_t s = t.logit_seq[static_cast<size_t>(begin + i)];
-      int64_t j = i;
-      while (j < n && t.logit_seq[static_cast<size_t>(begin + j)] == s) ++j;
-      std::vector<float>& dst = (*out)[static_cast<size_t>(s)];
-      int64_t& at = filled[static_cast<size_t>(s)];
-      DS_CUDA_RETURN(cudaMemcpyAsync(dst.data() + at * vocab, logits + i * vocab,
-                                     static_cast<size_t>((j - i) * vocab) * sizeof(float), cudaMemcpyDeviceToHost,
-                                     stream()));
-      at += j - i;
-      i = j;
-    }
-    DS_CUDA_RETURN(cudaStreamSynchronize(stream()));  // before the next piece overwrites `logits`
+    DS_RETURN_IF_ERROR(lm_head_piece(final_hidden, t, begin, n));
+    if (out != nullptr) DS_RETURN_IF_ERROR(copy_logits(t, begin, n, *out, filled));
   }
+  profiler.idle(stream());
   return Status::ok();
 }
 
@@ -400,15 +457,28 @@ Status CudaBackend::Impl::run(std::span<SequenceInput> batch, std::vector<std::v
   }
   std::lock_guard<std::recursive_mutex> lock(pools->mutex());
   DS_CUDA_RETURN(cudaSetDevice(pools->device()));
-  DS_RETURN_IF_ERROR(claim_residencies(batch));
-  PassTables tables;
-  DS_RETURN_IF_ERROR(build_tables(batch, tables));
-  const float* final_hidden = nullptr;
-  Status status = forward_layers(tables, &final_hidden);
-  // Restore the AttnRes buffer rotation whatever happened (forward_layers moved `residual`).
-  if (config.attn_res_block_size) residual = spare_blocks.front();
-  if (status.is_ok()) status = lm_head(final_hidden, tables, batch, out);
+  profiler.mark(Phase::kTableUpload, stream());
+  Status status = claim_residencies(batch);
+  if (!status.is_ok()) {
+    (void)profiler.collect();  // closes this pass's timing (profiling only)
+    return status;             // nothing was taken
+  }
+  bool done = false;
+  if (const std::optional<DecodeGraphKey> key = decode_graph_key(batch)) {
+    status = run_decode_graph(batch, *key, out, &done);
+  }
+  if (status.is_ok() && !done) {
+    PassTables tables;
+    status = build_tables(batch, tables);
+    const float* final_hidden = nullptr;
+    if (status.is_ok()) status = forward_layers(tables, &final_hidden);
+    // Restore the AttnRes buffer rotation whatever happened (forward_layers moved `residual`).
+    if (config.attn_res_block_size) residual = spare_blocks.front();
+    if (status.is_ok()) status = lm_head(final_hidden, tables, batch, out);
+  }
   if (status.is_ok()) status = cuda_status(cudaGetLastError(), "forward pass", __FILE__, __LINE__);
+  const Status collected = profiler.collect();  // (no-op unless profiling)
+  if (status.is_ok()) status = collected;
   if (!status.is_ok()) {
     // Layers may have updated KDA states in place before the failure. Where the host copy is current, let the
     // device copy go (the next pass uploads the host contents again); a request whose only current copy was on

@@ -3,7 +3,10 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <vector>
@@ -18,6 +21,7 @@
 #include "engine/cuda/device_state.hpp"
 #include "engine/cuda/device_weights.hpp"
 #include "engine/cuda/gemm.hpp"
+#include "engine/cuda/profile.hpp"
 #include "engine/model.hpp"
 
 namespace deltaserve::engine::cuda {
@@ -50,6 +54,50 @@ struct PassTables {
   const int64_t* d_slot_mapping = nullptr;
 };
 
+// Page-locked host memory (cudaMallocHost), freed on destruction.
+class PinnedMemory {
+ public:
+  PinnedMemory() = default;
+  ~PinnedMemory() { reset(); }
+  PinnedMemory(const PinnedMemory&) = delete;
+  PinnedMemory& operator=(const PinnedMemory&) = delete;
+  [[nodiscard]] Status allocate(size_t bytes, const std::string& what);
+  void reset();
+  char* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  char* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// A pure-decode pass captured as a CUDA graph is keyed by its exact batch size and the host bound of its
+// contexts (the MLA split grid and block-table row length are baked into the graph; the kernels read the real
+// lengths on the device). See cuda_graph.cpp for the policy.
+struct DecodeGraphKey {
+  int64_t batch = 0;
+  int context_bound = 0;  // >= every context of the pass (a power of two, capped at the model limit); 0 without MLA
+  int pages_bound = 1;    // block-table row length: ceil(context_bound / page_tokens)
+  auto operator<=>(const DecodeGraphKey&) const = default;
+};
+
+struct DecodeGraphs {
+  struct Entry {
+    cudaGraphExec_t exec = nullptr;
+    uint64_t last_use = 0;
+  };
+  std::map<DecodeGraphKey, Entry> graphs;
+  std::set<DecodeGraphKey> seen;    // keys run eagerly once (the warm-up before a capture)
+  std::set<DecodeGraphKey> failed;  // capture failed: these keys stay eager
+  uint64_t clock = 0;
+  int64_t captures = 0, replays = 0;
+  DeviceMemory tables;           // fixed per-pass tables the graphs read (reallocation drops every graph)
+  PinnedMemory staging;          // host side of `tables`
+  cudaEvent_t staged = nullptr;  // the last upload from `staging` (reused only after it completed)
+  void clear();                  // destroys every graph (keeps tables and counters)
+  ~DecodeGraphs();
+};
+
 struct CudaBackend::Impl {
   ModelConfig config;
   CudaBackendOptions options;
@@ -80,6 +128,8 @@ struct CudaBackend::Impl {
   float* logits = nullptr;
   DeviceMemory table_memory;  // per-pass tables (grown on demand)
   std::vector<char> host_tables;
+  DecodeGraphs decode_graphs;
+  Profiler profiler;
 
   // The pass: resolve residencies (taking slots and pages), upload tables, run, copy logits (when `out`), advance.
   [[nodiscard]] Status run(std::span<SequenceInput> batch, std::vector<std::vector<float>>* out);
@@ -87,10 +137,23 @@ struct CudaBackend::Impl {
  private:
   [[nodiscard]] Status validate(std::span<SequenceInput> batch) const;
   [[nodiscard]] Status claim_residencies(std::span<SequenceInput> batch);
-  [[nodiscard]] Status build_tables(std::span<SequenceInput> batch, PassTables& tables);
+  // graph == nullptr: tables into table_memory (eager). Otherwise into the fixed graph tables with graph's layout.
+  [[nodiscard]] Status build_tables(std::span<SequenceInput> batch, PassTables& tables,
+                                    const DecodeGraphKey* graph = nullptr);
   [[nodiscard]] Status forward_layers(const PassTables& tables, const float** final_hidden);
   [[nodiscard]] Status lm_head(const float* final_hidden, const PassTables& tables, std::span<SequenceInput> batch,
                                std::vector<std::vector<float>>* out);
+  // LM head pieces: logits of logit rows [begin, begin + n) into `logits`; their copy into `out`.
+  [[nodiscard]] Status lm_head_piece(const float* final_hidden, const PassTables& tables, int64_t begin, int64_t n);
+  void size_logits(std::span<SequenceInput> batch, std::vector<std::vector<float>>& out) const;
+  [[nodiscard]] Status copy_logits(const PassTables& tables, int64_t begin, int64_t n,
+                                   std::vector<std::vector<float>>& out, std::vector<int64_t>& filled);
+  // CUDA graphs (cuda_graph.cpp): the key of a batch that may replay a graph (nullopt: eager), and the pass by
+  // replay. *ran false: nothing was computed (the key's eager warm-up pass, or a capture that failed); run eagerly.
+  std::optional<DecodeGraphKey> decode_graph_key(std::span<SequenceInput> batch) const;
+  [[nodiscard]] Status run_decode_graph(std::span<SequenceInput> batch, const DecodeGraphKey& key,
+                                        std::vector<std::vector<float>>* out, bool* ran);
+  [[nodiscard]] Status capture_decode_graph(const PassTables& tables, cudaGraphExec_t* exec);
   [[nodiscard]] Status run_kda(const DeviceLayer& layer, const PassTables& tables);
   [[nodiscard]] Status run_kda_prefill_128(const DeviceLayer& layer, const PassTables& tables, const __nv_bfloat16* q,
                                            const __nv_bfloat16* k, const __nv_bfloat16* v, const float* gate_raw,

@@ -7,13 +7,15 @@
 namespace deltaserve::engine::cuda {
 
 Gemm::~Gemm() {
-  if (handle_ != nullptr) (void)cublasDestroy(handle_);
+  if (handle_ != nullptr) (void)cublasDestroy(handle_);  // before its workspace is freed (member order)
 }
 
 Status Gemm::init(cudaStream_t stream) {
   DS_CUBLAS_RETURN(cublasCreate(&handle_));
   stream_ = stream;
+  DS_RETURN_IF_ERROR(workspace_.allocate(kWorkspaceBytes, "cuBLAS workspace"));
   DS_CUBLAS_RETURN(cublasSetStream(handle_, stream));
+  DS_CUBLAS_RETURN(cublasSetWorkspace(handle_, workspace_.data(), workspace_.bytes()));
   // Full fp32 for the fp32 GEMMs (the router): no TF32 down-conversion.
   DS_CUBLAS_RETURN(cublasSetMathMode(handle_, CUBLAS_DEFAULT_MATH));
   return Status::ok();
@@ -30,8 +32,10 @@ Status Gemm::gemm_ex(const void* x, cudaDataType x_type, int64_t x_stride, const
                           std::to_string(y_stride));
   }
   if (x == nullptr || w == nullptr || y == nullptr) return internal_error("gemm: null pointer");
-  // Another user of the handle (moe_expert_ffn_prefill) may have moved it to its own stream.
+  // Another user of the handle (moe_expert_ffn_prefill) may have moved it to its own stream; cublasSetStream
+  // resets the workspace to cuBLAS's default pool, so ours is set again (graph capture needs it).
   DS_CUBLAS_RETURN(cublasSetStream(handle_, stream_));
+  DS_CUBLAS_RETURN(cublasSetWorkspace(handle_, workspace_.data(), workspace_.bytes()));
   const float alpha = 1.0f;
   DS_CUBLAS_RETURN(cublasGemmEx(handle_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(out), static_cast<int>(rows),
                                 static_cast<int>(in), &alpha, w, x_type, static_cast<int>(in), x, x_type,

@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include "common/status.hpp"
+#include "engine/cuda/cuda_util.hpp"
 
 namespace deltaserve::engine::cuda {
 
@@ -20,7 +21,10 @@ class Gemm {
   Gemm(const Gemm&) = delete;
   Gemm& operator=(const Gemm&) = delete;
 
+  // One handle bound to `stream`, with its own workspace (kWorkspaceBytes, set with cublasSetWorkspace so that
+  // GEMMs can be captured into CUDA graphs: no allocation inside cuBLAS during a capture).
   [[nodiscard]] Status init(cudaStream_t stream);
+  static constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // cuBLAS's recommendation for Hopper
   cublasHandle_t handle() const { return handle_; }
 
   // bf16 weights and activations, fp32 accumulation; y fp32.
@@ -38,6 +42,7 @@ class Gemm {
                                int64_t in, int64_t out, void* y, cudaDataType y_type, int64_t y_stride, float beta);
   cublasHandle_t handle_ = nullptr;
   cudaStream_t stream_ = nullptr;
+  DeviceMemory workspace_;
 };
 
 }  // namespace deltaserve::engine::cuda
