@@ -89,7 +89,7 @@ struct MoeFfnParams {
   // for prefill; the GEMV kernels for any R in decode), kept for tests and as a fallback. The environment variable
   // DELTASERVE_MOE_REFERENCE_FFN=1 (read once per process) forces true everywhere.
   bool use_reference_path = false;
-  // Grouped path only: rows per CTA tile, 64 or 128, or 0 = automatic (moe_grouped_row_tile).
+  // Grouped path only: rows per CTA tile, 32, 64 or 128, or 0 = automatic (moe_grouped_row_tile).
   int row_tile = 0;
 };
 // Decode path: width and I must be multiples of 8 (16-byte weight rows); pointers 16-byte aligned.
@@ -123,8 +123,11 @@ Status moe_expert_ffn_grouped(const MoeFfnParams& params, cudaStream_t stream);
 // grouped kernels beyond (unless use_reference_path). Reasoning (not yet measured): a GEMV tile of 4 rows re-reads the
 // expert's weights once per 4 rows; the grouped kernel reads them once per 64 rows.
 constexpr int64_t kMoeDecodeGemvRowsPerExpert = 4;
-// Automatic row tile of the grouped path: 64 rows while R <= this * E (decode-sized batches: weights read once per
-// expert up to 64 rows), 128 beyond (prefill: twice the FLOPs per byte of shared memory traffic).
+// Automatic row tile of the grouped path from the mean rows per expert R / E: 32 rows up to
+// kMoeGroupedTinyTileRowsPerExpert (mid-size decode batches: fewer wasted tensor-core FLOPs on padding rows), 64 up to
+// kMoeGroupedSmallTileRowsPerExpert (weights still read about once per expert), 128 beyond (prefill: twice the
+// FLOPs per byte of shared-memory traffic).
+constexpr int64_t kMoeGroupedTinyTileRowsPerExpert = 16;
 constexpr int64_t kMoeGroupedSmallTileRowsPerExpert = 64;
 int moe_grouped_row_tile(int64_t rows, int num_experts);
 // True if DELTASERVE_MOE_REFERENCE_FFN is set to a value other than "0" (cached at the first call).

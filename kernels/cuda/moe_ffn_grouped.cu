@@ -106,6 +106,8 @@ __global__ void __launch_bounds__(kThreads, 2) moe_grouped_gemm_kernel(GroupedAr
   constexpr int kMi = kWarpRows / 16;     // m16 tiles per warp
   constexpr int kAChunks = BM * kBK / 8;  // 16-byte chunks of one A stage
   constexpr int kBChunks = kBN * kBK / 8;
+  constexpr int kASlots = (kAChunks + kThreads - 1) / kThreads;
+  static_assert(BM % 32 == 0 && kBChunks % kThreads == 0, "tile shape");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* smem = reinterpret_cast<__nv_bfloat16*>(smem_raw);
 
@@ -121,13 +123,13 @@ __global__ void __launch_bounds__(kThreads, 2) moe_grouped_gemm_kernel(GroupedAr
 
   // Per-thread load slots: global source row pointers (or nullptr when out of range) for this CTA's tile.
   // A: chunk i -> row i / 4, k chunk i % 4; B likewise.
-  const __nv_bfloat16* a_src[kAChunks / kThreads];
+  const __nv_bfloat16* a_src[kASlots];
   const __nv_bfloat16* b_src[kBChunks / kThreads];
 #pragma unroll
-  for (int s = 0; s < kAChunks / kThreads; ++s) {
+  for (int s = 0; s < kASlots; ++s) {
     const int i = tid + s * kThreads, r = i / (kBK / 8), kc = i % (kBK / 8);
     const int row = row0 + r;
-    a_src[s] = row < row_end ? p.a + static_cast<int64_t>(row) * p.K + kc * 8 : nullptr;
+    a_src[s] = i < kAChunks && row < row_end ? p.a + static_cast<int64_t>(row) * p.K + kc * 8 : nullptr;
   }
 #pragma unroll
   for (int s = 0; s < kBChunks / kThreads; ++s) {
@@ -151,8 +153,9 @@ __global__ void __launch_bounds__(kThreads, 2) moe_grouped_gemm_kernel(GroupedAr
     __nv_bfloat16* sb = sa + BM * kLds;
     const int k0 = kt * kBK;
 #pragma unroll
-    for (int s = 0; s < kAChunks / kThreads; ++s) {
+    for (int s = 0; s < kASlots; ++s) {
       const int i = tid + s * kThreads, r = i / (kBK / 8), kc = i % (kBK / 8);
+      if (kAChunks % kThreads != 0 && i >= kAChunks) break;  // BM = 32: half the threads load A
       const bool valid = a_src[s] != nullptr && k0 + kc * 8 < p.K;
       cp_async16_zfill(sa + r * kLds + kc * 8, valid ? a_src[s] + k0 : p.a, valid);
     }
@@ -326,7 +329,9 @@ bool moe_reference_ffn_forced() {
 }
 
 int moe_grouped_row_tile(int64_t rows, int num_experts) {
-  return rows <= kMoeGroupedSmallTileRowsPerExpert * static_cast<int64_t>(num_experts) ? 64 : 128;
+  const int64_t e = num_experts;
+  if (rows <= kMoeGroupedTinyTileRowsPerExpert * e) return 32;
+  return rows <= kMoeGroupedSmallTileRowsPerExpert * e ? 64 : 128;
 }
 
 Status moe_expert_ffn_grouped(const MoeFfnParams& params, cudaStream_t stream) {
@@ -346,8 +351,8 @@ Status moe_expert_ffn_grouped(const MoeFfnParams& params, cudaStream_t stream) {
   if (params.glu == GluKind::kSitu && !(params.situ_beta > 0.0f && params.situ_linear_beta > 0.0f)) {
     return invalid_argument("moe_expert_ffn_grouped: SiTU betas must be positive");
   }
-  if (params.row_tile != 0 && params.row_tile != 64 && params.row_tile != 128) {
-    return invalid_argument("moe_expert_ffn_grouped: row_tile must be 0 (automatic), 64 or 128 (got " +
+  if (params.row_tile != 0 && params.row_tile != 32 && params.row_tile != 64 && params.row_tile != 128) {
+    return invalid_argument("moe_expert_ffn_grouped: row_tile must be 0 (automatic), 32, 64 or 128 (got " +
                             std::to_string(params.row_tile) + ")");
   }
   if (R == 0) return Status::ok();
@@ -361,7 +366,14 @@ Status moe_expert_ffn_grouped(const MoeFfnParams& params, cudaStream_t stream) {
         "moe_expert_ffn_grouped: gate_up, down, x_sorted, activated must be 16-byte aligned, y_sorted 8-byte");
   }
   const int bm = params.row_tile != 0 ? params.row_tile : moe_grouped_row_tile(R, w.num_experts);
-  return bm == 64 ? launch_grouped<64>(params, stream) : launch_grouped<128>(params, stream);
+  switch (bm) {
+    case 32:
+      return launch_grouped<32>(params, stream);
+    case 64:
+      return launch_grouped<64>(params, stream);
+    default:
+      return launch_grouped<128>(params, stream);
+  }
 }
 
 }  // namespace deltaserve::kernels::cuda

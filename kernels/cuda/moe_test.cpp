@@ -489,8 +489,13 @@ struct LayerCase {
   int64_t width = 32, inter = 16, T = 4;
   GluKind glu = GluKind::kSwiGlu;
   Path path = Path::kBoth;
-  bool concentrate = false;      // bias pushes every token to experts 0 and 1 (many rows per expert, empty experts)
-  bool graph = false;            // also replay the decode chain as a CUDA graph and require identical results
+  bool concentrate = false;  // bias pushes every token to experts 0 and 1 (many rows per expert, empty experts)
+  bool hot_expert = false;   // bias pushes every token to expert 0 (it gets T of the T * k rows: half at k = 2)
+  bool graph = false;        // also replay the decode chain as a CUDA graph and require identical results
+  // Grouped tensor-core path (moe_expert_ffn_grouped): row tiles to run explicitly (0 = automatic); each is checked
+  // against the CPU reference and against the reference path (cuBLAS if it ran, else the GEMV decode kernels).
+  std::vector<int> grouped_tiles = {0, 32, 64, 128};
+  bool time_paths = false;       // print event timings of the grouped and the cuBLAS reference path (no assertion)
   int64_t ref_token_stride = 1;  // CPU reference on every n-th token only (big cases)
   uint32_t seed = 1;
 };
@@ -676,7 +681,8 @@ const ExpertWeightsHost& expert_weights(int E, int64_t W, int64_t I) {
 void run_layer_case(const LayerCase& c) {
   SCOPED_TRACE("layer E=" + std::to_string(c.E) + " k=" + std::to_string(c.k) + " W=" + std::to_string(c.width) +
                " I=" + std::to_string(c.inter) + " T=" + std::to_string(c.T) +
-               (c.glu == GluKind::kSitu ? " situ" : " swiglu") + (c.concentrate ? " concentrated" : ""));
+               (c.glu == GluKind::kSitu ? " situ" : " swiglu") + (c.concentrate ? " concentrated" : "") +
+               (c.hot_expert ? " hot-expert" : ""));
   std::mt19937 rng(c.seed);
   const int64_t W = c.width, I = c.inter, T = c.T, R = T * c.k;
   std::vector<float> x = normal_vector(rng, T * W);
@@ -686,6 +692,10 @@ void run_layer_case(const LayerCase& c) {
   if (c.concentrate) {
     bias.assign(c.E, 0.0f);
     bias[0] = bias[1] = 10.0f;  // s + bias of experts 0, 1 beats any other s in [0, 1]
+  }
+  if (c.hot_expert) {
+    bias.assign(c.E, 0.0f);
+    bias[0] = 10.0f;  // every token picks expert 0 first
   }
   const ExpertWeightsHost& weights_host = expert_weights(c.E, W, I);
   const std::vector<__nv_bfloat16>& gate_up = weights_host.gate_up;
@@ -735,57 +745,154 @@ void run_layer_case(const LayerCase& c) {
   std::printf("[ moe layer ] E=%d k=%d W=%lld I=%lld T=%lld: %d empty experts, at most %d rows per expert\n", c.E, c.k,
               static_cast<long long>(W), static_cast<long long>(I), static_cast<long long>(T), empty, most);
 
+  // Reference paths first: the GEMV decode kernels and the per-expert cuBLAS loop (use_reference_path).
   std::vector<float> decode_out, prefill_out;
   if (c.path != Path::kPrefill) {
     d.poison();
-    status = moe_expert_ffn_decode(d.ffn(c), 0);
+    MoeFfnParams p = d.ffn(c);
+    p.use_reference_path = true;
+    status = moe_expert_ffn_decode(p, 0);
     ASSERT_TRUE(status) << status.to_string();
     ASSERT_TRUE(d.combine(0));
     DS_CUDA_OK(cudaDeviceSynchronize());
-    decode_out = download_out(d, "decode");
-    expect_close(select(decode_out).data(), ref_sel.data(), ref_sel.size(), W, 2e-3, 2e-2, "decode path vs CPU");
+    decode_out = download_out(d, "decode (GEMV)");
+    expect_close(select(decode_out).data(), ref_sel.data(), ref_sel.size(), W, 2e-3, 2e-2, "decode GEMV path vs CPU");
   }
+  cublasHandle_t handle = nullptr;
+  ASSERT_EQ(cublasCreate(&handle), CUBLAS_STATUS_SUCCESS);
+  cudaStream_t stream = nullptr;
+  DS_CUDA_OK(cudaStreamCreate(&stream));
   if (c.path != Path::kDecode) {
     d.poison();
-    cublasHandle_t handle = nullptr;
-    ASSERT_EQ(cublasCreate(&handle), CUBLAS_STATUS_SUCCESS);
-    cudaStream_t stream = nullptr;
-    DS_CUDA_OK(cudaStreamCreate(&stream));
+    MoeFfnParams p = d.ffn(c);
+    p.use_reference_path = true;
+    status = moe_expert_ffn_prefill(p, offsets, handle, stream);
+    EXPECT_TRUE(status) << status.to_string();
+    EXPECT_TRUE(d.combine(stream));
+    DS_CUDA_OK(cudaStreamSynchronize(stream));
+    prefill_out = download_out(d, "prefill (cuBLAS)");
+    expect_close(select(prefill_out).data(), ref_sel.data(), ref_sel.size(), W, 2e-3, 2e-2,
+                 "prefill cuBLAS path vs CPU");
+  }
+  if (!decode_out.empty() && !prefill_out.empty()) {
+    expect_close(decode_out.data(), prefill_out.data(), decode_out.size(), W, 2e-3, 2e-2,
+                 "decode GEMV vs prefill cuBLAS path");
+  }
+  const std::vector<float>& reference_out = !prefill_out.empty() ? prefill_out : decode_out;
+  const char* reference_name = !prefill_out.empty() ? "cuBLAS reference path" : "GEMV reference path";
+
+  // The grouped path at each requested row tile, then through the default entry points (which dispatch to it).
+  std::vector<float> grouped_auto_out;
+  auto check_new_path = [&](const std::string& name, const std::vector<float>& out) {
+    expect_close(select(out).data(), ref_sel.data(), ref_sel.size(), W, 2e-3, 2e-2, name + " vs CPU");
+    if (!reference_out.empty()) {
+      expect_close(out.data(), reference_out.data(), out.size(), W, 2e-3, 2e-2,
+                   name + " vs " + std::string(reference_name));
+    }
+  };
+  for (const int tile : c.grouped_tiles) {
+    const std::string name = "grouped path (row_tile " + std::to_string(tile) +
+                             ", auto = " + std::to_string(moe_grouped_row_tile(R, c.E)) + ")";
+    SCOPED_TRACE(name);
+    d.poison();
+    MoeFfnParams p = d.ffn(c);
+    p.row_tile = tile;
+    status = moe_expert_ffn_grouped(p, stream);
+    ASSERT_TRUE(status) << status.to_string();
+    EXPECT_TRUE(d.combine(stream));
+    DS_CUDA_OK(cudaStreamSynchronize(stream));
+    const std::vector<float> out = download_out(d, name);
+    check_new_path(name, out);
+    if (tile == 0) grouped_auto_out = out;
+  }
+  if (!c.grouped_tiles.empty()) {
+    // moe_expert_ffn_prefill's default is the grouped path (automatic tile): bitwise the same as calling it.
+    d.poison();
     status = moe_expert_ffn_prefill(d.ffn(c), offsets, handle, stream);
     EXPECT_TRUE(status) << status.to_string();
     EXPECT_TRUE(d.combine(stream));
     DS_CUDA_OK(cudaStreamSynchronize(stream));
-    cublasDestroy(handle);
-    DS_CUDA_OK(cudaStreamDestroy(stream));
-    prefill_out = download_out(d, "prefill");
-    expect_close(select(prefill_out).data(), ref_sel.data(), ref_sel.size(), W, 2e-3, 2e-2, "prefill path vs CPU");
-  }
-  if (!decode_out.empty() && !prefill_out.empty()) {
-    expect_close(decode_out.data(), prefill_out.data(), decode_out.size(), W, 2e-3, 2e-2, "decode vs prefill path");
-  }
-  if (c.graph) {
-    // The decode chain, captured and replayed: no host sync or allocation inside, identical results.
-    d.poison();
-    cudaStream_t stream = nullptr;
-    DS_CUDA_OK(cudaStreamCreate(&stream));
-    cudaGraph_t graph = nullptr;
-    DS_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    Status s1 = d.front(stream);
-    Status s2 = s1 ? moe_expert_ffn_decode(d.ffn(c), stream) : s1;
-    Status s3 = s2 ? d.combine(stream) : s2;
-    DS_CUDA_OK(cudaStreamEndCapture(stream, &graph));
-    ASSERT_TRUE(s3) << s3.to_string();
-    cudaGraphExec_t exec = nullptr;
-    DS_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-    DS_CUDA_OK(cudaGraphLaunch(exec, stream));
-    DS_CUDA_OK(cudaStreamSynchronize(stream));
-    const std::vector<float> graph_out = download_out(d, "graph");
-    for (size_t i = 0; i < graph_out.size(); ++i) {
-      ASSERT_EQ(graph_out[i], decode_out[i]) << "graph replay differs at " << i;
+    const std::vector<float> out = download_out(d, "prefill default");
+    check_new_path("prefill default (grouped)", out);
+    if (!grouped_auto_out.empty()) {
+      for (size_t i = 0; i < out.size(); ++i) {
+        ASSERT_EQ(out[i], grouped_auto_out[i]) << "prefill default differs from moe_expert_ffn_grouped at " << i;
+      }
     }
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-    DS_CUDA_OK(cudaStreamDestroy(stream));
+    // moe_expert_ffn_decode's default: GEMV kernels up to 4 rows per expert, the grouped path beyond.
+    d.poison();
+    status = moe_expert_ffn_decode(d.ffn(c), stream);
+    EXPECT_TRUE(status) << status.to_string();
+    EXPECT_TRUE(d.combine(stream));
+    DS_CUDA_OK(cudaStreamSynchronize(stream));
+    const std::vector<float> out2 = download_out(d, "decode default");
+    check_new_path(R > kMoeDecodeGemvRowsPerExpert * c.E ? "decode default (grouped)" : "decode default (GEMV)", out2);
+  }
+  if (c.time_paths) {
+    // Event timings, informational: the two FFN GEMMs of one layer (expert FLOPs 6 * R * W * I).
+    cudaEvent_t start = nullptr, stop = nullptr;
+    DS_CUDA_OK(cudaEventCreate(&start));
+    DS_CUDA_OK(cudaEventCreate(&stop));
+    const double flops = 6.0 * static_cast<double>(R) * static_cast<double>(W) * static_cast<double>(I);
+    for (const bool reference : {false, true}) {
+      MoeFfnParams p = d.ffn(c);
+      p.use_reference_path = reference;
+      constexpr int kReps = 5;
+      EXPECT_TRUE(moe_expert_ffn_prefill(p, offsets, handle, stream));  // warm-up
+      DS_CUDA_OK(cudaEventRecord(start, stream));
+      for (int i = 0; i < kReps; ++i) EXPECT_TRUE(moe_expert_ffn_prefill(p, offsets, handle, stream));
+      DS_CUDA_OK(cudaEventRecord(stop, stream));
+      DS_CUDA_OK(cudaEventSynchronize(stop));
+      float ms = 0.0f;
+      DS_CUDA_OK(cudaEventElapsedTime(&ms, start, stop));
+      ms /= kReps;
+      std::printf("[ moe timing ] %s R=%lld W=%lld I=%lld: %.3f ms, %.1f TFLOP/s\n",
+                  reference ? "cuBLAS per-expert" : "grouped (auto tile)", static_cast<long long>(R),
+                  static_cast<long long>(W), static_cast<long long>(I), ms, flops / (ms * 1e-3) / 1e12);
+    }
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+  }
+  cublasDestroy(handle);
+  DS_CUDA_OK(cudaStreamDestroy(stream));
+
+  if (c.graph) {
+    // The decode chain, captured and replayed: no host sync or allocation inside, identical results. Once with
+    // moe_expert_ffn_decode's default (GEMV or grouped, by rows per expert), once with the grouped path at a
+    // 128-row tile (its launch sets the opt-in shared-memory attribute during the capture).
+    for (const int variant : {0, 1}) {
+      MoeFfnParams p = d.ffn(c);
+      if (variant == 1) p.row_tile = 128;
+      auto run_ffn = [&](cudaStream_t s) {
+        return variant == 0 ? moe_expert_ffn_decode(p, s) : moe_expert_ffn_grouped(p, s);
+      };
+      d.poison();
+      ASSERT_TRUE(run_ffn(0));
+      ASSERT_TRUE(d.combine(0));
+      DS_CUDA_OK(cudaDeviceSynchronize());
+      const std::vector<float> eager = download_out(d, "eager before graph");
+      d.poison();
+      cudaStream_t capture_stream = nullptr;
+      DS_CUDA_OK(cudaStreamCreate(&capture_stream));
+      cudaGraph_t graph = nullptr;
+      DS_CUDA_OK(cudaStreamBeginCapture(capture_stream, cudaStreamCaptureModeThreadLocal));
+      Status s1 = d.front(capture_stream);
+      Status s2 = s1 ? run_ffn(capture_stream) : s1;
+      Status s3 = s2 ? d.combine(capture_stream) : s2;
+      DS_CUDA_OK(cudaStreamEndCapture(capture_stream, &graph));
+      ASSERT_TRUE(s3) << "graph variant " << variant << ": " << s3.to_string();
+      cudaGraphExec_t exec = nullptr;
+      DS_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+      DS_CUDA_OK(cudaGraphLaunch(exec, capture_stream));
+      DS_CUDA_OK(cudaStreamSynchronize(capture_stream));
+      const std::vector<float> graph_out = download_out(d, "graph");
+      for (size_t i = 0; i < graph_out.size(); ++i) {
+        ASSERT_EQ(graph_out[i], eager[i]) << "graph replay (variant " << variant << ") differs at " << i;
+      }
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+      DS_CUDA_OK(cudaStreamDestroy(capture_stream));
+    }
   }
 }
 
@@ -836,6 +943,132 @@ TEST(MoeLayer, Kimi48BPrefill) {
 TEST(MoeLayer, K3ShapeDecode) {
   // K3 expert shapes (latent width 3584, I = 3072) with fewer experts to keep the weights small; k = 16 of 32.
   run_layer_case({.E = 32, .k = 16, .width = 3584, .inter = 3072, .T = 2, .path = Path::kBoth, .seed = 300});
+}
+
+// ---- grouped tensor-core path (moe_expert_ffn_grouped) at served shapes -------------------------------------------
+// run_layer_case checks each grouped row tile against the CPU reference (every ref_token_stride-th token) and against
+// the reference path on all tokens, then the default entry points (prefill: grouped; decode: grouped above 4 rows
+// per expert).
+
+TEST(MoeGrouped, Kimi48BPrefillChunks) {
+  // 8192-token chunks are the engine's prefill unit: E = 256, k = 8 gives R = 65536 rows, ~256 per expert.
+  for (int64_t T : {64, 512, 2048, 8192}) {
+    run_layer_case({.E = 256,
+                    .k = 8,
+                    .width = 2304,
+                    .inter = 1024,
+                    .T = T,
+                    .path = Path::kPrefill,
+                    .grouped_tiles = T >= 2048 ? std::vector<int>{0, 64} : std::vector<int>{0, 32, 64, 128},
+                    .time_paths = T >= 2048,
+                    .ref_token_stride = std::max<int64_t>(1, T / 64),
+                    .seed = static_cast<uint32_t>(400 + T)});
+  }
+}
+
+TEST(MoeGrouped, Kimi48BMidSizeDecode) {
+  // Decode batches B = 128 (4 rows per expert: GEMV by default) and B = 256 (8: grouped by default, captured).
+  for (int64_t T : {128, 256}) {
+    run_layer_case({.E = 256,
+                    .k = 8,
+                    .width = 2304,
+                    .inter = 1024,
+                    .T = T,
+                    .path = Path::kBoth,
+                    .graph = T == 256,
+                    .ref_token_stride = T / 32,
+                    .seed = static_cast<uint32_t>(450 + T)});
+  }
+}
+
+TEST(MoeGrouped, UnbalancedRouting) {
+  // Expert 0 takes every token: half of all rows at k = 2 (2048 of 4096), 1/8 at k = 8; many experts empty.
+  run_layer_case({.E = 8, .k = 2, .width = 64, .inter = 32, .T = 37, .hot_expert = true, .graph = true, .seed = 10});
+  run_layer_case({.E = 256,
+                  .k = 2,
+                  .width = 2304,
+                  .inter = 1024,
+                  .T = 2048,
+                  .path = Path::kPrefill,
+                  .hot_expert = true,
+                  .ref_token_stride = 32,
+                  .seed = 500});
+  run_layer_case({.E = 256,
+                  .k = 8,
+                  .width = 2304,
+                  .inter = 1024,
+                  .T = 512,
+                  .path = Path::kBoth,
+                  .hot_expert = true,
+                  .ref_token_stride = 8,
+                  .seed = 501});
+}
+
+TEST(MoeGrouped, K3Shapes) {
+  // K3 expert shapes (latent width 3584, I = 3072) with E = 64 (k = 8) to keep the weights at ~4 GB.
+  for (int64_t T : {2, 64, 512}) {
+    run_layer_case({.E = 64,
+                    .k = 8,
+                    .width = 3584,
+                    .inter = 3072,
+                    .T = T,
+                    .path = T <= 64 ? Path::kBoth : Path::kPrefill,
+                    .graph = T == 64,
+                    .ref_token_stride = std::max<int64_t>(1, T / 32),
+                    .seed = static_cast<uint32_t>(600 + T)});
+  }
+}
+
+TEST(MoeGrouped, RejectsBadInputs) {
+  MoeFfnParams p;
+  auto* bf = reinterpret_cast<__nv_bfloat16*>(256);
+  p.weights = {bf, bf, 8, 64, 32};
+  p.rows = 4;
+  p.x_sorted = bf;
+  p.expert_offsets = reinterpret_cast<const int32_t*>(256);
+  p.activated = bf;
+  p.y_sorted = reinterpret_cast<float*>(256);
+  MoeFfnParams q = p;
+  q.weights.width = 60;
+  EXPECT_EQ(moe_expert_ffn_grouped(q, 0).code(), StatusCode::kInvalidArgument);
+  q = p;
+  q.weights.intermediate = 4;
+  EXPECT_EQ(moe_expert_ffn_grouped(q, 0).code(), StatusCode::kInvalidArgument);
+  q = p;
+  q.weights.num_experts = 0;
+  EXPECT_EQ(moe_expert_ffn_grouped(q, 0).code(), StatusCode::kInvalidArgument);
+  q = p;
+  q.weights.num_experts = kMoeMaxExperts + 1;
+  EXPECT_EQ(moe_expert_ffn_grouped(q, 0).code(), StatusCode::kInvalidArgument);
+  q = p;
+  q.row_tile = 48;
+  EXPECT_EQ(moe_expert_ffn_grouped(q, 0).code(), StatusCode::kInvalidArgument);
+  q = p;
+  q.x_sorted = bf + 4;  // 8-byte aligned only
+  EXPECT_EQ(moe_expert_ffn_grouped(q, 0).code(), StatusCode::kInvalidArgument);
+  q = p;
+  q.y_sorted = reinterpret_cast<float*>(260);  // 4-byte aligned only
+  EXPECT_EQ(moe_expert_ffn_grouped(q, 0).code(), StatusCode::kInvalidArgument);
+  q = p;
+  q.expert_offsets = nullptr;
+  EXPECT_EQ(moe_expert_ffn_grouped(q, 0).code(), StatusCode::kInvalidArgument);
+  q = p;
+  q.glu = GluKind::kSitu;
+  q.situ_linear_beta = -1.0f;
+  EXPECT_EQ(moe_expert_ffn_grouped(q, 0).code(), StatusCode::kInvalidArgument);
+  q = p;
+  q.rows = int64_t{70000} * 128;  // ceil(R / 128) + E row tiles > 65535
+  q.row_tile = 128;
+  EXPECT_EQ(moe_expert_ffn_grouped(q, 0).code(), StatusCode::kInvalidArgument);
+  q = p;
+  q.rows = 0;
+  q.x_sorted = nullptr;
+  EXPECT_TRUE(moe_expert_ffn_grouped(q, 0));
+  // Automatic row tile by mean rows per expert.
+  EXPECT_EQ(moe_grouped_row_tile(256 * 16, 256), 32);
+  EXPECT_EQ(moe_grouped_row_tile(256 * 16 + 1, 256), 64);
+  EXPECT_EQ(moe_grouped_row_tile(256 * 64, 256), 64);
+  EXPECT_EQ(moe_grouped_row_tile(256 * 64 + 1, 256), 128);
 }
 
 TEST(MoeFfn, RejectsBadInputs) {
