@@ -76,7 +76,7 @@ struct MlaWriteParams {
 // stay absorbed); otherwise absorbed. The environment variable DELTASERVE_MLA_PREFILL=absorbed turns kAuto into
 // kAbsorbed (a bypass without a rebuild). kNaive fails (InvalidArgument) where the naive form cannot run.
 enum class MlaPrefillForm : int { kAuto = 0, kAbsorbed = 1, kNaive = 2 };
-constexpr int kMlaNaiveMinQueries = 16;
+constexpr int kMlaNaiveMinQueries = 32;
 constexpr int kMlaNaiveMaxQk = 192;  // qk_nope + qk_rope
 constexpr int kMlaNaiveMaxV = 128;
 constexpr int kMlaNaiveBlockGranule = 64;  // context rows per block are a multiple of this

@@ -134,7 +134,8 @@ __global__ void __launch_bounds__(kThreads, 2) mla_naive_flash_kernel(FlashArgs 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, tq = lane & 3;
   const int h = blockIdx.y;
-  const int64_t i0 = static_cast<int64_t>(blockIdx.x) * kQTile;
+  // Last query tiles first: under the causal mask they walk the most keys, so they start in the first wave.
+  const int64_t i0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * kQTile;
   const int q_count = static_cast<int>(a.q_len - i0 < kQTile ? a.q_len - i0 : kQTile);
   if (q_count <= 0) return;
   const int q_width = a.nope + a.rope;

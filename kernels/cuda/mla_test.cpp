@@ -6,7 +6,8 @@
 //   fp32_attention (CUDA-core fp32 kernel):                    |gpu - cpu| <= 5e-3 + 5e-3 |cpu|
 // (a host emulation of the bf16 roundings at Kimi-48B dims gave max abs errors of 2e-3 at context 65 and 3e-4 at
 // 4097, so the tensor-core bound has a wide margin). Each case runs mla_decode (decode-shaped batches) and
-// mla_prefill, each in both kernels, against one CPU reference.
+// mla_prefill, each in both absorbed kernels, then mla_prefill in the naive form (forced: decompressed K/V rounded
+// to bf16 as well, the tensor-core tolerance) and in the automatic choice, against one CPU reference.
 // Every failure log prints the max error, its index (sequence, token, head, column) and expected vs actual.
 // Cache writes: within one bf16 rounding step of cpu::rms_norm (the fp32 value may round the other way), the k_rot
 // part exact. Every page slot, page table entry and output padding that must not be read or written is
@@ -91,18 +92,20 @@ struct Batch {
   int page_size = 64;
   int max_context = 0;        // 0: the largest context (at least 1)
   bool write_kernel = false;  // rows produced by mla_write_rows from fp32 kv (read back for the CPU side)
+  int naive_block_rows = 0;   // > 0: the naive form's workspace holds blocks of this many rows (several blocks)
 };
 
 std::string batch_name(const Batch& b) {
   std::ostringstream os;
-  os << "page_size=" << b.page_size << " max_context=" << b.max_context << " (q_len, context):";
+  os << "page_size=" << b.page_size << " max_context=" << b.max_context << " naive_block_rows=" << b.naive_block_rows
+     << " (q_len, context):";
   for (size_t n = 0; n < b.q_lens.size(); ++n) os << " (" << b.q_lens[n] << ", " << b.contexts[n] << ")";
   return os.str();
 }
 
 // Builds a shuffled, poisoned page pool holding each sequence's rows, runs the GPU launchers (mla_decode when every
-// q_len <= 1, and mla_prefill; each on tensor cores and in fp32) and compares every output against
-// cpu::mla_attention_naive on the same bf16 values.
+// q_len <= 1, and mla_prefill; each on tensor cores and in fp32; mla_prefill in the naive form and in kAuto) and
+// compares every output against cpu::mla_attention_naive on the same bf16 values.
 void check_attention(const MlaShape& shape, const Batch& batch, uint32_t seed) {
   SCOPED_TRACE(shape_name(shape) + " " + batch_name(batch));
   std::mt19937 rng(seed);
@@ -254,15 +257,40 @@ void check_attention(const MlaShape& shape, const Batch& batch, uint32_t seed) {
   p.out = out_d.get();
   p.workspace = ws_d.get();
   p.workspace_bytes = ws_bytes;
+  // The naive form's inputs: host copies of the tables, a cuBLAS handle, its own workspace (one block covering
+  // the longest context, or blocks of batch.naive_block_rows rows).
+  std::vector<int32_t> contexts_host(batch.contexts.begin(), batch.contexts.end());
+  contexts_host.push_back(0);  // keeps data() valid for N = 0
+  const int longest = std::max(1, *std::max_element(contexts_host.begin(), contexts_host.end()));
+  const int naive_rows = batch.naive_block_rows > 0 ? batch.naive_block_rows : longest;
+  const size_t naive_ws_bytes = mla_prefill_workspace_bytes(H, kv, nope, rope, v_head, T, naive_rows);
+  DeviceBuffer<char> naive_ws_d(naive_ws_bytes);
+  cublasHandle_t cublas = nullptr;
+  ASSERT_EQ(cublasCreate(&cublas), CUBLAS_STATUS_SUCCESS);
+  struct HandleGuard {
+    cublasHandle_t handle;
+    ~HandleGuard() { cublasDestroy(handle); }
+  } guard{cublas};
   const bool decode_shaped = std::all_of(batch.q_lens.begin(), batch.q_lens.end(), [](int l) { return l <= 1; });
   std::vector<float> decode_out;  // mla_decode on tensor cores, launched directly
-  for (int mode = 0; mode < 4; ++mode) {
-    const bool decode = mode < 2, fp32 = (mode % 2) == 1;
+  for (int mode = 0; mode < 6; ++mode) {
+    // 0, 1: mla_decode tensor-core / fp32; 2, 3: mla_prefill absorbed tensor-core / fp32; 4: mla_prefill naive
+    // (forced, own workspace); 5: mla_prefill kAuto with the host tables and the absorbed-sized workspace.
+    const bool decode = mode < 2, fp32 = mode < 4 && (mode % 2) == 1;
     if (decode && !decode_shaped) continue;
-    const std::string name = std::string(decode ? "mla_decode" : "mla_prefill") + (fp32 ? " fp32" : " tensor-core");
+    const char* names[] = {"mla_decode tensor-core", "mla_decode fp32",   "mla_prefill tensor-core",
+                           "mla_prefill fp32",       "mla_prefill naive", "mla_prefill auto"};
+    const std::string name = names[mode];
     SCOPED_TRACE(name);
     out_d.upload(std::vector<float>(out_size + out_pad, NAN));
     p.fp32_attention = fp32;
+    p.prefill_form =
+        mode < 4 ? MlaPrefillForm::kAbsorbed : (mode == 4 ? MlaPrefillForm::kNaive : MlaPrefillForm::kAuto);
+    p.host_cu_q = mode >= 4 ? cu_q.data() : nullptr;
+    p.host_context_lens = mode >= 4 ? contexts_host.data() : nullptr;
+    p.cublas = mode >= 4 ? cublas : nullptr;
+    p.workspace = mode == 4 ? static_cast<void*>(naive_ws_d.get()) : static_cast<void*>(ws_d.get());
+    p.workspace_bytes = mode == 4 ? naive_ws_bytes : ws_bytes;
     const Status status = decode ? mla_decode(p, nullptr) : mla_prefill(p, nullptr);
     ASSERT_TRUE(status.is_ok()) << status.to_string();
     DS_CUDA_OK(cudaDeviceSynchronize());
@@ -280,7 +308,7 @@ void check_attention(const MlaShape& shape, const Batch& batch, uint32_t seed) {
       return os.str();
     });
     std::printf("  [%s] T=%lld splits=%d workspace=%zu bytes\n", name.c_str(), static_cast<long long>(T),
-                mla_num_splits(T, max_context), ws_bytes);
+                mla_num_splits(T, max_context), static_cast<size_t>(p.workspace_bytes));
     for (size_t i = out_size; i < out_size + out_pad; ++i) {
       ASSERT_TRUE(std::isnan(out[i])) << "output padding written at " << i - out_size << " past the end";
     }
@@ -292,6 +320,8 @@ void check_attention(const MlaShape& shape, const Batch& batch, uint32_t seed) {
     DS_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     out_d.upload(std::vector<float>(out_size + out_pad, NAN));
     p.fp32_attention = false;
+    p.workspace = ws_d.get();
+    p.workspace_bytes = ws_bytes;
     cudaGraph_t graph = nullptr;
     cudaGraphExec_t exec = nullptr;
     DS_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
@@ -402,6 +432,51 @@ TEST(MlaPrefill, ReadsRowsWrittenByWriteRows) {
 
 TEST(MlaPrefill, NoTokensIsANoOp) {
   check_attention(kTiny, Batch{{0, 0}, {0, 12}}, 60);
+}
+
+// Chunks of 1, 17, 64, 200 and 1000 query tokens over a history, one sequence each in one batch (every form).
+Batch chunks_over_history(int history) {
+  Batch batch;
+  for (int q_len : {1, 17, 64, 200, 1000}) {
+    batch.q_lens.push_back(q_len);
+    batch.contexts.push_back(history + q_len);
+  }
+  return batch;
+}
+
+TEST(MlaPrefillNaive, Kimi48BChunksOverShortHistories) {
+  for (int history : {0, 5, 64, 300}) check_attention(kKimi48B, chunks_over_history(history), 80 + history);
+}
+
+TEST(MlaPrefillNaive, Kimi48BChunksOverHistory4097) {
+  check_attention(kKimi48B, chunks_over_history(4097), 85);
+}
+
+TEST(MlaPrefillNaive, TinyAndOddDims) {
+  for (int history : {0, 5, 64, 300}) check_attention(kTiny, chunks_over_history(history), 90 + history);
+  check_attention(kOdd, Batch{{40, 0, 100}, {40, 3, 700}, 16}, 95);
+  check_attention(kK3, Batch{{70, 33}, {70, 400}}, 96);
+}
+
+TEST(MlaPrefillNaive, ContextInSeveralKeyBlocks) {
+  // Workspace for blocks of 64 / 128 / 192 rows: the softmax state is carried across blocks, and query tiles whose
+  // positions precede a block pass through it unchanged.
+  for (int rows : {64, 128, 192}) {
+    Batch batch{{200, 1, 64, 0, 37}, {300, 129, 1000, 50, 37}};
+    batch.naive_block_rows = rows;
+    check_attention(kKimi48B, batch, 100 + rows);
+    check_attention(kTiny, batch, 101 + rows);
+  }
+  Batch pages16{{300}, {4097}, 16};
+  pages16.naive_block_rows = 1024;
+  check_attention(kKimi48B, pages16, 104);
+}
+
+TEST(MlaPrefillNaive, MixedBatchesAndZeroLengthSequences) {
+  check_attention(kKimi48B, Batch{{0, 40, 0, 1, 300}, {0, 40, 9, 600, 2000}, 256}, 110);
+  check_attention(kTiny, Batch{{0, 0, 65, 0}, {0, 5, 65, 64}}, 111);
+  // Every sequence with enough query tokens: kAuto picks the naive form.
+  check_attention(kKimi48B, Batch{{32, 100}, {32, 4000}}, 112);
 }
 
 // ---- page writes -----------------------------------------------------------------------------------------------
@@ -556,6 +631,54 @@ TEST(MlaAttentionValidation, RejectsBadHostInputs) {
     const Status prefill = mla_prefill(p, nullptr);
     EXPECT_EQ(decode.code(), StatusCode::kInvalidArgument) << bad.what << ": " << decode.to_string();
     EXPECT_EQ(prefill.code(), StatusCode::kInvalidArgument) << bad.what << ": " << prefill.to_string();
+  }
+  // The naive form, forced: rejected (no launch) without its host tables or cuBLAS handle, with host tables that
+  // do not match num_tokens or the block table, with head dims it does not support, or a workspace below one block.
+  {
+    static const int32_t cu[3] = {0, 1, 2}, contexts[2] = {100, 256};
+    static const int32_t bad_cu[3] = {0, 1, 3}, bad_contexts[2] = {100, 257};
+    const Bad naive_cases[] = {
+        {"naive without host tables",
+         [](MlaAttentionParams& p) {
+           p.host_cu_q = nullptr;
+           p.host_context_lens = nullptr;
+         }},
+        {"naive without cuBLAS", [](MlaAttentionParams& p) { p.cublas = nullptr; }},
+        {"naive host cu_q[N] != num_tokens", [](MlaAttentionParams& p) { p.host_cu_q = bad_cu; }},
+        {"naive context past the table", [](MlaAttentionParams& p) { p.host_context_lens = bad_contexts; }},
+        {"naive nope 12",
+         [](MlaAttentionParams& p) {
+           p.qk_nope = 12;
+           p.q_stride = 32 * 76;
+         }},
+        {"naive v_head 136", [](MlaAttentionParams& p) { p.v_head = 136; }},
+        {"naive workspace small",
+         [](MlaAttentionParams& p) {
+           p.workspace_bytes = mla_prefill_workspace_bytes(32, 512, 128, 64, 128, 2, 64) - 1024;
+         }},
+    };
+    for (const Bad& bad : naive_cases) {
+      MlaAttentionParams p = valid_attention_params();
+      p.prefill_form = MlaPrefillForm::kNaive;
+      p.host_cu_q = cu;
+      p.host_context_lens = contexts;
+      p.cublas = reinterpret_cast<cublasHandle_t>(uintptr_t{4096});  // never used: rejected before any launch
+      p.workspace_bytes = mla_prefill_workspace_bytes(32, 512, 128, 64, 128, 2, 256);
+      bad.edit(p);
+      const Status prefill = mla_prefill(p, nullptr);
+      EXPECT_EQ(prefill.code(), StatusCode::kInvalidArgument) << bad.what << ": " << prefill.to_string();
+    }
+    EXPECT_TRUE(mla_prefill_naive_supported(128, 64, 128));
+    EXPECT_TRUE(mla_prefill_naive_supported(16, 8, 16));
+    EXPECT_FALSE(mla_prefill_naive_supported(128, 72, 128));
+    EXPECT_FALSE(mla_prefill_naive_supported(128, 64, 256));
+    EXPECT_FALSE(mla_prefill_naive_supported(20, 8, 16));
+    // Block sizes: one 64-row granule minimum; Kimi-48B costs 17,536 bytes per row plus 8 bytes per (token, head).
+    const size_t b64 = mla_prefill_workspace_bytes(32, 512, 128, 64, 128, 8192, 64);
+    const size_t b4096 = mla_prefill_workspace_bytes(32, 512, 128, 64, 128, 8192, 4096);
+    EXPECT_EQ(b4096 - b64, size_t{4032} * 17536);
+    EXPECT_EQ(mla_prefill_workspace_bytes(32, 512, 128, 64, 128, 8192, 1), b64);
+    EXPECT_GE(b64, size_t{8192} * 32 * 8 + 64 * 17536);
   }
   // Decode takes at most one query token per sequence; prefill takes any.
   MlaAttentionParams p = valid_attention_params();
