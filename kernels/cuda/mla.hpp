@@ -69,8 +69,8 @@ struct MlaWriteParams {
 //             softmax; K and V rounded to bf16, P rounded to bf16), the softmax state carried across blocks in
 //             `out` plus a (max, sum) workspace array. Needs the host copies, a cuBLAS handle, qk_nope and v_head
 //             multiples of 8, qk_nope + qk_rope <= 192, v_head <= 128, and a workspace holding at least one block
-//             of 64 rows (mla_prefill_workspace_bytes). Synchronous planning on the host (no device reads), so not
-//             for graph capture of batches whose lengths change.
+//             of 64 rows (mla_prefill_workspace_bytes). The launches are planned on the host from the host copies
+//             (no device reads, no sync), so a captured graph holds only for the lengths it was captured with.
 // kAuto picks naive when it can run and every sequence with query tokens has at least kMlaNaiveMinQueries of
 // them (a decode-like sequence in a mixed batch would decompress its whole context for one query, so such batches
 // stay absorbed); otherwise absorbed. The environment variable DELTASERVE_MLA_PREFILL=absorbed turns kAuto into
@@ -132,7 +132,9 @@ size_t mla_attention_workspace_bytes(int num_heads, int kv_lora_rank, int qk_rop
 // outside [0, num_pages) are not dereferenced (their rows count as zeros).
 // Decode-shaped batches (every q_len <= 1): absorbed form, graph-capturable (no host sync, no allocation).
 [[nodiscard]] Status mla_decode(const MlaAttentionParams& params, cudaStream_t stream);
-// Any batch (prefill chunks, mixed): correct for every shape; may use the naive or absorbed form.
+// Any batch (prefill chunks, mixed): correct for every shape; the absorbed or the naive form per
+// MlaAttentionParams::prefill_form (see MlaPrefillForm). When the naive form runs, workspace_bytes needs only
+// cover mla_prefill_workspace_bytes(..., num_tokens, 64) (more rows per block where it holds more).
 [[nodiscard]] Status mla_prefill(const MlaAttentionParams& params, cudaStream_t stream);
 
 // Whether the naive form supports these head dims (the other requirements are per call).
@@ -140,8 +142,8 @@ bool mla_prefill_naive_supported(int qk_nope, int qk_rope, int v_head);
 // Workspace for the naive form with up to max_tokens query tokens, decompressing up to block_rows context rows at
 // a time (rounded up to kMlaNaiveBlockGranule): a (max, sum) pair per (token, head), fp32, plus per row the gathered
 // cache row (2 (kv_lora + rope) bytes) and its decompressed K_nope ‖ V for every head (2 H (qk_nope + v_head)
-// bytes), 256-byte aligned sections. Kimi-48B: 8 T H + 17,536 bytes per row, e.g. 64 MiB + 2 MiB for 4096 rows and
-// T = 8192, 562 MiB for 32768 rows. A longer context runs in several blocks (exact: the online softmax state is
+// bytes), 256-byte aligned sections. Kimi-48B: 8 T H + 17,536 bytes per row, e.g. 68.5 MiB + 2 MiB for 4096 rows
+// and T = 8192, 548 MiB for 32768 rows. A longer context runs in several blocks (exact: the online softmax state is
 // carried), so block_rows trades memory for fewer, larger GEMMs; 4096..32768 is a good range. mla_prefill takes
 // as many rows per block as workspace_bytes holds, so the absorbed workspace (which is larger for long chunks)
 // serves too: size the buffer as the max of both functions. 0 for non-positive dims.
