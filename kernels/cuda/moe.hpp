@@ -121,7 +121,7 @@ Status moe_expert_ffn_prefill(const MoeFfnParams& params, const std::vector<int3
 Status moe_expert_ffn_grouped(const MoeFfnParams& params, cudaStream_t stream);
 // moe_expert_ffn_decode uses its GEMV kernels up to this many rows per expert on average (R <= this * E) and the
 // grouped kernels beyond (unless use_reference_path). Reasoning (not yet measured): a GEMV tile of 4 rows re-reads the
-// expert's weights once per 4 rows; the grouped kernel reads them once per 64 rows.
+// expert's weights once per 4 rows; the grouped kernel reads them once per row tile (32 to 128 rows).
 constexpr int64_t kMoeDecodeGemvRowsPerExpert = 4;
 // Automatic row tile of the grouped path from the mean rows per expert R / E: 32 rows up to
 // kMoeGroupedTinyTileRowsPerExpert (mid-size decode batches: fewer wasted tensor-core FLOPs on padding rows), 64 up to

@@ -11,7 +11,7 @@
 // step with one or two rows per expert does no wasted FMAs. Bytes per active expert: 2 I W (gate/up) + I W
 // (down), times 2 bytes, once per tile of 4 rows. Two CTAs of 8 warps per SM (<= 128 registers, no spills).
 // Batches of more than kMoeDecodeGemvRowsPerExpert rows per expert go to moe_expert_ffn_grouped (tensor cores,
-// weights read once per 64 rows) unless use_reference_path.
+// weights read once per row tile of 32 to 128 rows) unless use_reference_path.
 #include <string>
 
 #include "kernels/cuda/activations.cuh"
