@@ -90,6 +90,7 @@ int main(int argc, char** argv) {
       ->envname("DELTASERVE_DEVICE")
       ->capture_default_str();
   generate->add_option("--gpu-memory-fraction", gen.device.gpu_memory_fraction, "Share of the GPU's memory to use")
+      ->envname("DELTASERVE_GPU_MEMORY_FRACTION")
       ->capture_default_str();
 
   TokenizeOptions tok;
