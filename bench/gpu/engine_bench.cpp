@@ -18,6 +18,9 @@
 //     naive form, causal: 2·(qk_nope+qk_rope + v) per head per (query, key) pair; KDA chunked form
 //     6·d² + 3·C·d + C² per head per token, C = 64) over the measured bf16 GEMM peak.
 // Contexts are set up with CudaBackend::assume_context (zero states and rows: the same work as real ones).
+// Decode runs twice per case on the same backend: ",graph" (CUDA graphs on; shapes that are not graph-eligible run
+// eagerly and say so on stderr and in graph_replayed_steps) and ",eager". The per-phase GPU profile of one eager
+// decode step (B=1 and B=256 at context 4096) and of one eager 32k prefill goes to stderr.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -267,17 +270,39 @@ struct Bench {
       inputs.push_back({&states[static_cast<size_t>(i)], {&tokens[static_cast<size_t>(i)], 1}, false});
     }
     auto step = [&] { check(cuda->forward_on_device(inputs), name + " decode step"); };
-    for (int i = 0; i < 3; ++i) step();
-    check(cuda->synchronize(), "synchronize");
-    const int steps = batch >= 128 ? 10 : 20;
-    const auto start = Clock::now();
-    for (int i = 0; i < steps; ++i) step();
-    check(cuda->synchronize(), "synchronize");
-    const double seconds = seconds_since(start) / steps;
     const double limit_s = decode_limit_bytes(config, bytes, batch, context) / copy_bw;
-    std::fprintf(stderr, "%s: %.3f ms per step (limit %.3f ms)\n", name.c_str(), seconds * 1e3, limit_s * 1e3);
-    emit("engine_decode", name + ",eager", "step_time", seconds * 1e3, "ms", limit_s * 1e3, limit_s / seconds);
-    emit("engine_decode", name + ",eager", "tokens_per_s", static_cast<double>(batch) / seconds, "tokens/s");
+    // The same states advance through both modes (the context grows by ~50 tokens: negligible).
+    for (const bool graphs : {true, false}) {
+      cuda->set_cuda_graphs(graphs);
+      const std::string mode = name + (graphs ? ",graph" : ",eager");
+      // Graphs: the first step of a shape runs eagerly, the second captures; timing starts after the third.
+      for (int i = 0; i < 3; ++i) step();
+      check(cuda->synchronize(), "synchronize");
+      const int64_t replays_before = cuda->graph_stats().replays;
+      const int steps = batch >= 128 ? 10 : 20;
+      const auto start = Clock::now();
+      for (int i = 0; i < steps; ++i) step();
+      check(cuda->synchronize(), "synchronize");
+      const double seconds = seconds_since(start) / steps;
+      const int64_t replayed = cuda->graph_stats().replays - replays_before;
+      std::fprintf(stderr, "%s: %.3f ms per step (limit %.3f ms)%s\n", mode.c_str(), seconds * 1e3, limit_s * 1e3,
+                   graphs && replayed < steps ? " [not graph-eligible: ran eagerly]" : "");
+      emit("engine_decode", mode, "step_time", seconds * 1e3, "ms", limit_s * 1e3, limit_s / seconds);
+      emit("engine_decode", mode, "tokens_per_s", static_cast<double>(batch) / seconds, "tokens/s");
+      if (graphs)
+        emit("engine_decode", mode, "graph_replayed_steps", static_cast<double>(replayed) / steps, "fraction");
+    }
+    // Per-phase GPU time of one eager step (stderr) at B=1 and B=256, context 4096.
+    if (context == 4096 && (batch == 1 || batch == 256)) {
+      cuda->enable_profile(true);
+      cuda->reset_profile();
+      step();
+      check(cuda->synchronize(), "synchronize");
+      std::fprintf(stderr, "profile of one eager decode step, %s:\n%s", name.c_str(), cuda->profile_table().c_str());
+      cuda->enable_profile(false);
+      cuda->reset_profile();
+    }
+    cuda->set_cuda_graphs(true);
   }
 
   // Prefills `tokens` tokens in chunks of the backend's max batch; returns seconds (or nullopt when skipped).
@@ -316,6 +341,22 @@ struct Bench {
     emit("engine_prefill", name, "achieved_flops", flops / seconds / 1e12, "TFLOP/s", gemm_peak / 1e12,
          flops / seconds / gemm_peak);
     emit("engine_prefill", name, "ttft", ttft, "s", limit_s, limit_s / ttft);
+    if (tokens == 32768) {         // per-phase GPU time of one (separate) eager prefill of 32k, to stderr
+      state = model->new_state();  // gives the timed request's slot and pages back
+      cuda->enable_profile(true);
+      cuda->reset_profile();
+      for (int64_t begin = 0; begin < tokens; begin += chunk) {
+        const int64_t n = std::min(chunk, tokens - begin);
+        engine::SequenceInput input{
+            &state, std::span<const int32_t>(prompt).subspan(static_cast<size_t>(begin), static_cast<size_t>(n)),
+            false};
+        check(cuda->forward_on_device({&input, 1}), name + " profiled prefill chunk");
+      }
+      check(cuda->synchronize(), "synchronize");
+      std::fprintf(stderr, "profile of one eager prefill, %s:\n%s", name.c_str(), cuda->profile_table().c_str());
+      cuda->enable_profile(false);
+      cuda->reset_profile();
+    }
     return seconds;
   }
 };
