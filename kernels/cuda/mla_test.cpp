@@ -479,6 +479,126 @@ TEST(MlaPrefillNaive, MixedBatchesAndZeroLengthSequences) {
   check_attention(kKimi48B, Batch{{32, 100}, {32, 4000}}, 112);
 }
 
+// An 8192-token chunk over 24576 rows of history (a 32k prompt's last chunk) at Kimi-48B dims: the naive form
+// against the absorbed tensor-core form (no CPU reference at this size; both round to bf16, so the tolerance is
+// the tensor-core one on each side: |naive - absorbed| <= 4e-2 + 2e-2 |absorbed|), and the time of each form
+// (printed with its FLOP rate; naive FLOPs = 2 H (nope + rope + v) per visible pair + the decompression GEMM).
+TEST(MlaPrefillNaive, Kimi48BLongChunkMatchesAbsorbedAndTimes) {
+  const MlaShape shape = kKimi48B;
+  const int H = shape.heads, kv = shape.kv_lora, nope = shape.nope, rope = shape.rope, v_head = shape.v_head;
+  const int width = kv + rope, q_width = nope + rope, ps = 64;
+  const int64_t T = 8192, context = 32768;
+  const int pages = static_cast<int>(context / ps), num_layers = 1;
+  // Cheap deterministic values in [-1.7, 1.7) (variance about 1), bf16.
+  uint64_t state = 0x9e3779b97f4a7c15ull;
+  auto next = [&state] {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return (static_cast<float>(state >> 40) / 16777216.0f * 2.0f - 1.0f) * 1.7f;
+  };
+  std::vector<__nv_bfloat16> pool(static_cast<size_t>(pages) * ps * width), q(static_cast<size_t>(T) * H * q_width);
+  std::vector<__nv_bfloat16> kv_b(static_cast<size_t>(H) * (nope + v_head) * kv);
+  for (auto& x : pool) x = __float2bfloat16(next());
+  for (auto& x : q) x = __float2bfloat16(next());
+  for (auto& x : kv_b) x = __float2bfloat16(next() / std::sqrt(static_cast<float>(kv)));
+  std::vector<int32_t> table(pages);
+  std::iota(table.begin(), table.end(), 0);
+  std::mt19937 rng(7);
+  std::shuffle(table.begin(), table.end(), rng);
+  const std::vector<int32_t> cu_q = {0, static_cast<int32_t>(T)}, contexts = {static_cast<int32_t>(context)};
+
+  DeviceBuffer<__nv_bfloat16> pool_d(pool.size()), q_d(q.size()), kv_b_d(kv_b.size());
+  DeviceBuffer<int32_t> cu_d(2), ctx_d(1), table_d(table.size());
+  DeviceBuffer<float> out_absorbed(static_cast<size_t>(T) * H * v_head), out_naive(static_cast<size_t>(T) * H * v_head);
+  pool_d.upload(pool);
+  q_d.upload(q);
+  kv_b_d.upload(kv_b);
+  cu_d.upload(cu_q);
+  ctx_d.upload(contexts);
+  table_d.upload(table);
+  const size_t ws_bytes =
+      std::max(mla_attention_workspace_bytes(H, kv, rope, T, static_cast<int>(context)),
+               mla_prefill_workspace_bytes(H, kv, nope, rope, v_head, T, static_cast<int>(context)));
+  DeviceBuffer<char> ws_d(ws_bytes);
+  ASSERT_NE(ws_d.get(), nullptr) << "workspace of " << ws_bytes << " bytes";
+  cublasHandle_t cublas = nullptr;
+  ASSERT_EQ(cublasCreate(&cublas), CUBLAS_STATUS_SUCCESS);
+  struct HandleGuard {
+    cublasHandle_t handle;
+    ~HandleGuard() { cublasDestroy(handle); }
+  } guard{cublas};
+
+  MlaAttentionParams p;
+  p.num_heads = H;
+  p.kv_lora_rank = kv;
+  p.qk_nope = nope;
+  p.qk_rope = rope;
+  p.v_head = v_head;
+  p.softmax_scale = 1.0f / std::sqrt(static_cast<float>(q_width));
+  p.pool = MlaPagePool{pool_d.get(), pages, num_layers, ps, width, width};
+  p.layer = 0;
+  p.num_seqs = 1;
+  p.num_tokens = T;
+  p.cu_q = cu_d.get();
+  p.context_lens = ctx_d.get();
+  p.block_tables = table_d.get();
+  p.max_pages_per_seq = pages;
+  p.max_context = static_cast<int>(context);
+  p.q = q_d.get();
+  p.q_stride = static_cast<int64_t>(H) * q_width;
+  p.kv_b = kv_b_d.get();
+  p.workspace = ws_d.get();
+  p.workspace_bytes = ws_bytes;
+  p.host_cu_q = cu_q.data();
+  p.host_context_lens = contexts.data();
+  p.cublas = cublas;
+
+  cudaEvent_t start = nullptr, stop = nullptr;
+  DS_CUDA_OK(cudaEventCreate(&start));
+  DS_CUDA_OK(cudaEventCreate(&stop));
+  const double pairs = static_cast<double>(T) * (context - T) + static_cast<double>(T) * (T + 1) / 2;
+  const double naive_flops = pairs * 2.0 * H * (q_width + v_head) + 2.0 * context * kv * H * (nope + v_head);
+  for (MlaPrefillForm form : {MlaPrefillForm::kAbsorbed, MlaPrefillForm::kNaive}) {
+    const bool naive = form == MlaPrefillForm::kNaive;
+    p.prefill_form = form;
+    p.out = naive ? out_naive.get() : out_absorbed.get();
+    float best_ms = INFINITY;
+    for (int rep = 0; rep < 3; ++rep) {
+      DS_CUDA_OK(cudaEventRecord(start, nullptr));
+      const Status status = mla_prefill(p, nullptr);
+      DS_CUDA_OK(cudaEventRecord(stop, nullptr));
+      ASSERT_TRUE(status.is_ok()) << status.to_string();
+      DS_CUDA_OK(cudaEventSynchronize(stop));
+      DS_CUDA_OK(cudaGetLastError());
+      float ms = 0.0f;
+      DS_CUDA_OK(cudaEventElapsedTime(&ms, start, stop));
+      best_ms = std::min(best_ms, ms);
+    }
+    std::printf("  [%s] T=%lld context=%lld: %.3f ms, %.1f TFLOP/s at the naive form's FLOP count (%.3g FLOPs)\n",
+                naive ? "naive" : "absorbed", static_cast<long long>(T), static_cast<long long>(context), best_ms,
+                naive_flops / (best_ms * 1e-3) / 1e12, naive_flops);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  const std::vector<float> a = out_absorbed.download(), b = out_naive.download();
+  double max_err = 0.0;
+  size_t max_at = 0, failures = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double err = std::isfinite(b[i]) ? std::fabs(static_cast<double>(b[i]) - a[i]) : INFINITY;
+    if (err > max_err) {
+      max_err = err;
+      max_at = i;
+    }
+    if (err > 4e-2 + 2e-2 * std::fabs(a[i]) && failures++ < 5) {
+      const size_t t = i / (static_cast<size_t>(H) * v_head);
+      ADD_FAILURE() << "token " << t << " (position " << context - T + static_cast<int64_t>(t) << ") head "
+                    << i / v_head % H << " col " << i % v_head << ": absorbed " << a[i] << " naive " << b[i];
+    }
+  }
+  std::printf("  naive vs absorbed: max abs err %.3g at %zu (%.6g vs %.6g), relative L2 %.3g\n", max_err, max_at,
+              b[max_at], a[max_at], relative_error(b.data(), a.data(), a.size()));
+  EXPECT_EQ(failures, 0u);
+}
+
 // ---- page writes -----------------------------------------------------------------------------------------------
 void check_write_rows(const MlaShape& shape, uint32_t seed) {
   SCOPED_TRACE("mla_write_rows " + shape_name(shape));
