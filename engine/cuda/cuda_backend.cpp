@@ -134,6 +134,9 @@ Result<std::shared_ptr<Backend>> make_backend(const ModelConfig& config, const W
       profile != nullptr && std::string(profile) != "0" && *profile != '\0') {
     impl->profiler.enable(true);
   }
+  if (const char* graphs = std::getenv("DELTASERVE_CUDA_GRAPHS"); graphs != nullptr && std::string(graphs) == "0") {
+    impl->options.cuda_graphs = false;  // the bypass for a graph problem found on a GPU: every pass eager
+  }
 
   DS_CUDA_RETURN(cudaSetDevice(options.device));
   DS_CUDA_RETURN(cudaFree(nullptr));  // creates the context, so cudaMemGetInfo sees its cost

@@ -20,6 +20,7 @@
 // size seen before is replayed from a graph captured for (exact batch size, power-of-two context bound); the
 // per-pass tables go to fixed device buffers first. Batches whose MoE would take the cuBLAS expert path, or whose
 // logits need more than one LM-head piece, run eagerly, as does every other pass (policy: cuda_graph.cpp).
+// DELTASERVE_CUDA_GRAPHS=0 (read at construction) turns them off whatever the options say.
 //
 // Profiling: DELTASERVE_CUDA_PROFILE=1 (read at construction) times the phases of eager passes with cudaEvents
 // (profile.hpp; a replayed graph counts as one phase) and prints the table to stderr when the backend is
