@@ -71,12 +71,12 @@ struct MlaWriteParams {
 //             multiples of 8, qk_nope + qk_rope <= 192, v_head <= 128, and a workspace holding at least one block
 //             of 64 rows (mla_prefill_workspace_bytes). The launches are planned on the host from the host copies
 //             (no device reads, no sync), so a captured graph holds only for the lengths it was captured with.
-// kAuto picks naive when it can run and every sequence with query tokens has at least kMlaNaiveMinQueries of
-// them (a decode-like sequence in a mixed batch would decompress its whole context for one query, so such batches
-// stay absorbed); otherwise absorbed. The environment variable DELTASERVE_MLA_PREFILL=absorbed turns kAuto into
+// kAuto picks naive when it can run and a FLOP-based cost estimate of the whole batch favours it (mla_prefill.cu:
+// the naive form's decompression GEMM covers a sequence's whole context however few its queries, so decode-shaped
+// batches stay absorbed; at Kimi-48B dims the naive form wins from about 11 queries per sequence); otherwise
+// absorbed. The environment variable DELTASERVE_MLA_PREFILL=absorbed turns kAuto into
 // kAbsorbed (a bypass without a rebuild). kNaive fails (InvalidArgument) where the naive form cannot run.
 enum class MlaPrefillForm : int { kAuto = 0, kAbsorbed = 1, kNaive = 2 };
-constexpr int kMlaNaiveMinQueries = 32;
 constexpr int kMlaNaiveMaxQk = 192;  // qk_nope + qk_rope
 constexpr int kMlaNaiveMaxV = 128;
 constexpr int kMlaNaiveBlockGranule = 64;  // context rows per block are a multiple of this

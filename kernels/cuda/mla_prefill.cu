@@ -387,6 +387,39 @@ Status validate_host_tables(const MlaAttentionParams& p) {
   return Status::ok();
 }
 
+// kAuto's cost model: estimated seconds of each form for the batch, from FLOPs at assumed fractions of the bf16
+// tensor-core peak (H200: 875 TFLOP/s measured with cuBLAS). The absorbed form's fraction is the weak guess (the
+// whole 48B prefill ran at ~5% of its FLOP limit with it); MlaPrefillNaive.Kimi48BLongChunkMatchesAbsorbedAndTimes
+// prints both forms' rates to calibrate these. Per sequence with q_len queries over a context of ctx rows
+// (pairs = visible (query, key) pairs):
+//   naive    = ctx 2 kv_lora H (nope + v) / (gemm_eff peak) + pairs 2 H (nope + rope + v) / (naive_eff peak)
+//              + 3 launches per block
+//   absorbed = pairs 2 H (2 kv_lora + rope) / (absorbed_eff peak)
+// At Kimi-48B dims the naive form wins from about 11 query tokens per sequence over any context; a decode-shaped
+// sequence in a mixed batch costs the naive form a whole-context GEMM, which the sum weighs against the chunk.
+constexpr double kPeakFlops = 875e12;
+constexpr double kGemmEfficiency = 0.6;
+constexpr double kNaiveEfficiency = 0.3;
+constexpr double kAbsorbedEfficiency = 0.05;
+constexpr double kLaunchSeconds = 4e-6;
+
+bool naive_estimated_faster(const MlaAttentionParams& p, int64_t block_rows) {
+  const double h = p.num_heads;
+  double naive = 0.0, absorbed = 0.0;
+  for (int n = 0; n < p.num_seqs; ++n) {
+    const double q_len = static_cast<double>(p.host_cu_q[n + 1]) - p.host_cu_q[n];
+    const double context = p.host_context_lens[n];
+    if (q_len <= 0.0) continue;
+    const double pairs = q_len * (context - q_len) + q_len * (q_len + 1.0) / 2.0;
+    const double blocks = std::ceil(context / static_cast<double>(block_rows));
+    naive += context * 2.0 * p.kv_lora_rank * h * (p.qk_nope + p.v_head) / (kGemmEfficiency * kPeakFlops) +
+             pairs * 2.0 * h * (p.qk_nope + p.qk_rope + p.v_head) / (kNaiveEfficiency * kPeakFlops) +
+             3.0 * blocks * kLaunchSeconds;
+    absorbed += pairs * 2.0 * h * (2.0 * p.kv_lora_rank + p.qk_rope) / (kAbsorbedEfficiency * kPeakFlops);
+  }
+  return naive < absorbed;
+}
+
 Status run_naive(const MlaAttentionParams& p, int64_t block_rows, cudaStream_t stream) {
   const std::string w = "mla_prefill (naive)";
   const NaiveLayout layout =
@@ -520,12 +553,7 @@ Status mla_prefill(const MlaAttentionParams& params, cudaStream_t stream) {
   const std::string why = naive_unavailable(p, &block_rows);
   bool naive = why.empty();
   if (form == MlaPrefillForm::kNaive && !naive) return invalid_argument("mla_prefill: naive form unavailable: " + why);
-  if (form == MlaPrefillForm::kAuto && naive) {
-    for (int n = 0; n < p.num_seqs; ++n) {
-      const int32_t q_len = p.host_cu_q[n + 1] - p.host_cu_q[n];
-      if (q_len > 0 && q_len < kMlaNaiveMinQueries) naive = false;
-    }
-  }
+  if (form == MlaPrefillForm::kAuto && naive) naive = naive_estimated_faster(p, block_rows);
   if (!naive) return detail::mla_attention_launch(params, /*decode=*/false, "mla_prefill", stream);
   return run_naive(p, block_rows, stream);
 }

@@ -475,7 +475,7 @@ TEST(MlaPrefillNaive, ContextInSeveralKeyBlocks) {
 TEST(MlaPrefillNaive, MixedBatchesAndZeroLengthSequences) {
   check_attention(kKimi48B, Batch{{0, 40, 0, 1, 300}, {0, 40, 9, 600, 2000}, 256}, 110);
   check_attention(kTiny, Batch{{0, 0, 65, 0}, {0, 5, 65, 64}}, 111);
-  // Every sequence with enough query tokens: kAuto picks the naive form.
+  // Every sequence with enough query tokens: kAuto's estimate favours the naive form.
   check_attention(kKimi48B, Batch{{32, 100}, {32, 4000}}, 112);
 }
 
