@@ -102,6 +102,14 @@ std::optional<DecodeGraphKey> CudaBackend::Impl::decode_graph_key(std::span<Sequ
         std::min<int64_t>(std::bit_ceil(static_cast<uint64_t>(std::max<int64_t>(longest, kMinContextBound))), limit);
     key.context_bound = static_cast<int>(bound);
     key.pages_bound = static_cast<int>((bound + pools->page_tokens() - 1) / pools->page_tokens());
+    // A residency may hold more pages than its context needs (pages claimed by a pass that then failed): such a
+    // batch does not fit the key's block-table rows and runs eagerly.
+    for (const SequenceInput& in : batch) {
+      const auto* residency = dynamic_cast<const CudaResidency*>(in.state->residency());
+      if (residency == nullptr || static_cast<int64_t>(residency->pages().size()) > key.pages_bound) {
+        return std::nullopt;
+      }
+    }
   }
   return key;
 }

@@ -461,7 +461,7 @@ Status CudaBackend::Impl::run(std::span<SequenceInput> batch, std::vector<std::v
   Status status = claim_residencies(batch);
   if (!status.is_ok()) {
     (void)profiler.collect();  // closes this pass's timing (profiling only)
-    return status;             // nothing was taken
+    return status;             // as before: kResourceExhausted took nothing
   }
   bool done = false;
   if (const std::optional<DecodeGraphKey> key = decode_graph_key(batch)) {
