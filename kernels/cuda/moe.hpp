@@ -89,8 +89,11 @@ struct MoeFfnParams {
   // for prefill; the GEMV kernels for any R in decode), kept for tests and as a fallback. The environment variable
   // DELTASERVE_MOE_REFERENCE_FFN=1 (read once per process) forces true everywhere.
   bool use_reference_path = false;
-  // Grouped path only: rows per CTA tile, 32, 64 or 128, or 0 = automatic (moe_grouped_row_tile).
+  // Grouped path only: rows per CTA tile, 32, 64 or 128, or 0 = automatic (moe_grouped_row_tile); weight rows per
+  // CTA tile, 128 or 256 (256 only with 128-row tiles), or 0 = automatic (256 with 128-row tiles:
+  // kMoeGroupedWideColTile).
   int row_tile = 0;
+  int col_tile = 0;
 };
 // Decode path: width and I must be multiples of 8 (16-byte weight rows); pointers 16-byte aligned.
 // Reads each ACTIVE expert's weights once per 4 of its rows (so once for decode batches); CTAs of inactive
@@ -129,6 +132,10 @@ constexpr int64_t kMoeDecodeGemvRowsPerExpert = 4;
 // FLOPs per byte of shared-memory traffic).
 constexpr int64_t kMoeGroupedTinyTileRowsPerExpert = 16;
 constexpr int64_t kMoeGroupedSmallTileRowsPerExpert = 64;
+// Automatic weight-row tile with 128-row tiles: 256 (a 128 x 256 CTA tile, 64 x 64 per warp, one CTA per SM, 4
+// stages: 176 bytes of shared-memory traffic per mma against 256 for 128 x 128). Set to 128 to fall back to the
+// 128 x 128 tile.
+constexpr int kMoeGroupedWideColTile = 256;
 int moe_grouped_row_tile(int64_t rows, int num_experts);
 // True if DELTASERVE_MOE_REFERENCE_FFN is set to a value other than "0" (cached at the first call).
 bool moe_reference_ffn_forced();

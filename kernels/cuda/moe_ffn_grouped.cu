@@ -1,16 +1,19 @@
 // MoE expert FFN, grouped tensor-core path (contract in moe.hpp): two launches per layer, whatever the number of
 // experts, with the tile schedule derived on the device from expert_offsets (no host sync, graph-capturable).
-//   1. gate/up + glu: C[r, :] = x_sorted[r, :] · GU_e^T, a CTA computes BM rows x 64 activated columns j0..j0+63 by
-//      multiplying against 128 weight rows (the 64 gate rows j and the 64 up rows I + j, interleaved in shared
-//      memory by 16 so a warp holds gate and up of the same columns in the same accumulator slots), then applies the
-//      glu in registers and writes bf16 `activated` (fp32 math, rounded once).
-//   2. down: y_sorted[r, :] = activated[r, :] · D_e^T, a CTA computes BM rows x 128 output columns in fp32.
+//   1. gate/up + glu: C[r, :] = x_sorted[r, :] · GU_e^T, a CTA computes BM rows x BN / 2 activated columns by
+//      multiplying against BN weight rows (the gate rows j and the up rows I + j of its columns, interleaved in
+//      shared memory per warp so a thread holds gate and up of the same column), then applies the glu in registers
+//      and writes bf16 `activated` (fp32 math, rounded once).
+//   2. down: y_sorted[r, :] = activated[r, :] · D_e^T, a CTA computes BM rows x BN output columns in fp32.
 // Grid: x = column tile (fastest, so the CTAs sharing one expert's row tile run together and reuse it in L2),
 // y = global row tile. Row tiles are numbered expert by expert: expert e owns ceil(n_e / BM) of them; every CTA
 // finds its (expert, row tile) with a block-wide scan of the E counts (E <= 1024, ~1 KB of L2 reads). The grid is
 // sized for the worst case, ceil(R / BM) + min(E, R) row tiles; CTAs past the last real tile exit after the scan.
-// Inner loop: mma.sync m16n8k16 bf16 -> fp32, 8 warps as 2 (rows) x 4 (columns), BK = 32, a 3-stage cp.async
+// Inner loop: mma.sync m16n8k16 bf16 -> fp32, 8 warps as 2 (rows) x 4 (columns), BK = 32, a 3- or 4-stage cp.async
 // pipeline; shared rows padded to 40 elements (80 bytes: ldmatrix rows fall in distinct banks).
+// Tiles (BM x BN, stages, smem): 32 x 128 and 64 x 128 (3, 38 / 45 KB: decode-sized batches, weights read once
+// per row tile), 128 x 128 (3, 60 KB, 2 CTAs per SM), 128 x 256 (4, 120 KB, 1 CTA per SM, 64 x 64 per warp: the
+// prefill default).
 // Bounds: rows past an expert's end and k past K are zero-filled (not read); columns past N are zero-filled and
 // not stored. K and N are multiples of 8 (validated), so every 16-byte chunk is either fully in or fully out.
 #include <cstdlib>
@@ -31,11 +34,8 @@ using detail::load_b_nk;
 using detail::mma_bf16_16816;
 
 constexpr int kThreads = 256;
-constexpr int kBN = 128;  // weight rows per CTA tile (gate/up: 64 gate + 64 up; down: 128 output columns)
 constexpr int kBK = 32;
 constexpr int kLds = kBK + 8;  // padded shared row, elements
-constexpr int kStages = 3;
-constexpr int kGateUpColsPerCta = kBN / 2;
 
 struct GroupedArgs {
   const __nv_bfloat16* a;    // [R, K] rows grouped by expert
@@ -51,8 +51,8 @@ struct GroupedArgs {
   float beta, beta_linear;
 };
 
-constexpr size_t smem_bytes(int bm) {
-  return static_cast<size_t>(kStages) * (bm + kBN) * kLds * sizeof(__nv_bfloat16);
+constexpr size_t smem_bytes(int bm, int bn, int stages) {
+  return static_cast<size_t>(stages) * (bm + bn) * kLds * sizeof(__nv_bfloat16);
 }
 
 // Finds the expert owning global row tile `tile` (tiles of bm rows, numbered expert by expert). Returns false
@@ -98,16 +98,22 @@ __device__ bool find_row_tile(const int32_t* offsets, int E, int tile, int bm, i
   return true;
 }
 
-// kGateUp: the CTA's 128 weight rows are gate/up rows of activated columns j0 .. j0 + 63, shared row s holding
-// column j0 + (s / 32) * 16 + s % 16 of the gate (s / 16 even) or up (s / 16 odd) half. Otherwise plain rows.
-template <int BM, bool kGateUp>
-__global__ void __launch_bounds__(kThreads, 2) moe_grouped_gemm_kernel(GroupedArgs p) {
+// BM rows x BN weight rows per CTA; 8 warps as 2 (rows) x 4 (columns), a warp owns BM / 2 rows x BN / 4 weight
+// rows (kNj n8 tiles). kGateUp: the CTA's BN weight rows are the gate and up rows of activated columns
+// j0 .. j0 + BN / 2 - 1, warp block wb (shared rows wb * BN / 4 ...) holding BN / 8 columns: first their gate rows,
+// then their up rows, so gate (n-tile ni) and up (n-tile ni + kNj / 2) of a column sit in the same thread.
+// Otherwise plain rows.
+template <int BM, int BN, int STAGES, bool kGateUp>
+__global__ void __launch_bounds__(kThreads, BN >= 256 ? 1 : 2) moe_grouped_gemm_kernel(GroupedArgs p) {
   constexpr int kWarpRows = BM / 2;       // 2 warps along rows
   constexpr int kMi = kWarpRows / 16;     // m16 tiles per warp
+  constexpr int kWarpN = BN / 4;          // weight rows per warp
+  constexpr int kNj = kWarpN / 8;         // n8 tiles per warp
+  constexpr int kHalfN = kWarpN / 2;      // gate/up mode: activated columns per warp
   constexpr int kAChunks = BM * kBK / 8;  // 16-byte chunks of one A stage
-  constexpr int kBChunks = kBN * kBK / 8;
+  constexpr int kBChunks = BN * kBK / 8;
   constexpr int kASlots = (kAChunks + kThreads - 1) / kThreads;
-  static_assert(BM % 32 == 0 && kBChunks % kThreads == 0, "tile shape");
+  static_assert(BM % 32 == 0 && kBChunks % kThreads == 0 && kNj % 2 == 0, "tile shape");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* smem = reinterpret_cast<__nv_bfloat16*>(smem_raw);
 
@@ -117,7 +123,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_grouped_gemm_kernel(GroupedAr
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp >> 2, wn = warp & 3;
   const int col_tile = blockIdx.x;
-  const int n_cols = kGateUp ? kGateUpColsPerCta : kBN;
+  const int n_cols = kGateUp ? BN / 2 : BN;
   const int c0 = col_tile * n_cols;  // first output column (activated column j0, or y column)
   const __nv_bfloat16* b_expert = p.b + static_cast<int64_t>(expert) * p.b_rows * p.K;
 
@@ -137,9 +143,10 @@ __global__ void __launch_bounds__(kThreads, 2) moe_grouped_gemm_kernel(GroupedAr
     int64_t wrow;
     bool valid;
     if (kGateUp) {
-      const int j = c0 + (r >> 5) * 16 + (r & 15);
+      const int within = r % kWarpN;
+      const int j = c0 + (r / kWarpN) * kHalfN + within % kHalfN;
       valid = j < p.N;
-      wrow = ((r >> 4) & 1) ? static_cast<int64_t>(p.N) + j : j;
+      wrow = within >= kHalfN ? static_cast<int64_t>(p.N) + j : j;
     } else {
       const int n = c0 + r;
       valid = n < p.N;
@@ -149,7 +156,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_grouped_gemm_kernel(GroupedAr
   }
 
   auto load_stage = [&](int stage, int kt) {
-    __nv_bfloat16* sa = smem + stage * (BM + kBN) * kLds;
+    __nv_bfloat16* sa = smem + stage * (BM + BN) * kLds;
     __nv_bfloat16* sb = sa + BM * kLds;
     const int k0 = kt * kBK;
 #pragma unroll
@@ -167,11 +174,11 @@ __global__ void __launch_bounds__(kThreads, 2) moe_grouped_gemm_kernel(GroupedAr
     }
   };
 
-  float acc[kMi][4][4];
+  float acc[kMi][kNj][4];
 #pragma unroll
   for (int mi = 0; mi < kMi; ++mi) {
 #pragma unroll
-    for (int ni = 0; ni < 4; ++ni) {
+    for (int ni = 0; ni < kNj; ++ni) {
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[mi][ni][c] = 0.0f;
     }
@@ -179,31 +186,31 @@ __global__ void __launch_bounds__(kThreads, 2) moe_grouped_gemm_kernel(GroupedAr
 
   const int k_tiles = (p.K + kBK - 1) / kBK;
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
+  for (int s = 0; s < STAGES - 1; ++s) {
     if (s < k_tiles) load_stage(s, s);
     cp_async_commit();
   }
   for (int kt = 0; kt < k_tiles; ++kt) {
-    cp_async_wait<kStages - 2>();
-    __syncthreads();  // stage kt landed for every thread; stage (kt - 1) % kStages is free again
-    const int next = kt + kStages - 1;
-    if (next < k_tiles) load_stage(next % kStages, next);
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // stage kt landed for every thread; stage (kt - 1) % STAGES is free again
+    const int next = kt + STAGES - 1;
+    if (next < k_tiles) load_stage(next % STAGES, next);
     cp_async_commit();
 
-    const __nv_bfloat16* sa = smem + (kt % kStages) * (BM + kBN) * kLds;
+    const __nv_bfloat16* sa = smem + (kt % STAGES) * (BM + BN) * kLds;
     const __nv_bfloat16* sb = sa + BM * kLds;
 #pragma unroll
     for (int kk = 0; kk < kBK; kk += 16) {
       uint32_t a[kMi][4];
 #pragma unroll
       for (int mi = 0; mi < kMi; ++mi) load_a(a[mi], sa, kLds, wm * kWarpRows + mi * 16, kk);
-      uint32_t b[2][4];
-      load_b_nk(b[0], sb, kLds, wn * 32, kk);
-      load_b_nk(b[1], sb, kLds, wn * 32 + 16, kk);
+      uint32_t b[kNj / 2][4];
+#pragma unroll
+      for (int nb = 0; nb < kNj / 2; ++nb) load_b_nk(b[nb], sb, kLds, wn * kWarpN + nb * 16, kk);
 #pragma unroll
       for (int mi = 0; mi < kMi; ++mi) {
 #pragma unroll
-        for (int ni = 0; ni < 4; ++ni) {
+        for (int ni = 0; ni < kNj; ++ni) {
           mma_bf16_16816(acc[mi][ni], a[mi], b[ni >> 1][(ni & 1) * 2], b[ni >> 1][(ni & 1) * 2 + 1]);
         }
       }
@@ -212,7 +219,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_grouped_gemm_kernel(GroupedAr
   cp_async_wait<0>();
 
   // Epilogue. Accumulator (mi, ni, c): row wm * kWarpRows + mi * 16 + g + (c >= 2 ? 8 : 0),
-  // shared column wn * 32 + ni * 8 + 2t + (c & 1).
+  // shared column wn * kWarpN + ni * 8 + 2t + (c & 1).
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int mi = 0; mi < kMi; ++mi) {
@@ -221,15 +228,15 @@ __global__ void __launch_bounds__(kThreads, 2) moe_grouped_gemm_kernel(GroupedAr
       const int row = row0 + wm * kWarpRows + mi * 16 + g + half * 8;
       if (row >= row_end) continue;
       if (kGateUp) {
-        // n-tiles 0, 1: gate of columns wn * 16 + ni * 8 + 2t (+1); n-tiles 2, 3: up of the same columns.
+        // n-tiles ni < kNj / 2: gate of columns wn * kHalfN + ni * 8 + 2t (+1); ni + kNj / 2: up of the same.
 #pragma unroll
-        for (int ni = 0; ni < 2; ++ni) {
-          const int j = c0 + wn * 16 + ni * 8 + 2 * t;
+        for (int ni = 0; ni < kNj / 2; ++ni) {
+          const int j = c0 + wn * kHalfN + ni * 8 + 2 * t;
           if (j >= p.N) continue;  // N is even, so j + 1 < N too
           float v[2];
 #pragma unroll
           for (int q = 0; q < 2; ++q) {
-            const float gate = acc[mi][ni][half * 2 + q], up = acc[mi][ni + 2][half * 2 + q];
+            const float gate = acc[mi][ni][half * 2 + q], up = acc[mi][ni + kNj / 2][half * 2 + q];
             v[q] = p.glu_situ ? situ_glu_f(gate, up, p.beta, p.beta_linear) : swiglu_f(gate, up);
           }
           *reinterpret_cast<__nv_bfloat162*>(p.activated + static_cast<int64_t>(row) * p.N + j) =
@@ -237,8 +244,8 @@ __global__ void __launch_bounds__(kThreads, 2) moe_grouped_gemm_kernel(GroupedAr
         }
       } else {
 #pragma unroll
-        for (int ni = 0; ni < 4; ++ni) {
-          const int n = c0 + wn * 32 + ni * 8 + 2 * t;
+        for (int ni = 0; ni < kNj; ++ni) {
+          const int n = c0 + wn * kWarpN + ni * 8 + 2 * t;
           if (n >= p.N) continue;
           *reinterpret_cast<float2*>(p.y + static_cast<int64_t>(row) * p.N + n) =
               make_float2(acc[mi][ni][half * 2], acc[mi][ni][half * 2 + 1]);
@@ -259,7 +266,7 @@ Status launch_status(const char* what) {
                         cudaGetErrorString(error) + ")");
 }
 
-template <int BM>
+template <int BM, int BN, int STAGES>
 Status launch_grouped(const MoeFfnParams& params, cudaStream_t stream) {
   const MoeExpertWeights& w = params.weights;
   const int64_t W = w.width, I = w.intermediate, R = params.rows;
@@ -281,13 +288,13 @@ Status launch_grouped(const MoeFfnParams& params, cudaStream_t stream) {
                            params.glu == GluKind::kSitu ? 1 : 0,
                            params.situ_beta,
                            params.situ_linear_beta};
-  constexpr size_t kSmem = smem_bytes(BM);
+  constexpr size_t kSmem = smem_bytes(BM, BN, STAGES);
   // Above the default 48 KiB the opt-in is needed; it is a per-function attribute (no stream work), so the
   // launches stay graph-capturable.
   constexpr size_t kDefaultSmem = 48 * 1024;
   if (kSmem > kDefaultSmem) {
-    for (const void* f : {reinterpret_cast<const void*>(moe_grouped_gemm_kernel<BM, true>),
-                          reinterpret_cast<const void*>(moe_grouped_gemm_kernel<BM, false>)}) {
+    for (const void* f : {reinterpret_cast<const void*>(moe_grouped_gemm_kernel<BM, BN, STAGES, true>),
+                          reinterpret_cast<const void*>(moe_grouped_gemm_kernel<BM, BN, STAGES, false>)}) {
       const cudaError_t error =
           cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
       if (error != cudaSuccess) {
@@ -302,9 +309,8 @@ Status launch_grouped(const MoeFfnParams& params, cudaStream_t stream) {
   gu.K = static_cast<int>(W);
   gu.N = static_cast<int>(I);
   gu.b_rows = 2 * I;
-  const dim3 grid_gu(static_cast<unsigned>((I + kGateUpColsPerCta - 1) / kGateUpColsPerCta),
-                     static_cast<unsigned>(row_tiles));
-  moe_grouped_gemm_kernel<BM, true><<<grid_gu, kThreads, kSmem, stream>>>(gu);
+  const dim3 grid_gu(static_cast<unsigned>((I + BN / 2 - 1) / (BN / 2)), static_cast<unsigned>(row_tiles));
+  moe_grouped_gemm_kernel<BM, BN, STAGES, true><<<grid_gu, kThreads, kSmem, stream>>>(gu);
   Status status = launch_status("gate/up");
   if (!status) return status;
   GroupedArgs down = common;
@@ -313,8 +319,8 @@ Status launch_grouped(const MoeFfnParams& params, cudaStream_t stream) {
   down.K = static_cast<int>(I);
   down.N = static_cast<int>(W);
   down.b_rows = W;
-  const dim3 grid_down(static_cast<unsigned>((W + kBN - 1) / kBN), static_cast<unsigned>(row_tiles));
-  moe_grouped_gemm_kernel<BM, false><<<grid_down, kThreads, kSmem, stream>>>(down);
+  const dim3 grid_down(static_cast<unsigned>((W + BN - 1) / BN), static_cast<unsigned>(row_tiles));
+  moe_grouped_gemm_kernel<BM, BN, STAGES, false><<<grid_down, kThreads, kSmem, stream>>>(down);
   return launch_status("down");
 }
 
@@ -355,6 +361,10 @@ Status moe_expert_ffn_grouped(const MoeFfnParams& params, cudaStream_t stream) {
     return invalid_argument("moe_expert_ffn_grouped: row_tile must be 0 (automatic), 32, 64 or 128 (got " +
                             std::to_string(params.row_tile) + ")");
   }
+  if (params.col_tile != 0 && params.col_tile != 128 && params.col_tile != 256) {
+    return invalid_argument("moe_expert_ffn_grouped: col_tile must be 0 (automatic), 128 or 256 (got " +
+                            std::to_string(params.col_tile) + ")");
+  }
   if (R == 0) return Status::ok();
   if (w.gate_up == nullptr || w.down == nullptr || params.x_sorted == nullptr || params.expert_offsets == nullptr ||
       params.activated == nullptr || params.y_sorted == nullptr) {
@@ -366,13 +376,17 @@ Status moe_expert_ffn_grouped(const MoeFfnParams& params, cudaStream_t stream) {
         "moe_expert_ffn_grouped: gate_up, down, x_sorted, activated must be 16-byte aligned, y_sorted 8-byte");
   }
   const int bm = params.row_tile != 0 ? params.row_tile : moe_grouped_row_tile(R, w.num_experts);
+  const int bn = params.col_tile != 0 ? params.col_tile : (bm == 128 ? kMoeGroupedWideColTile : 128);
+  if (bn == 256 && bm != 128) {
+    return invalid_argument("moe_expert_ffn_grouped: col_tile 256 needs row_tile 128 (got " + std::to_string(bm) + ")");
+  }
   switch (bm) {
     case 32:
-      return launch_grouped<32>(params, stream);
+      return launch_grouped<32, 128, 3>(params, stream);
     case 64:
-      return launch_grouped<64>(params, stream);
+      return launch_grouped<64, 128, 3>(params, stream);
     default:
-      return launch_grouped<128>(params, stream);
+      return bn == 256 ? launch_grouped<128, 256, 4>(params, stream) : launch_grouped<128, 128, 3>(params, stream);
   }
 }
 

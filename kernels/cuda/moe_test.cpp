@@ -17,6 +17,8 @@
 #include <limits>
 #include <numeric>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <cublas_v2.h>
 
@@ -492,8 +494,9 @@ struct LayerCase {
   bool concentrate = false;  // bias pushes every token to experts 0 and 1 (many rows per expert, empty experts)
   bool hot_expert = false;   // bias pushes every token to expert 0 (it gets T of the T * k rows: half at k = 2)
   bool graph = false;        // also replay the decode chain as a CUDA graph and require identical results
-  // Grouped tensor-core path (moe_expert_ffn_grouped): row tiles to run explicitly (0 = automatic); each is checked
-  // against the CPU reference and against the reference path (cuBLAS if it ran, else the GEMV decode kernels).
+  // Grouped tensor-core path (moe_expert_ffn_grouped): row tiles to run explicitly (0 = automatic; 128 runs with
+  // both column tiles, 128 and 256); each is checked against the CPU reference and against the reference path
+  // (cuBLAS if it ran, else the GEMV decode kernels).
   std::vector<int> grouped_tiles = {0, 32, 64, 128};
   bool time_paths = false;       // print event timings of the grouped and the cuBLAS reference path (no assertion)
   int64_t ref_token_stride = 1;  // CPU reference on every n-th token only (big cases)
@@ -790,13 +793,24 @@ void run_layer_case(const LayerCase& c) {
                    name + " vs " + std::string(reference_name));
     }
   };
+  std::vector<std::pair<int, int>> tiles;  // (row_tile, col_tile)
   for (const int tile : c.grouped_tiles) {
-    const std::string name = "grouped path (row_tile " + std::to_string(tile) +
-                             ", auto = " + std::to_string(moe_grouped_row_tile(R, c.E)) + ")";
+    if (tile == 128) {
+      tiles.emplace_back(128, 128);
+      tiles.emplace_back(128, 256);
+    } else {
+      tiles.emplace_back(tile, 0);
+    }
+  }
+  for (const auto& [tile, col_tile] : tiles) {
+    const std::string name = "grouped path (row_tile " + std::to_string(tile) + ", col_tile " +
+                             std::to_string(col_tile) + ", auto row tile " +
+                             std::to_string(moe_grouped_row_tile(R, c.E)) + ")";
     SCOPED_TRACE(name);
     d.poison();
     MoeFfnParams p = d.ffn(c);
     p.row_tile = tile;
+    p.col_tile = col_tile;
     status = moe_expert_ffn_grouped(p, stream);
     ASSERT_TRUE(status) << status.to_string();
     EXPECT_TRUE(d.combine(stream));
@@ -834,9 +848,14 @@ void run_layer_case(const LayerCase& c) {
     DS_CUDA_OK(cudaEventCreate(&start));
     DS_CUDA_OK(cudaEventCreate(&stop));
     const double flops = 6.0 * static_cast<double>(R) * static_cast<double>(W) * static_cast<double>(I);
-    for (const bool reference : {false, true}) {
+    for (const int variant : {0, 1, 2}) {  // grouped automatic, grouped 128 x 128, cuBLAS reference
+      const bool reference = variant == 2;
       MoeFfnParams p = d.ffn(c);
       p.use_reference_path = reference;
+      if (variant == 1) {
+        p.row_tile = 128;
+        p.col_tile = 128;
+      }
       constexpr int kReps = 5;
       EXPECT_TRUE(moe_expert_ffn_prefill(p, offsets, handle, stream));  // warm-up
       DS_CUDA_OK(cudaEventRecord(start, stream));
@@ -847,8 +866,9 @@ void run_layer_case(const LayerCase& c) {
       DS_CUDA_OK(cudaEventElapsedTime(&ms, start, stop));
       ms /= kReps;
       std::printf("[ moe timing ] %s R=%lld W=%lld I=%lld: %.3f ms, %.1f TFLOP/s\n",
-                  reference ? "cuBLAS per-expert" : "grouped (auto tile)", static_cast<long long>(R),
-                  static_cast<long long>(W), static_cast<long long>(I), ms, flops / (ms * 1e-3) / 1e12);
+                  reference ? "cuBLAS per-expert" : (variant == 1 ? "grouped 128x128" : "grouped (auto tile)"),
+                  static_cast<long long>(R), static_cast<long long>(W), static_cast<long long>(I), ms,
+                  flops / (ms * 1e-3) / 1e12);
     }
     cudaEventDestroy(start);
     cudaEventDestroy(stop);
@@ -1059,6 +1079,13 @@ TEST(MoeGrouped, RejectsBadInputs) {
   q = p;
   q.rows = int64_t{70000} * 128;  // ceil(R / 128) + E row tiles > 65535
   q.row_tile = 128;
+  EXPECT_EQ(moe_expert_ffn_grouped(q, 0).code(), StatusCode::kInvalidArgument);
+  q = p;
+  q.col_tile = 64;
+  EXPECT_EQ(moe_expert_ffn_grouped(q, 0).code(), StatusCode::kInvalidArgument);
+  q = p;
+  q.row_tile = 64;
+  q.col_tile = 256;  // 256-column tiles only with 128-row tiles
   EXPECT_EQ(moe_expert_ffn_grouped(q, 0).code(), StatusCode::kInvalidArgument);
   q = p;
   q.rows = 0;
