@@ -110,7 +110,8 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
   const bool needs_model = role == NodeRole::kServe || role == NodeRole::kPrefill || role == NodeRole::kDecode;
   const bool needs_tokenizer = role == NodeRole::kServe || role == NodeRole::kDecode;
   if (needs_model && !options.model) {
-    auto model = engine::open_model(options.model_dir, options.device);
+    auto model = engine::open_model(options.model_dir, options.device,
+                                    engine::progress_printer(std::cerr, "loading weights to " + options.device.device));
     if (!model.is_ok()) return model.status().with_context("load model " + options.model_dir.string());
     if (options.device.device != "cpu") {
       const engine::BackendCapacity c = (*model)->backend()->capacity();

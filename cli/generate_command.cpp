@@ -42,7 +42,8 @@ int run_generate(const GenerateOptions& options, std::ostream& out, std::ostream
   };
   auto dir = resolve_model_dir(options.model);
   if (!dir.is_ok()) return fail(dir.status());
-  auto model = engine::open_model(*dir, options.device);
+  auto model = engine::open_model(*dir, options.device,
+                                  engine::progress_printer(err, "loading weights to " + options.device.device));
   if (!model.is_ok()) return fail(model.status());
   auto tok = tokenizer::Tokenizer::load(*dir);
   if (!tok.is_ok()) return fail(tok.status().with_context("tokenizer in " + dir->string()));

@@ -1,6 +1,9 @@
 #include "engine/open_model.hpp"
 
 #include <cctype>
+#include <cstdio>
+#include <memory>
+#include <ostream>
 
 #include "engine/checkpoint/safetensors.hpp"
 #include "engine/model_config.hpp"
@@ -69,6 +72,21 @@ Result<std::unique_ptr<Model>> open_model(const std::filesystem::path& directory
                        "' needs the CUDA backend, and this build has none (built "
                        "without nvcc)");
 #endif
+}
+
+std::function<void(int64_t, int64_t)> progress_printer(std::ostream& out, std::string label) {
+  auto next_tenth = std::make_shared<int64_t>(1);
+  return [&out, label = std::move(label), next_tenth](int64_t done, int64_t total) {
+    if (total <= 0) return;
+    const int64_t tenth = done * 10 / total;
+    if (tenth < *next_tenth && done < total) return;
+    *next_tenth = tenth + 1;
+    char line[160];
+    std::snprintf(line, sizeof line, "%s: %3lld%% (%.1f of %.1f GB)\n", label.c_str(),
+                  static_cast<long long>(done * 100 / total), static_cast<double>(done) / 1e9,
+                  static_cast<double>(total) / 1e9);
+    out << line << std::flush;
+  };
 }
 
 }  // namespace deltaserve::engine

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <iosfwd>
 #include <memory>
 #include <string>
 
@@ -33,5 +34,9 @@ bool cuda_backend_built();
 // `progress(bytes_done, bytes_total)` is called while weights are uploaded to a GPU.
 Result<std::unique_ptr<Model>> open_model(const std::filesystem::path& directory, const DeviceOptions& options,
                                           const std::function<void(int64_t, int64_t)>& progress = {});
+
+// A progress callback for open_model that writes "<label>: 40% (38.4 of 96.0 GB)" lines to `out` at every tenth of
+// the total and at the end. `out` must outlive the returned callback.
+std::function<void(int64_t, int64_t)> progress_printer(std::ostream& out, std::string label);
 
 }  // namespace deltaserve::engine
