@@ -2,6 +2,7 @@
 // (cuda_model.cpp: the layers; cuda_backend.cpp: construction and the memory plan).
 #pragma once
 
+#include <compare>
 #include <cstdint>
 #include <map>
 #include <memory>
