@@ -2,9 +2,9 @@
 //
 // Policy:
 //  - Eligible: every sequence brings one token, the pass's logit rows fit one LM-head piece (batch <= logit_chunk),
-//    and the MoE layers stay on the bandwidth-bound decode kernel (batch * top_k <= kMoeDecodeRowsPerExpert *
-//    experts): the cuBLAS expert path reads the expert offsets on the host (a sync that cannot be captured), so
-//    such batches run eagerly (Kimi-Linear-48B: E 256, k 8, so batches above 128). Everything else is eager.
+//    and the MoE layers never sync with the host: always, unless DELTASERVE_MOE_REFERENCE_FFN=1 forces the
+//    per-expert cuBLAS path beyond batch * top_k <= kMoeDecodeRowsPerExpert * experts (it reads the expert offsets
+//    on the host, a sync that cannot be captured; such batches then run eagerly). Everything else is eager.
 //  - Key: the EXACT batch size, not a padded bucket. Dummy rows would be skipped by the KDA decode kernel (slot
 //    -1) and the MLA row writes (slot -1), but the MoE router would still send each one to top_k experts whose
 //    weights the decode kernel then reads: at small batches (where graphs matter most, being launch-bound) a
@@ -33,6 +33,7 @@
 
 #include "engine/cuda/cuda_model.hpp"
 #include "kernels/cuda/mla.hpp"
+#include "kernels/cuda/moe.hpp"
 
 namespace deltaserve::engine::cuda {
 
@@ -88,8 +89,9 @@ std::optional<DecodeGraphKey> CudaBackend::Impl::decode_graph_key(std::span<Sequ
   }
   const bool has_moe = std::any_of(weights->layers.begin(), weights->layers.end(),
                                    [](const DeviceLayer& layer) { return layer.is_moe; });
-  if (has_moe && B * config.moe.num_experts_per_token > kMoeDecodeRowsPerExpert * config.moe.num_experts) {
-    return std::nullopt;  // the cuBLAS expert path syncs with the host
+  if (has_moe && kernels::cuda::moe_reference_ffn_forced() &&
+      B * config.moe.num_experts_per_token > kMoeDecodeRowsPerExpert * config.moe.num_experts) {
+    return std::nullopt;  // the reference per-expert cuBLAS path syncs with the host
   }
   DecodeGraphKey key;
   key.batch = B;

@@ -314,6 +314,11 @@ Status CudaBackend::Impl::run_mla(const DeviceLayer& layer, const PassTables& t)
   if (t.pure_decode) {
     DS_RETURN_IF_ERROR_CTX(kc::mla_decode(a, stream()), "mla_decode");
   } else {
+    // The host copies of the query offsets and context lengths let mla_prefill choose the naive (decompressed,
+    // tensor-core flash attention) form for long chunks; it then uses the backend's cuBLAS handle on our stream.
+    a.host_cu_q = t.cu.data();
+    a.host_context_lens = t.context_lens.data();
+    a.cublas = gemm.handle();
     DS_RETURN_IF_ERROR_CTX(kc::mla_prefill(a, stream()), "mla_prefill");
   }
 
@@ -408,7 +413,10 @@ Status CudaBackend::Impl::run_moe(const DeviceMoe& moe, int64_t T) {
   f.expert_offsets = plan.expert_offsets;
   f.activated = activated;
   f.y_sorted = y_sorted;
-  if (R <= kMoeDecodeRowsPerExpert * E) {
+  // moe_expert_ffn_decode takes every batch size without a host sync (few rows per expert: the bandwidth kernel;
+  // more: the grouped tensor-core GEMM); the per-expert cuBLAS path stays as the DELTASERVE_MOE_REFERENCE_FFN=1
+  // fallback for larger batches.
+  if (R <= kMoeDecodeRowsPerExpert * E || !kc::moe_reference_ffn_forced()) {
     DS_RETURN_IF_ERROR_CTX(kc::moe_expert_ffn_decode(f, stream()), "moe_expert_ffn_decode");
   } else {
     const size_t ffn_bytes = kc::moe_ffn_prefill_workspace_bytes(R, I);
