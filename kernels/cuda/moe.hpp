@@ -94,6 +94,9 @@ struct MoeFfnParams {
   // kMoeGroupedWideColTile).
   int row_tile = 0;
   int col_tile = 0;
+  // Grouped path only: k elements per pipeline stage, 32 or 64 (64 only with 128-row tiles), or 0 = automatic
+  // (moe_grouped_auto_k_tile() with 128-row tiles, 32 otherwise).
+  int k_tile = 0;
 };
 // Decode path: width and I must be multiples of 8 (16-byte weight rows); pointers 16-byte aligned.
 // Reads each ACTIVE expert's weights once per 4 of its rows (so once for decode batches); CTAs of inactive
@@ -137,6 +140,11 @@ constexpr int64_t kMoeGroupedSmallTileRowsPerExpert = 64;
 // 128 x 128 tile.
 constexpr int kMoeGroupedWideColTile = 256;
 int moe_grouped_row_tile(int64_t rows, int num_experts);
+// Automatic k tile with 128-row tiles: 64 (3 stages; half the block barriers per mma of the 32-wide stage, 128
+// contiguous bytes per row per cp.async group). moe_grouped_auto_k_tile() returns it, or 32 (the previous kernel:
+// 4 stages of 32 for 128 x 256) if DELTASERVE_MOE_GROUPED_K_TILE=32 is set (read once per process).
+constexpr int kMoeGroupedWideKTile = 64;
+int moe_grouped_auto_k_tile();
 // True if DELTASERVE_MOE_REFERENCE_FFN is set to a value other than "0" (cached at the first call).
 bool moe_reference_ffn_forced();
 

@@ -34,8 +34,11 @@ using detail::load_b_nk;
 using detail::mma_bf16_16816;
 
 constexpr int kThreads = 256;
-constexpr int kBK = 32;
-constexpr int kLds = kBK + 8;  // padded shared row, elements
+// Shared rows are padded by 8 elements (16 bytes): a row stride of BK + 8 elements is an odd number of 16-byte units
+// (5 for BK = 32, 9 for BK = 64), so the 8 row addresses of one ldmatrix fall in distinct bank groups.
+__host__ __device__ constexpr int lds_of(int bk) {
+  return bk + 8;
+}
 
 struct GroupedArgs {
   const __nv_bfloat16* a;    // [R, K] rows grouped by expert
@@ -51,8 +54,8 @@ struct GroupedArgs {
   float beta, beta_linear;
 };
 
-constexpr size_t smem_bytes(int bm, int bn, int stages) {
-  return static_cast<size_t>(stages) * (bm + bn) * kLds * sizeof(__nv_bfloat16);
+constexpr size_t smem_bytes(int bm, int bn, int bk, int stages) {
+  return static_cast<size_t>(stages) * (bm + bn) * lds_of(bk) * sizeof(__nv_bfloat16);
 }
 
 // Finds the expert owning global row tile `tile` (tiles of bm rows, numbered expert by expert). Returns false
@@ -103,8 +106,12 @@ __device__ bool find_row_tile(const int32_t* offsets, int E, int tile, int bm, i
 // j0 .. j0 + BN / 2 - 1, warp block wb (shared rows wb * BN / 4 ...) holding BN / 8 columns: first their gate rows,
 // then their up rows, so gate (n-tile ni) and up (n-tile ni + kNj / 2) of a column sit in the same thread.
 // Otherwise plain rows.
-template <int BM, int BN, int STAGES, bool kGateUp>
+// BK: k elements per pipeline stage (32 or 64; 64 halves the barriers per FLOP and loads 128 contiguous bytes per
+// weight row per stage).
+template <int BM, int BN, int BK, int STAGES, bool kGateUp>
 __global__ void __launch_bounds__(kThreads, BN >= 256 ? 1 : 2) moe_grouped_gemm_kernel(GroupedArgs p) {
+  constexpr int kBK = BK;
+  constexpr int kLds = lds_of(BK);
   constexpr int kWarpRows = BM / 2;       // 2 warps along rows
   constexpr int kMi = kWarpRows / 16;     // m16 tiles per warp
   constexpr int kWarpN = BN / 4;          // weight rows per warp
@@ -113,7 +120,7 @@ __global__ void __launch_bounds__(kThreads, BN >= 256 ? 1 : 2) moe_grouped_gemm_
   constexpr int kAChunks = BM * kBK / 8;  // 16-byte chunks of one A stage
   constexpr int kBChunks = BN * kBK / 8;
   constexpr int kASlots = (kAChunks + kThreads - 1) / kThreads;
-  static_assert(BM % 32 == 0 && kBChunks % kThreads == 0 && kNj % 2 == 0, "tile shape");
+  static_assert(BM % 32 == 0 && kBChunks % kThreads == 0 && kNj % 2 == 0 && BK % 16 == 0, "tile shape");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* smem = reinterpret_cast<__nv_bfloat16*>(smem_raw);
 
@@ -266,7 +273,7 @@ Status launch_status(const char* what) {
                         cudaGetErrorString(error) + ")");
 }
 
-template <int BM, int BN, int STAGES>
+template <int BM, int BN, int BK, int STAGES>
 Status launch_grouped(const MoeFfnParams& params, cudaStream_t stream) {
   const MoeExpertWeights& w = params.weights;
   const int64_t W = w.width, I = w.intermediate, R = params.rows;
@@ -288,13 +295,13 @@ Status launch_grouped(const MoeFfnParams& params, cudaStream_t stream) {
                            params.glu == GluKind::kSitu ? 1 : 0,
                            params.situ_beta,
                            params.situ_linear_beta};
-  constexpr size_t kSmem = smem_bytes(BM, BN, STAGES);
+  constexpr size_t kSmem = smem_bytes(BM, BN, BK, STAGES);
   // Above the default 48 KiB the opt-in is needed; it is a per-function attribute (no stream work), so the
   // launches stay graph-capturable.
   constexpr size_t kDefaultSmem = 48 * 1024;
   if (kSmem > kDefaultSmem) {
-    for (const void* f : {reinterpret_cast<const void*>(moe_grouped_gemm_kernel<BM, BN, STAGES, true>),
-                          reinterpret_cast<const void*>(moe_grouped_gemm_kernel<BM, BN, STAGES, false>)}) {
+    for (const void* f : {reinterpret_cast<const void*>(moe_grouped_gemm_kernel<BM, BN, BK, STAGES, true>),
+                          reinterpret_cast<const void*>(moe_grouped_gemm_kernel<BM, BN, BK, STAGES, false>)}) {
       const cudaError_t error =
           cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
       if (error != cudaSuccess) {
@@ -310,7 +317,7 @@ Status launch_grouped(const MoeFfnParams& params, cudaStream_t stream) {
   gu.N = static_cast<int>(I);
   gu.b_rows = 2 * I;
   const dim3 grid_gu(static_cast<unsigned>((I + BN / 2 - 1) / (BN / 2)), static_cast<unsigned>(row_tiles));
-  moe_grouped_gemm_kernel<BM, BN, STAGES, true><<<grid_gu, kThreads, kSmem, stream>>>(gu);
+  moe_grouped_gemm_kernel<BM, BN, BK, STAGES, true><<<grid_gu, kThreads, kSmem, stream>>>(gu);
   Status status = launch_status("gate/up");
   if (!status) return status;
   GroupedArgs down = common;
@@ -320,7 +327,7 @@ Status launch_grouped(const MoeFfnParams& params, cudaStream_t stream) {
   down.N = static_cast<int>(W);
   down.b_rows = W;
   const dim3 grid_down(static_cast<unsigned>((W + BN - 1) / BN), static_cast<unsigned>(row_tiles));
-  moe_grouped_gemm_kernel<BM, BN, STAGES, false><<<grid_down, kThreads, kSmem, stream>>>(down);
+  moe_grouped_gemm_kernel<BM, BN, BK, STAGES, false><<<grid_down, kThreads, kSmem, stream>>>(down);
   return launch_status("down");
 }
 
@@ -332,6 +339,14 @@ bool moe_reference_ffn_forced() {
     return value != nullptr && value[0] != '\0' && std::string(value) != "0";
   }();
   return forced;
+}
+
+int moe_grouped_auto_k_tile() {
+  static const int k_tile = [] {
+    const char* value = std::getenv("DELTASERVE_MOE_GROUPED_K_TILE");
+    return value != nullptr && std::string(value) == "32" ? 32 : kMoeGroupedWideKTile;
+  }();
+  return k_tile;
 }
 
 int moe_grouped_row_tile(int64_t rows, int num_experts) {
@@ -375,18 +390,32 @@ Status moe_expert_ffn_grouped(const MoeFfnParams& params, cudaStream_t stream) {
     return invalid_argument(
         "moe_expert_ffn_grouped: gate_up, down, x_sorted, activated must be 16-byte aligned, y_sorted 8-byte");
   }
+  if (params.k_tile != 0 && params.k_tile != 32 && params.k_tile != 64) {
+    return invalid_argument("moe_expert_ffn_grouped: k_tile must be 0 (automatic), 32 or 64 (got " +
+                            std::to_string(params.k_tile) + ")");
+  }
   const int bm = params.row_tile != 0 ? params.row_tile : moe_grouped_row_tile(R, w.num_experts);
   const int bn = params.col_tile != 0 ? params.col_tile : (bm == 128 ? kMoeGroupedWideColTile : 128);
   if (bn == 256 && bm != 128) {
     return invalid_argument("moe_expert_ffn_grouped: col_tile 256 needs row_tile 128 (got " + std::to_string(bm) + ")");
   }
+  const int bk = params.k_tile != 0 ? params.k_tile : (bm == 128 ? moe_grouped_auto_k_tile() : 32);
+  if (bk == 64 && bm != 128) {
+    return invalid_argument("moe_expert_ffn_grouped: k_tile 64 needs row_tile 128 (got " + std::to_string(bm) + ")");
+  }
   switch (bm) {
     case 32:
-      return launch_grouped<32, 128, 3>(params, stream);
+      return launch_grouped<32, 128, 32, 3>(params, stream);
     case 64:
-      return launch_grouped<64, 128, 3>(params, stream);
+      return launch_grouped<64, 128, 32, 3>(params, stream);
     default:
-      return bn == 256 ? launch_grouped<128, 256, 4>(params, stream) : launch_grouped<128, 128, 3>(params, stream);
+      if (bk == 64) {
+        // 3 stages of 64: 162 KB (128 x 256, one CTA per SM) or 108 KB (128 x 128, two per SM).
+        return bn == 256 ? launch_grouped<128, 256, 64, 3>(params, stream)
+                         : launch_grouped<128, 128, 64, 3>(params, stream);
+      }
+      return bn == 256 ? launch_grouped<128, 256, 32, 4>(params, stream)
+                       : launch_grouped<128, 128, 32, 3>(params, stream);
   }
 }
 

@@ -793,24 +793,31 @@ void run_layer_case(const LayerCase& c) {
                    name + " vs " + std::string(reference_name));
     }
   };
-  std::vector<std::pair<int, int>> tiles;  // (row_tile, col_tile)
+  struct GroupedTile {
+    int row_tile, col_tile, k_tile;
+  };
+  std::vector<GroupedTile> tiles;
   for (const int tile : c.grouped_tiles) {
     if (tile == 128) {
-      tiles.emplace_back(128, 128);
-      tiles.emplace_back(128, 256);
+      // Both k tiles at both column tiles: k_tile 32 is the previous kernel (fallback), 64 the automatic one.
+      for (const int col_tile : {128, 256}) {
+        for (const int k_tile : {32, 64}) tiles.push_back({128, col_tile, k_tile});
+      }
     } else {
-      tiles.emplace_back(tile, 0);
+      tiles.push_back({tile, 0, 0});
     }
   }
-  for (const auto& [tile, col_tile] : tiles) {
+  for (const auto& [tile, col_tile, k_tile] : tiles) {
     const std::string name = "grouped path (row_tile " + std::to_string(tile) + ", col_tile " +
-                             std::to_string(col_tile) + ", auto row tile " +
-                             std::to_string(moe_grouped_row_tile(R, c.E)) + ")";
+                             std::to_string(col_tile) + ", k_tile " + std::to_string(k_tile) + ", auto row tile " +
+                             std::to_string(moe_grouped_row_tile(R, c.E)) + ", auto k tile " +
+                             std::to_string(moe_grouped_auto_k_tile()) + ")";
     SCOPED_TRACE(name);
     d.poison();
     MoeFfnParams p = d.ffn(c);
     p.row_tile = tile;
     p.col_tile = col_tile;
+    p.k_tile = k_tile;
     status = moe_expert_ffn_grouped(p, stream);
     ASSERT_TRUE(status) << status.to_string();
     EXPECT_TRUE(d.combine(stream));
@@ -848,13 +855,22 @@ void run_layer_case(const LayerCase& c) {
     DS_CUDA_OK(cudaEventCreate(&start));
     DS_CUDA_OK(cudaEventCreate(&stop));
     const double flops = 6.0 * static_cast<double>(R) * static_cast<double>(W) * static_cast<double>(I);
-    for (const int variant : {0, 1, 2}) {  // grouped automatic, grouped 128 x 128, cuBLAS reference
+    // Variants: grouped automatic, grouped 128 x 128, cuBLAS reference, grouped 128 x 256 with k_tile 32 (the
+    // previous automatic prefill kernel), grouped 128 x 256 with k_tile 64.
+    const char* names[] = {"grouped (auto tile)", "grouped 128x128", "cuBLAS per-expert", "grouped 128x256 k32",
+                           "grouped 128x256 k64"};
+    for (const int variant : {0, 1, 2, 3, 4}) {
       const bool reference = variant == 2;
       MoeFfnParams p = d.ffn(c);
       p.use_reference_path = reference;
       if (variant == 1) {
         p.row_tile = 128;
         p.col_tile = 128;
+      }
+      if (variant >= 3) {
+        p.row_tile = 128;
+        p.col_tile = 256;
+        p.k_tile = variant == 3 ? 32 : 64;
       }
       constexpr int kReps = 5;
       EXPECT_TRUE(moe_expert_ffn_prefill(p, offsets, handle, stream));  // warm-up
@@ -865,8 +881,7 @@ void run_layer_case(const LayerCase& c) {
       float ms = 0.0f;
       DS_CUDA_OK(cudaEventElapsedTime(&ms, start, stop));
       ms /= kReps;
-      std::printf("[ moe timing ] %s R=%lld W=%lld I=%lld: %.3f ms, %.1f TFLOP/s\n",
-                  reference ? "cuBLAS per-expert" : (variant == 1 ? "grouped 128x128" : "grouped (auto tile)"),
+      std::printf("[ moe timing ] %s R=%lld W=%lld I=%lld: %.3f ms, %.1f TFLOP/s\n", names[variant],
                   static_cast<long long>(R), static_cast<long long>(W), static_cast<long long>(I), ms,
                   flops / (ms * 1e-3) / 1e12);
     }
@@ -979,7 +994,7 @@ TEST(MoeGrouped, Kimi48BPrefillChunks) {
                     .inter = 1024,
                     .T = T,
                     .path = Path::kPrefill,
-                    .grouped_tiles = T >= 2048 ? std::vector<int>{0, 64} : std::vector<int>{0, 32, 64, 128},
+                    .grouped_tiles = T >= 2048 ? std::vector<int>{0, 64, 128} : std::vector<int>{0, 32, 64, 128},
                     .time_paths = T >= 2048,
                     .ref_token_stride = std::max<int64_t>(1, T / 64),
                     .seed = static_cast<uint32_t>(400 + T)});
@@ -1088,9 +1103,18 @@ TEST(MoeGrouped, RejectsBadInputs) {
   q.col_tile = 256;  // 256-column tiles only with 128-row tiles
   EXPECT_EQ(moe_expert_ffn_grouped(q, 0).code(), StatusCode::kInvalidArgument);
   q = p;
+  q.k_tile = 48;
+  EXPECT_EQ(moe_expert_ffn_grouped(q, 0).code(), StatusCode::kInvalidArgument);
+  q = p;
+  q.row_tile = 64;
+  q.k_tile = 64;  // 64-wide k stages only with 128-row tiles
+  EXPECT_EQ(moe_expert_ffn_grouped(q, 0).code(), StatusCode::kInvalidArgument);
+  q = p;
   q.rows = 0;
   q.x_sorted = nullptr;
   EXPECT_TRUE(moe_expert_ffn_grouped(q, 0));
+  const int auto_k = moe_grouped_auto_k_tile();
+  EXPECT_TRUE(auto_k == 32 || auto_k == kMoeGroupedWideKTile) << auto_k;
   // Automatic row tile by mean rows per expert.
   EXPECT_EQ(moe_grouped_row_tile(256 * 16, 256), 32);
   EXPECT_EQ(moe_grouped_row_tile(256 * 16 + 1, 256), 64);
