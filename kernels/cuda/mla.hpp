@@ -110,6 +110,10 @@ struct MlaAttentionParams {
   // true: the fp32 CUDA-core kernel (exact up to fp32 rounding, several times slower; a reference and debug path).
   // Absorbed form only (mla_decode, and mla_prefill when it runs the absorbed form).
   bool fp32_attention = false;
+  // Tensor-core attention only: true runs the original kernel (per-thread page lookups with int64 divisions, two
+  // mma chains in the scores), kept as a bypass of the default one (per-warp row loads, four chains); the
+  // environment variable DELTASERVE_MLA_TC=legacy does the same for every call. Same results up to rounding.
+  bool legacy_tc_attention = false;
 
   // mla_prefill only: which form it runs (see MlaPrefillForm) and what the naive form needs. The naive form plans
   // on the host from host copies of cu_q [N + 1] and context_lens [N] (the same values as the device arrays; read

@@ -21,6 +21,7 @@
 // work.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <string>
 
 #include "kernels/cuda/mla.hpp"
@@ -348,6 +349,35 @@ __device__ __forceinline__ void tc_load_rows(const AttentionArgs& a, const int32
   }
 }
 
+// The faster loader (kFast kernels): warp w copies rows w, w + 8, ... of the tile, one page-table lookup and one
+// 32-bit division per row and warp (the lanes split the row's 16-byte vectors), instead of a page-table load and
+// two int64 divisions per 16-byte vector and thread. Same shared-memory contents as tc_load_rows.
+__device__ __forceinline__ void tc_load_rows_by_warp(const AttentionArgs& a, const int32_t* table, int64_t tile,
+                                                     int count, __nv_bfloat16* dst, int ld, int vecs_per_row) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int first = static_cast<int>(tile);  // positions < context_lens[n] <= INT32_MAX
+#pragma unroll
+  for (int i = 0; i < kTcRows / kTcWarps; ++i) {
+    const int r = warp + i * kTcWarps;
+    const __nv_bfloat16* row = nullptr;
+    if (r < count) {
+      const int position = first + r;
+      const int32_t page = table[position / a.page_size];
+      if (page >= 0 && page < a.num_pages) {
+        row = a.pages + ((static_cast<int64_t>(page) * a.num_layers + a.layer) * a.page_size + position % a.page_size) *
+                            a.row_stride;
+      }
+    }
+    for (int cv = lane; cv < vecs_per_row; cv += 32) {
+      detail::cp_async16_zfill(dst + r * ld + cv * 8, row != nullptr ? row + cv * 8 : a.pages, row != nullptr);
+    }
+  }
+}
+
+// kFast = false: the original kernel (MlaAttentionParams::legacy_tc_attention or DELTASERVE_MLA_TC=legacy).
+// kFast = true (default): tc_load_rows_by_warp, and the scores' k loop keeps four accumulator chains instead of two
+// (the mma.sync latency chain over the 36 k steps at width 576 halves).
+template <bool kFast>
 __global__ void __launch_bounds__(kTcThreads, 1) mla_split_attention_tc_kernel(AttentionArgs a) {
   extern __shared__ __align__(128) unsigned char tc_smem[];
   const int width = a.kv_lora + a.rope;
@@ -392,8 +422,12 @@ __global__ void __launch_bounds__(kTcThreads, 1) mla_split_attention_tc_kernel(A
   const int num_tiles = static_cast<int>((row_end - row_begin + kTcRows - 1) / kTcRows);
 
   if (num_tiles > 0) {
-    tc_load_rows(a, table, row_begin, static_cast<int>(i64_min(kTcRows, row_end - row_begin)), s_rows0, L.ld_rows,
-                 vecs_per_row);
+    const int count = static_cast<int>(i64_min(kTcRows, row_end - row_begin));
+    if constexpr (kFast) {
+      tc_load_rows_by_warp(a, table, row_begin, count, s_rows0, L.ld_rows, vecs_per_row);
+    } else {
+      tc_load_rows(a, table, row_begin, count, s_rows0, L.ld_rows, vecs_per_row);
+    }
   }
   detail::cp_async_commit();
 
@@ -433,8 +467,13 @@ __global__ void __launch_bounds__(kTcThreads, 1) mla_split_attention_tc_kernel(A
     const int rows = static_cast<int>(i64_min(kTcRows, row_end - tile));
     if (it + 1 < num_tiles) {
       const int64_t next = tile + kTcRows;
-      tc_load_rows(a, table, next, static_cast<int>(i64_min(kTcRows, row_end - next)), (it & 1) ? s_rows0 : s_rows1,
-                   L.ld_rows, vecs_per_row);
+      const int count = static_cast<int>(i64_min(kTcRows, row_end - next));
+      __nv_bfloat16* dst = (it & 1) ? s_rows0 : s_rows1;
+      if constexpr (kFast) {
+        tc_load_rows_by_warp(a, table, next, count, dst, L.ld_rows, vecs_per_row);
+      } else {
+        tc_load_rows(a, table, next, count, dst, L.ld_rows, vecs_per_row);
+      }
       detail::cp_async_commit();
       detail::cp_async_wait<1>();
     } else {
@@ -447,12 +486,36 @@ __global__ void __launch_bounds__(kTcThreads, 1) mla_split_attention_tc_kernel(A
     if (warp < 4 * m_tiles) {
       const int mt = warp >> 2, n0 = (warp & 3) * 16;
       float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
-      for (int k0 = 0; k0 < L.width16; k0 += 16) {
-        uint32_t af[4], bf[4];
-        detail::load_a(af, s_q, L.ld_rows, mt * 16, k0);
-        detail::load_b_nk(bf, rows_buf, L.ld_rows, n0, k0);
-        detail::mma_bf16_16816(c0, af, bf[0], bf[1]);
-        detail::mma_bf16_16816(c1, af, bf[2], bf[3]);
+      if constexpr (kFast) {
+        // Even k steps into c0/c1, odd ones into d0/d1: two independent mma chains per n tile.
+        float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int k0 = 0; k0 < L.width16; k0 += 32) {
+          uint32_t af[4], bf[4];
+          detail::load_a(af, s_q, L.ld_rows, mt * 16, k0);
+          detail::load_b_nk(bf, rows_buf, L.ld_rows, n0, k0);
+          detail::mma_bf16_16816(c0, af, bf[0], bf[1]);
+          detail::mma_bf16_16816(c1, af, bf[2], bf[3]);
+          if (k0 + 16 < L.width16) {
+            uint32_t af2[4], bf2[4];
+            detail::load_a(af2, s_q, L.ld_rows, mt * 16, k0 + 16);
+            detail::load_b_nk(bf2, rows_buf, L.ld_rows, n0, k0 + 16);
+            detail::mma_bf16_16816(d0, af2, bf2[0], bf2[1]);
+            detail::mma_bf16_16816(d1, af2, bf2[2], bf2[3]);
+          }
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          c0[e] += d0[e];
+          c1[e] += d1[e];
+        }
+      } else {
+        for (int k0 = 0; k0 < L.width16; k0 += 16) {
+          uint32_t af[4], bf[4];
+          detail::load_a(af, s_q, L.ld_rows, mt * 16, k0);
+          detail::load_b_nk(bf, rows_buf, L.ld_rows, n0, k0);
+          detail::mma_bf16_16816(c0, af, bf[0], bf[1]);
+          detail::mma_bf16_16816(c1, af, bf[2], bf[3]);
+        }
       }
       const int m = mt * 16 + g;
       s_s[m * kTcRows + n0 + 2 * tq] = c0[0];
@@ -615,6 +678,15 @@ __global__ void __launch_bounds__(kCombineThreads)
   }
 }
 
+// DELTASERVE_MLA_TC=legacy: the original tensor-core attention kernel (a bypass without a rebuild).
+bool legacy_tc_from_env() {
+  static const bool legacy = [] {
+    const char* e = std::getenv("DELTASERVE_MLA_TC");
+    return e != nullptr && std::string(e) == "legacy";
+  }();
+  return legacy;
+}
+
 bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
 }
@@ -735,8 +807,10 @@ Status mla_attention_launch(const MlaAttentionParams& p, bool decode, const char
   const int group = tensor_cores ? std::min(p.num_heads, kTcGroup) : head_group_size(p.num_heads, p.kv_lora_rank);
   const int width = p.kv_lora_rank + p.qk_rope;
   const size_t smem = tensor_cores ? tc_layout(width).total : attention_smem_bytes(group, width);
-  const void* kernel = tensor_cores ? reinterpret_cast<const void*>(mla_split_attention_tc_kernel)
-                                    : reinterpret_cast<const void*>(mla_split_attention_kernel);
+  const bool fast_tc = !p.legacy_tc_attention && !legacy_tc_from_env();
+  const void* kernel = !tensor_cores ? reinterpret_cast<const void*>(mla_split_attention_kernel)
+                       : fast_tc     ? reinterpret_cast<const void*>(mla_split_attention_tc_kernel<true>)
+                                     : reinterpret_cast<const void*>(mla_split_attention_tc_kernel<false>);
   if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
       e != cudaSuccess) {
     return Status(StatusCode::kInternal, w + ": cudaFuncSetAttribute: " + cudaGetErrorString(e));
@@ -764,7 +838,11 @@ Status mla_attention_launch(const MlaAttentionParams& p, bool decode, const char
   const dim3 attention_grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(splits),
                             static_cast<unsigned>((p.num_heads + group - 1) / group));
   if (tensor_cores) {
-    mla_split_attention_tc_kernel<<<attention_grid, kTcThreads, smem, stream>>>(args);
+    if (fast_tc) {
+      mla_split_attention_tc_kernel<true><<<attention_grid, kTcThreads, smem, stream>>>(args);
+    } else {
+      mla_split_attention_tc_kernel<false><<<attention_grid, kTcThreads, smem, stream>>>(args);
+    }
   } else {
     mla_split_attention_kernel<<<attention_grid, kAttnThreads, smem, stream>>>(args);
   }

@@ -273,22 +273,32 @@ void check_attention(const MlaShape& shape, const Batch& batch, uint32_t seed) {
   } guard{cublas};
   const bool decode_shaped = std::all_of(batch.q_lens.begin(), batch.q_lens.end(), [](int l) { return l <= 1; });
   std::vector<float> decode_out;  // mla_decode on tensor cores, launched directly
-  for (int mode = 0; mode < 6; ++mode) {
+  for (int mode = 0; mode < 8; ++mode) {
     // 0, 1: mla_decode tensor-core / fp32; 2, 3: mla_prefill absorbed tensor-core / fp32; 4: mla_prefill naive
-    // (forced, own workspace); 5: mla_prefill kAuto with the host tables and the absorbed-sized workspace.
-    const bool decode = mode < 2, fp32 = mode < 4 && (mode % 2) == 1;
+    // (forced, own workspace); 5: mla_prefill kAuto with the host tables and the absorbed-sized workspace;
+    // 6, 7: mla_decode / mla_prefill absorbed on the legacy tensor-core kernel (legacy_tc_attention, the bypass of
+    // the default one).
+    const bool decode = mode < 2 || mode == 6, fp32 = mode < 4 && (mode % 2) == 1;
+    const bool host_tables = mode == 4 || mode == 5;
     if (decode && !decode_shaped) continue;
-    const char* names[] = {"mla_decode tensor-core", "mla_decode fp32",   "mla_prefill tensor-core",
-                           "mla_prefill fp32",       "mla_prefill naive", "mla_prefill auto"};
+    const char* names[] = {"mla_decode tensor-core",
+                           "mla_decode fp32",
+                           "mla_prefill tensor-core",
+                           "mla_prefill fp32",
+                           "mla_prefill naive",
+                           "mla_prefill auto",
+                           "mla_decode tensor-core legacy",
+                           "mla_prefill tensor-core legacy"};
     const std::string name = names[mode];
     SCOPED_TRACE(name);
     out_d.upload(std::vector<float>(out_size + out_pad, NAN));
     p.fp32_attention = fp32;
+    p.legacy_tc_attention = mode >= 6;
     p.prefill_form =
-        mode < 4 ? MlaPrefillForm::kAbsorbed : (mode == 4 ? MlaPrefillForm::kNaive : MlaPrefillForm::kAuto);
-    p.host_cu_q = mode >= 4 ? cu_q.data() : nullptr;
-    p.host_context_lens = mode >= 4 ? contexts_host.data() : nullptr;
-    p.cublas = mode >= 4 ? cublas : nullptr;
+        !host_tables ? MlaPrefillForm::kAbsorbed : (mode == 4 ? MlaPrefillForm::kNaive : MlaPrefillForm::kAuto);
+    p.host_cu_q = host_tables ? cu_q.data() : nullptr;
+    p.host_context_lens = host_tables ? contexts_host.data() : nullptr;
+    p.cublas = host_tables ? cublas : nullptr;
     p.workspace = mode == 4 ? static_cast<void*>(naive_ws_d.get()) : static_cast<void*>(ws_d.get());
     p.workspace_bytes = mode == 4 ? naive_ws_bytes : ws_bytes;
     const Status status = decode ? mla_decode(p, nullptr) : mla_prefill(p, nullptr);
@@ -320,6 +330,7 @@ void check_attention(const MlaShape& shape, const Batch& batch, uint32_t seed) {
     DS_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     out_d.upload(std::vector<float>(out_size + out_pad, NAN));
     p.fp32_attention = false;
+    p.legacy_tc_attention = false;
     p.workspace = ws_d.get();
     p.workspace_bytes = ws_bytes;
     cudaGraph_t graph = nullptr;
