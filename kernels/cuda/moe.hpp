@@ -97,6 +97,10 @@ struct MoeFfnParams {
   // Grouped path only: k elements per pipeline stage, 32 or 64 (64 only with 128-row tiles), or 0 = automatic
   // (moe_grouped_auto_k_tile() with 128-row tiles, 32 otherwise).
   int k_tile = 0;
+  // Grouped path only: false (default): a warp skips the ldmatrix/mma of its m16 row tiles that lie wholly past
+  // the expert's last row (an expert's last row tile is usually partly empty). true: every warp runs every m16
+  // tile (the previous kernel; zero-filled rows, never stored). DELTASERVE_MOE_GROUPED_FULL_TILES=1 forces true.
+  bool full_row_tiles = false;
 };
 // Decode path: width and I must be multiples of 8 (16-byte weight rows); pointers 16-byte aligned.
 // Reads each ACTIVE expert's weights once per 4 of its rows (so once for decode batches); CTAs of inactive
@@ -145,6 +149,8 @@ int moe_grouped_row_tile(int64_t rows, int num_experts);
 // 4 stages of 32 for 128 x 256) if DELTASERVE_MOE_GROUPED_K_TILE=32 is set (read once per process).
 constexpr int kMoeGroupedWideKTile = 64;
 int moe_grouped_auto_k_tile();
+// True if DELTASERVE_MOE_GROUPED_FULL_TILES is set to a value other than "0" (cached at the first call).
+bool moe_grouped_full_row_tiles_forced();
 // True if DELTASERVE_MOE_REFERENCE_FFN is set to a value other than "0" (cached at the first call).
 bool moe_reference_ffn_forced();
 

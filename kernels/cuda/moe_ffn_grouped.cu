@@ -18,6 +18,7 @@
 // not stored. K and N are multiples of 8 (validated), so every 16-byte chunk is either fully in or fully out.
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include "kernels/cuda/activations.cuh"
 #include "kernels/cuda/mma_sm80.cuh"
@@ -52,6 +53,7 @@ struct GroupedArgs {
   int64_t b_rows;  // weight rows per expert (2I or W)
   int glu_situ;
   float beta, beta_linear;
+  int full_tiles;  // 1: every warp runs every m16 tile, even past the expert's end (the previous behaviour)
 };
 
 constexpr size_t smem_bytes(int bm, int bn, int bk, int stages) {
@@ -197,31 +199,49 @@ __global__ void __launch_bounds__(kThreads, BN >= 256 ? 1 : 2) moe_grouped_gemm_
     if (s < k_tiles) load_stage(s, s);
     cp_async_commit();
   }
-  for (int kt = 0; kt < k_tiles; ++kt) {
-    cp_async_wait<STAGES - 2>();
-    __syncthreads();  // stage kt landed for every thread; stage (kt - 1) % STAGES is free again
-    const int next = kt + STAGES - 1;
-    if (next < k_tiles) load_stage(next % STAGES, next);
-    cp_async_commit();
+  // m16 tiles of this warp holding at least one of the expert's rows (warp-uniform). Tiles past the expert's end
+  // (an expert's last row tile is usually partly empty: ~256 rows per expert in 128-row tiles leave about half
+  // the experts a third tile of a few rows) skip their ldmatrix and mma: their accumulators stay zero and their
+  // rows are never stored. Full tiles (the common case) run the unguarded loop.
+  const int warp_rows = max(0, row_end - row0 - wm * kWarpRows);
+  const int active_mi = min(kMi, (warp_rows + 15) / 16);
+  auto main_loop = [&](auto guarded_tag) {
+    constexpr bool kGuarded = decltype(guarded_tag)::value;
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();  // stage kt landed for every thread; stage (kt - 1) % STAGES is free again
+      const int next = kt + STAGES - 1;
+      if (next < k_tiles) load_stage(next % STAGES, next);
+      cp_async_commit();
 
-    const __nv_bfloat16* sa = smem + (kt % STAGES) * (BM + BN) * kLds;
-    const __nv_bfloat16* sb = sa + BM * kLds;
+      const __nv_bfloat16* sa = smem + (kt % STAGES) * (BM + BN) * kLds;
+      const __nv_bfloat16* sb = sa + BM * kLds;
+      if (kGuarded && active_mi == 0) continue;  // this warp only keeps the pipeline's barriers
 #pragma unroll
-    for (int kk = 0; kk < kBK; kk += 16) {
-      uint32_t a[kMi][4];
+      for (int kk = 0; kk < kBK; kk += 16) {
+        uint32_t a[kMi][4];
 #pragma unroll
-      for (int mi = 0; mi < kMi; ++mi) load_a(a[mi], sa, kLds, wm * kWarpRows + mi * 16, kk);
-      uint32_t b[kNj / 2][4];
+        for (int mi = 0; mi < kMi; ++mi) {
+          if (!kGuarded || mi < active_mi) load_a(a[mi], sa, kLds, wm * kWarpRows + mi * 16, kk);
+        }
+        uint32_t b[kNj / 2][4];
 #pragma unroll
-      for (int nb = 0; nb < kNj / 2; ++nb) load_b_nk(b[nb], sb, kLds, wn * kWarpN + nb * 16, kk);
+        for (int nb = 0; nb < kNj / 2; ++nb) load_b_nk(b[nb], sb, kLds, wn * kWarpN + nb * 16, kk);
 #pragma unroll
-      for (int mi = 0; mi < kMi; ++mi) {
+        for (int mi = 0; mi < kMi; ++mi) {
+          if (kGuarded && mi >= active_mi) continue;
 #pragma unroll
-        for (int ni = 0; ni < kNj; ++ni) {
-          mma_bf16_16816(acc[mi][ni], a[mi], b[ni >> 1][(ni & 1) * 2], b[ni >> 1][(ni & 1) * 2 + 1]);
+          for (int ni = 0; ni < kNj; ++ni) {
+            mma_bf16_16816(acc[mi][ni], a[mi], b[ni >> 1][(ni & 1) * 2], b[ni >> 1][(ni & 1) * 2 + 1]);
+          }
         }
       }
     }
+  };
+  if (active_mi == kMi || p.full_tiles) {
+    main_loop(std::false_type{});
+  } else {
+    main_loop(std::true_type{});
   }
   cp_async_wait<0>();
 
@@ -294,7 +314,8 @@ Status launch_grouped(const MoeFfnParams& params, cudaStream_t stream) {
                            0,
                            params.glu == GluKind::kSitu ? 1 : 0,
                            params.situ_beta,
-                           params.situ_linear_beta};
+                           params.situ_linear_beta,
+                           params.full_row_tiles || moe_grouped_full_row_tiles_forced() ? 1 : 0};
   constexpr size_t kSmem = smem_bytes(BM, BN, BK, STAGES);
   // Above the default 48 KiB the opt-in is needed; it is a per-function attribute (no stream work), so the
   // launches stay graph-capturable.
@@ -336,6 +357,14 @@ Status launch_grouped(const MoeFfnParams& params, cudaStream_t stream) {
 bool moe_reference_ffn_forced() {
   static const bool forced = [] {
     const char* value = std::getenv("DELTASERVE_MOE_REFERENCE_FFN");
+    return value != nullptr && value[0] != '\0' && std::string(value) != "0";
+  }();
+  return forced;
+}
+
+bool moe_grouped_full_row_tiles_forced() {
+  static const bool forced = [] {
+    const char* value = std::getenv("DELTASERVE_MOE_GROUPED_FULL_TILES");
     return value != nullptr && value[0] != '\0' && std::string(value) != "0";
   }();
   return forced;

@@ -818,6 +818,7 @@ void run_layer_case(const LayerCase& c) {
     p.row_tile = tile;
     p.col_tile = col_tile;
     p.k_tile = k_tile;
+    p.full_row_tiles = k_tile == 32;  // 128-row tiles at k_tile 32: exactly the previous kernel
     status = moe_expert_ffn_grouped(p, stream);
     ASSERT_TRUE(status) << status.to_string();
     EXPECT_TRUE(d.combine(stream));
@@ -855,10 +856,10 @@ void run_layer_case(const LayerCase& c) {
     DS_CUDA_OK(cudaEventCreate(&start));
     DS_CUDA_OK(cudaEventCreate(&stop));
     const double flops = 6.0 * static_cast<double>(R) * static_cast<double>(W) * static_cast<double>(I);
-    // Variants: grouped automatic, grouped 128 x 128, cuBLAS reference, grouped 128 x 256 with k_tile 32 (the
-    // previous automatic prefill kernel), grouped 128 x 256 with k_tile 64.
-    const char* names[] = {"grouped (auto tile)", "grouped 128x128", "cuBLAS per-expert", "grouped 128x256 k32",
-                           "grouped 128x256 k64"};
+    // Variants: grouped automatic, grouped 128 x 128, cuBLAS reference, grouped 128 x 256 with k_tile 32 and full
+    // row tiles (the previous automatic prefill kernel), grouped 128 x 256 with k_tile 64 (skipping empty m16 tiles).
+    const char* names[] = {"grouped (auto tile)", "grouped 128x128", "cuBLAS per-expert",
+                           "grouped 128x256 k32 full tiles (previous)", "grouped 128x256 k64"};
     for (const int variant : {0, 1, 2, 3, 4}) {
       const bool reference = variant == 2;
       MoeFfnParams p = d.ffn(c);
@@ -871,6 +872,7 @@ void run_layer_case(const LayerCase& c) {
         p.row_tile = 128;
         p.col_tile = 256;
         p.k_tile = variant == 3 ? 32 : 64;
+        p.full_row_tiles = variant == 3;
       }
       constexpr int kReps = 5;
       EXPECT_TRUE(moe_expert_ffn_prefill(p, offsets, handle, stream));  // warm-up
