@@ -295,6 +295,7 @@ constexpr int kTcRows = 64;     // rows per tile
 constexpr int kTcGroup = 32;    // heads per CTA (2 m tiles)
 constexpr int kTcMaxPairs = 4;  // 16-column pairs of the latent per warp: kv_lora <= 16 * 4 * 8 = 512
 constexpr int kTcPad = 8;       // bf16 elements of padding per smem row (ldmatrix bank spread)
+static_assert(kTcGroup % kTcWarps == 0 && kTcRows % kTcWarps == 0, "heads and rows spread evenly over warps");
 
 struct TcLayout {
   int width16, ld_rows, ld_p;
@@ -528,24 +529,77 @@ __global__ void __launch_bounds__(kTcThreads, 1) mla_split_attention_tc_kernel(A
       s_s[(m + 8) * kTcRows + n0 + 8 + 2 * tq + 1] = c1[3];
     }
     __syncthreads();
-    // Online softmax: warp per head, lane -> rows lane and lane + 32.
-    for (int h = warp; h < heads; h += kTcWarps) {
-      const float s0 = lane < rows ? s_s[h * kTcRows + lane] : -INFINITY;
-      const float s1 = lane + 32 < rows ? s_s[h * kTcRows + lane + 32] : -INFINITY;
-      const float m_old = s_m[h];
-      const float m_new = fmaxf(m_old, warp_max(fmaxf(s0, s1)));  // finite: rows >= 1
-      const float p0 = lane < rows ? exp2f(s0 - m_new) : 0.0f;
-      const float p1 = lane + 32 < rows ? exp2f(s1 - m_new) : 0.0f;
-      const __nv_bfloat16 b0 = __float2bfloat16(p0), b1 = __float2bfloat16(p1);
-      // The denominator sums the bf16 values the P·V product uses, so the weights stay normalised.
-      const float sum = warp_sum(__bfloat162float(b0) + __bfloat162float(b1));
-      s_p[h * L.ld_p + lane] = b0;
-      s_p[h * L.ld_p + lane + 32] = b1;
+    if constexpr (kFast) {
+      // Online softmax, the warp's kTcGroup / kTcWarps heads at once (the shuffle reductions of the heads
+      // interleave instead of running one head after another); same arithmetic per head as below.
+      constexpr int kHeadsPerWarp = kTcGroup / kTcWarps;
+      float s0[kHeadsPerWarp], s1[kHeadsPerWarp], mx[kHeadsPerWarp], sum[kHeadsPerWarp];
+#pragma unroll
+      for (int i = 0; i < kHeadsPerWarp; ++i) {
+        const int h = warp + i * kTcWarps;
+        const bool head = h < heads;
+        s0[i] = head && lane < rows ? s_s[h * kTcRows + lane] : -INFINITY;
+        s1[i] = head && lane + 32 < rows ? s_s[h * kTcRows + lane + 32] : -INFINITY;
+        mx[i] = fmaxf(s0[i], s1[i]);
+      }
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) {
+#pragma unroll
+        for (int i = 0; i < kHeadsPerWarp; ++i) mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], offset));
+      }
+#pragma unroll
+      for (int i = 0; i < kHeadsPerWarp; ++i) {
+        const int h = warp + i * kTcWarps;
+        sum[i] = 0.0f;
+        if (h < heads) {
+          const float m_new = fmaxf(s_m[h], mx[i]);  // finite: rows >= 1
+          mx[i] = m_new;
+          const float p0 = lane < rows ? exp2f(s0[i] - m_new) : 0.0f;
+          const float p1 = lane + 32 < rows ? exp2f(s1[i] - m_new) : 0.0f;
+          const __nv_bfloat16 b0 = __float2bfloat16(p0), b1 = __float2bfloat16(p1);
+          sum[i] = __bfloat162float(b0) + __bfloat162float(b1);
+          s_p[h * L.ld_p + lane] = b0;
+          s_p[h * L.ld_p + lane + 32] = b1;
+        }
+      }
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) {
+#pragma unroll
+        for (int i = 0; i < kHeadsPerWarp; ++i) sum[i] += __shfl_xor_sync(0xffffffffu, sum[i], offset);
+      }
       if (lane == 0) {
-        const float rescale = exp2f(m_old - m_new);
-        s_scale[h] = rescale;
-        s_m[h] = m_new;
-        s_l[h] = s_l[h] * rescale + sum;
+#pragma unroll
+        for (int i = 0; i < kHeadsPerWarp; ++i) {
+          const int h = warp + i * kTcWarps;
+          if (h < heads) {
+            const float m_old = s_m[h];
+            const float rescale = exp2f(m_old - mx[i]);
+            s_scale[h] = rescale;
+            s_m[h] = mx[i];
+            s_l[h] = s_l[h] * rescale + sum[i];
+          }
+        }
+      }
+    } else {
+      // Online softmax: warp per head, lane -> rows lane and lane + 32.
+      for (int h = warp; h < heads; h += kTcWarps) {
+        const float s0 = lane < rows ? s_s[h * kTcRows + lane] : -INFINITY;
+        const float s1 = lane + 32 < rows ? s_s[h * kTcRows + lane + 32] : -INFINITY;
+        const float m_old = s_m[h];
+        const float m_new = fmaxf(m_old, warp_max(fmaxf(s0, s1)));  // finite: rows >= 1
+        const float p0 = lane < rows ? exp2f(s0 - m_new) : 0.0f;
+        const float p1 = lane + 32 < rows ? exp2f(s1 - m_new) : 0.0f;
+        const __nv_bfloat16 b0 = __float2bfloat16(p0), b1 = __float2bfloat16(p1);
+        // The denominator sums the bf16 values the P·V product uses, so the weights stay normalised.
+        const float sum = warp_sum(__bfloat162float(b0) + __bfloat162float(b1));
+        s_p[h * L.ld_p + lane] = b0;
+        s_p[h * L.ld_p + lane + 32] = b1;
+        if (lane == 0) {
+          const float rescale = exp2f(m_old - m_new);
+          s_scale[h] = rescale;
+          s_m[h] = m_new;
+          s_l[h] = s_l[h] * rescale + sum;
+        }
       }
     }
     __syncthreads();
