@@ -12,7 +12,12 @@
 //                   fp32 CUDA cores (MlaAttentionParams::fp32_attention): everything fp32, tiles of 32 rows; the
 //                     exact reference path the tests hold the tensor-core kernel against, several times slower.
 //   3. combine:   per (token, head) the splits are merged exactly (log-sum-exp weights), normalised, and
-//                 out = W_UV_h o_lat (fp32).
+//                 out = W_UV_h o_lat (fp32); by default 8 tokens per CTA share each W_UV row read.
+// Default vs legacy (MlaAttentionParams::legacy_tc_attention or DELTASERVE_MLA_TC=legacy): the default
+// tensor-core kernel loads a tile with one page-table lookup per row and warp (the legacy one: a lookup and two
+// int64 divisions per 16-byte vector and thread, the largest per-tile cost at Kimi-48B dims), keeps four mma chains
+// in the scores and interleaves its warp's four softmax heads; the default combine is mla_combine_tokens_kernel.
+// The legacy kernels are unchanged and stay as the bypass.
 // The split count is fixed on the host from (num_tokens, max_context); each CTA reads the real context length
 // on the device and may find its slice empty, so a graph captured with a bound stays valid as lengths grow.
 // Prefill runs the same kernels with one CTA per query token: every token re-reads its visible rows (from L2 when
@@ -732,6 +737,93 @@ __global__ void __launch_bounds__(kCombineThreads)
   }
 }
 
+// ---- 3b. combine + W_UV over several tokens per CTA (default) ------------------------------------------------
+// Same result as mla_combine_kernel up to the summation order of W_UV o_lat, for kCombineTokens query tokens per
+// CTA: each W_UV row is read once per CTA (bf16 pairs) and dotted with every token's latent, so the W_UV traffic
+// through L2 falls kCombineTokens-fold (at Kimi-48B dims and T = 256: 8192 CTAs x 128 KB = 1.07 GB -> 134 MB).
+// grid (ceil(T / kCombineTokens), H), block kCombineThreads; kv_b 4-byte aligned (the launcher checks).
+constexpr int kCombineTokens = 8;
+static_assert(kCombineTokens <= kCombineThreads / 32, "one warp per token computes the split weights");
+__global__ void __launch_bounds__(kCombineThreads)
+    mla_combine_tokens_kernel(const float* __restrict__ partial_o, const float2* __restrict__ partial_ml,
+                              const __nv_bfloat16* __restrict__ kv_b, int64_t num_tokens, int num_heads, int kv_lora,
+                              int nope, int v_head, int splits, float* __restrict__ out) {
+  __shared__ __align__(16) float s_latent[kCombineTokens][kMlaMaxKvLora];
+  __shared__ float s_weight[kCombineTokens][kMlaMaxSplits];
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kCombineTokens;
+  const int tokens = static_cast<int>(min(static_cast<int64_t>(kCombineTokens), num_tokens - t0));
+  const int h = blockIdx.y;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (warp < tokens) {  // split weights of token t0 + warp (as in mla_combine_kernel)
+    const int64_t t = t0 + warp;
+    float m[2], l[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int s = lane + 32 * i;
+      m[i] = -INFINITY;
+      l[i] = 0.0f;
+      if (s < splits) {
+        const float2 ml = partial_ml[(t * splits + s) * num_heads + h];
+        if (ml.y > 0.0f) {
+          m[i] = ml.x;
+          l[i] = ml.y;
+        }
+      }
+    }
+    const float m_max = warp_max(fmaxf(m[0], m[1]));
+    float w[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) w[i] = l[i] > 0.0f ? exp2f(m[i] - m_max) : 0.0f;
+    const float total = warp_sum(w[0] * l[0] + w[1] * l[1]);
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int s = lane + 32 * i;
+      if (s < splits) s_weight[warp][s] = w[i] * inv;
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < kCombineTokens * kv_lora; i += kCombineThreads) {
+    const int tt = i / kv_lora, c = i - tt * kv_lora;
+    float acc = 0.0f;
+    if (tt < tokens) {
+      const int64_t t = t0 + tt;
+      for (int s = 0; s < splits; ++s) {
+        const float weight = s_weight[tt][s];
+        if (weight != 0.0f) acc = fmaf(weight, partial_o[((t * splits + s) * num_heads + h) * kv_lora + c], acc);
+      }
+    }
+    s_latent[tt][c] = acc;  // zeros for tokens past the batch (never written out)
+  }
+  __syncthreads();
+  const __nv_bfloat16* w_uv = kv_b + (static_cast<int64_t>(h) * (nope + v_head) + nope) * kv_lora;  // [v, kv_lora]
+  for (int v = warp; v < v_head; v += kCombineThreads / 32) {
+    const __nv_bfloat16* w_row = w_uv + static_cast<int64_t>(v) * kv_lora;
+    float acc[kCombineTokens];
+#pragma unroll
+    for (int tt = 0; tt < kCombineTokens; ++tt) acc[tt] = 0.0f;
+    for (int c = 2 * lane; c < kv_lora; c += 64) {  // kv_lora is even
+      const float2 wf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(w_row + c));
+#pragma unroll
+      for (int tt = 0; tt < kCombineTokens; ++tt) {
+        const float2 x = *reinterpret_cast<const float2*>(&s_latent[tt][c]);
+        acc[tt] = fmaf(wf.y, x.y, fmaf(wf.x, x.x, acc[tt]));
+      }
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+#pragma unroll
+      for (int tt = 0; tt < kCombineTokens; ++tt) acc[tt] += __shfl_xor_sync(0xffffffffu, acc[tt], offset);
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int tt = 0; tt < kCombineTokens; ++tt) {
+        if (tt < tokens) out[((t0 + tt) * num_heads + h) * v_head + v] = acc[tt];
+      }
+    }
+  }
+}
+
 // DELTASERVE_MLA_TC=legacy: the original tensor-core attention kernel (a bypass without a rebuild).
 bool legacy_tc_from_env() {
   static const bool legacy = [] {
@@ -861,7 +953,8 @@ Status mla_attention_launch(const MlaAttentionParams& p, bool decode, const char
   const int group = tensor_cores ? std::min(p.num_heads, kTcGroup) : head_group_size(p.num_heads, p.kv_lora_rank);
   const int width = p.kv_lora_rank + p.qk_rope;
   const size_t smem = tensor_cores ? tc_layout(width).total : attention_smem_bytes(group, width);
-  const bool fast_tc = !p.legacy_tc_attention && !legacy_tc_from_env();
+  const bool legacy = p.legacy_tc_attention || legacy_tc_from_env();
+  const bool fast_tc = !legacy;
   const void* kernel = !tensor_cores ? reinterpret_cast<const void*>(mla_split_attention_kernel)
                        : fast_tc     ? reinterpret_cast<const void*>(mla_split_attention_tc_kernel<true>)
                                      : reinterpret_cast<const void*>(mla_split_attention_tc_kernel<false>);
@@ -901,9 +994,16 @@ Status mla_attention_launch(const MlaAttentionParams& p, bool decode, const char
     mla_split_attention_kernel<<<attention_grid, kAttnThreads, smem, stream>>>(args);
   }
 
-  const dim3 combine_grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(p.num_heads));
-  mla_combine_kernel<<<combine_grid, kCombineThreads, 0, stream>>>(partial_o, partial_ml, p.kv_b, p.num_heads,
-                                                                   p.kv_lora_rank, p.qk_nope, p.v_head, splits, p.out);
+  if (legacy || (reinterpret_cast<uintptr_t>(p.kv_b) & 3u) != 0) {
+    const dim3 combine_grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(p.num_heads));
+    mla_combine_kernel<<<combine_grid, kCombineThreads, 0, stream>>>(
+        partial_o, partial_ml, p.kv_b, p.num_heads, p.kv_lora_rank, p.qk_nope, p.v_head, splits, p.out);
+  } else {
+    const dim3 combine_grid(static_cast<unsigned>((p.num_tokens + kCombineTokens - 1) / kCombineTokens),
+                            static_cast<unsigned>(p.num_heads));
+    mla_combine_tokens_kernel<<<combine_grid, kCombineThreads, 0, stream>>>(
+        partial_o, partial_ml, p.kv_b, p.num_tokens, p.num_heads, p.kv_lora_rank, p.qk_nope, p.v_head, splits, p.out);
+  }
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
     return Status(StatusCode::kInternal, w + ": launch failed: " + cudaGetErrorString(e));
   }
