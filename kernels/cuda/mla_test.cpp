@@ -402,6 +402,15 @@ TEST(MlaDecode, LargeBatchOneSplit) {
   check_attention(kTiny, Batch{ones(contexts.size()), contexts}, 11);
 }
 
+TEST(MlaDecode, Kimi48BBatchOf37SeveralSplitsPartialCombineBlock) {
+  // 37 tokens: several splits whose slices start off page and tile boundaries, and a last combine CTA of 5 tokens
+  // (the default combine takes 8 tokens per CTA); page size 16 so a 64-row tile spans four pages.
+  std::vector<int> contexts(37);
+  for (size_t n = 0; n < contexts.size(); ++n) contexts[n] = 1 + static_cast<int>(n * 131 % 1500);
+  ASSERT_GT(mla_num_splits(37, 1500), 1);
+  check_attention(kKimi48B, Batch{ones(contexts.size()), contexts, 16}, 13);
+}
+
 // ---- prefill ---------------------------------------------------------------------------------------------------
 TEST(MlaPrefill, TinyChunksOverHistory) {
   for (int history : {0, 5, 64, 300}) {
