@@ -368,9 +368,11 @@ Status kda_decode_step(const KdaDecodeParams& p, cudaStream_t stream) {
   DS_RETURN_IF_ERROR(validate_decode_params(p, "kda_decode_step"));
   if (p.batch == 0) return Status::ok();
   const DecodeArgs args = make_decode_args(p);
-  const int items = p.batch * p.num_heads;
+  // v2 indexes items (row, head) with int: beyond 2^30 of them (never in practice) v1 runs.
+  const int64_t items64 = static_cast<int64_t>(p.batch) * p.num_heads;
+  const int items = static_cast<int>(std::min<int64_t>(items64, int64_t{1} << 30));
   const Variant variant = requested_variant();
-  if (variant != Variant::kV1) {
+  if (variant != Variant::kV1 && items64 <= (int64_t{1} << 30)) {
     // Persistent grid: as many CTAs as fit at once (2 per SM), at most one per item.
     int device = 0, sms = 0, per_sm = 0;
     DS_RETURN_IF_ERROR(cuda_status(cudaGetDevice(&device), "kda_decode_step: cudaGetDevice"));
