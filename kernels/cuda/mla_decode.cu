@@ -296,10 +296,11 @@ __global__ void __launch_bounds__(kAttnThreads, 1) mla_split_attention_kernel(At
 //   O [heads x kv_lora] = O · rescale + P · rows[:, :kv_lora]   (warp = up to 4 column pairs of 16, registers)
 constexpr int kTcThreads = 256;
 constexpr int kTcWarps = kTcThreads / 32;
-constexpr int kTcRows = 64;     // rows per tile
-constexpr int kTcGroup = 32;    // heads per CTA (2 m tiles)
-constexpr int kTcMaxPairs = 4;  // 16-column pairs of the latent per warp: kv_lora <= 16 * 4 * 8 = 512
-constexpr int kTcPad = 8;       // bf16 elements of padding per smem row (ldmatrix bank spread)
+constexpr int kTcRows = 64;               // rows per tile
+constexpr int kTcGroup = 32;              // heads per CTA (2 m tiles)
+constexpr int kTcMaxPairs = 4;            // 16-column pairs of the latent per warp: kv_lora <= 16 * 4 * 8 = 512
+constexpr int kTcPad = 8;                 // bf16 elements of padding per smem row (ldmatrix bank spread)
+constexpr int kTcLdScores = kTcRows + 8;  // floats per score row in smem (default kernel; legacy uses kTcRows)
 static_assert(kTcGroup % kTcWarps == 0 && kTcRows % kTcWarps == 0, "heads and rows spread evenly over warps");
 
 struct TcLayout {
@@ -324,7 +325,7 @@ __host__ __device__ inline TcLayout tc_layout(int width) {
   l.rows1 = off;
   off += tc_align(sizeof(__nv_bfloat16) * kTcRows * l.ld_rows);
   l.scores = off;
-  off += tc_align(sizeof(float) * kTcGroup * kTcRows);
+  off += tc_align(sizeof(float) * kTcGroup * kTcLdScores);
   l.p = off;
   off += tc_align(sizeof(__nv_bfloat16) * kTcGroup * l.ld_p);
   l.stats = off;
@@ -524,14 +525,21 @@ __global__ void __launch_bounds__(kTcThreads, 1) mla_split_attention_tc_kernel(A
         }
       }
       const int m = mt * 16 + g;
-      s_s[m * kTcRows + n0 + 2 * tq] = c0[0];
-      s_s[m * kTcRows + n0 + 2 * tq + 1] = c0[1];
-      s_s[(m + 8) * kTcRows + n0 + 2 * tq] = c0[2];
-      s_s[(m + 8) * kTcRows + n0 + 2 * tq + 1] = c0[3];
-      s_s[m * kTcRows + n0 + 8 + 2 * tq] = c1[0];
-      s_s[m * kTcRows + n0 + 8 + 2 * tq + 1] = c1[1];
-      s_s[(m + 8) * kTcRows + n0 + 8 + 2 * tq] = c1[2];
-      s_s[(m + 8) * kTcRows + n0 + 8 + 2 * tq + 1] = c1[3];
+      if constexpr (kFast) {  // float2 stores into rows of kTcLdScores floats: no bank conflicts
+        *reinterpret_cast<float2*>(&s_s[m * kTcLdScores + n0 + 2 * tq]) = make_float2(c0[0], c0[1]);
+        *reinterpret_cast<float2*>(&s_s[(m + 8) * kTcLdScores + n0 + 2 * tq]) = make_float2(c0[2], c0[3]);
+        *reinterpret_cast<float2*>(&s_s[m * kTcLdScores + n0 + 8 + 2 * tq]) = make_float2(c1[0], c1[1]);
+        *reinterpret_cast<float2*>(&s_s[(m + 8) * kTcLdScores + n0 + 8 + 2 * tq]) = make_float2(c1[2], c1[3]);
+      } else {
+        s_s[m * kTcRows + n0 + 2 * tq] = c0[0];
+        s_s[m * kTcRows + n0 + 2 * tq + 1] = c0[1];
+        s_s[(m + 8) * kTcRows + n0 + 2 * tq] = c0[2];
+        s_s[(m + 8) * kTcRows + n0 + 2 * tq + 1] = c0[3];
+        s_s[m * kTcRows + n0 + 8 + 2 * tq] = c1[0];
+        s_s[m * kTcRows + n0 + 8 + 2 * tq + 1] = c1[1];
+        s_s[(m + 8) * kTcRows + n0 + 8 + 2 * tq] = c1[2];
+        s_s[(m + 8) * kTcRows + n0 + 8 + 2 * tq + 1] = c1[3];
+      }
     }
     __syncthreads();
     if constexpr (kFast) {
@@ -543,8 +551,8 @@ __global__ void __launch_bounds__(kTcThreads, 1) mla_split_attention_tc_kernel(A
       for (int i = 0; i < kHeadsPerWarp; ++i) {
         const int h = warp + i * kTcWarps;
         const bool head = h < heads;
-        s0[i] = head && lane < rows ? s_s[h * kTcRows + lane] : -INFINITY;
-        s1[i] = head && lane + 32 < rows ? s_s[h * kTcRows + lane + 32] : -INFINITY;
+        s0[i] = head && lane < rows ? s_s[h * kTcLdScores + lane] : -INFINITY;
+        s1[i] = head && lane + 32 < rows ? s_s[h * kTcLdScores + lane + 32] : -INFINITY;
         mx[i] = fmaxf(s0[i], s1[i]);
       }
 #pragma unroll
