@@ -110,9 +110,11 @@ struct MlaAttentionParams {
   // true: the fp32 CUDA-core kernel (exact up to fp32 rounding, several times slower; a reference and debug path).
   // Absorbed form only (mla_decode, and mla_prefill when it runs the absorbed form).
   bool fp32_attention = false;
-  // Tensor-core attention only: true runs the original kernel (per-thread page lookups with int64 divisions, two
-  // mma chains in the scores), kept as a bypass of the default one (per-warp row loads, four chains); the
-  // environment variable DELTASERVE_MLA_TC=legacy does the same for every call. Same results up to rounding.
+  // true: the original attention kernels as a bypass of the default ones: the tensor-core kernel with per-thread
+  // page lookups (int64 divisions per 16-byte vector), two mma chains in the scores and one softmax head at a time,
+  // and the combine with one CTA per (token, head). The environment variable DELTASERVE_MLA_TC=legacy does the same
+  // for every call and also restores the split heuristic's 256 rows per split (default 128). Results agree up to
+  // rounding (accumulation order).
   bool legacy_tc_attention = false;
 
   // mla_prefill only: which form it runs (see MlaPrefillForm) and what the naive form needs. The naive form plans

@@ -852,7 +852,10 @@ int mla_num_splits(int64_t num_tokens, int max_context) {
   // >= 128 rows (two 64-row tiles) per split: at few tokens a CTA's time is mostly the latency of its tiles in
   // sequence, so shorter slices on more SMs finish sooner (ctx 4096: 32 splits at T = 1, was 16 with 256 rows; only
   // T <= about 16 changes, larger batches are capped by kTargetCtas first).
-  const int64_t by_length = (static_cast<int64_t>(max_context) + 127) / 128;
+  // DELTASERVE_MLA_TC=legacy restores 256 (the split count is a host choice shared with the workspace size, so the
+  // per-call legacy_tc_attention flag does not change it).
+  const int64_t min_rows = legacy_tc_from_env() ? 256 : 128;
+  const int64_t by_length = (static_cast<int64_t>(max_context) + min_rows - 1) / min_rows;
   const int64_t by_occupancy = (kTargetCtas + num_tokens - 1) / num_tokens;
   return static_cast<int>(std::clamp<int64_t>(std::min(by_length, by_occupancy), 1, kMlaMaxSplits));
 }
