@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <sstream>
@@ -848,6 +849,13 @@ TEST(MlaAttentionValidation, WorkspaceCoversEverySmallerBatch) {
   }
   EXPECT_EQ(mla_num_splits(1, 100), 1);
   EXPECT_GT(mla_num_splits(1, 100000), 1);
+  if (std::getenv("DELTASERVE_MLA_TC") == nullptr) {  // the default heuristic: >= 128 rows per split, ~264 CTAs
+    EXPECT_EQ(mla_num_splits(1, 4096), 32);
+    EXPECT_EQ(mla_num_splits(8, 4096), 32);
+    EXPECT_EQ(mla_num_splits(32, 4096), 9);
+    EXPECT_EQ(mla_num_splits(256, 4096), 2);
+    EXPECT_EQ(mla_num_splits(1, 512), 1);
+  }
 }
 
 TEST(MlaWriteRowsValidation, RejectsBadHostInputs) {
