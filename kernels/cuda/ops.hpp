@@ -84,6 +84,10 @@ struct KdaPrepParams {
   __nv_bfloat16* q = nullptr;
   __nv_bfloat16* k = nullptr;
   __nv_bfloat16* v = nullptr;
+  // Force the per-channel reference kernel (also forced by DELTASERVE_KDA_PREP=reference); otherwise a
+  // vectorised kernel runs when head_dim % 4 == 0, in_stride % 4 == 0 and the rows are aligned (same results up to
+  // fp32 summation order in the L2 norms; tails bit-identical).
+  bool reference_kernel = false;
 };
 // Short causal conv + SiLU for q, k, v over each sequence with its tails (cpu::short_conv_silu semantics,
 // tails updated to the last K-1 inputs of tail ‖ x, also for sequences shorter than K-1), then per-head L2

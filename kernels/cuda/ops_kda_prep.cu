@@ -1,9 +1,13 @@
 // KDA input preparation over a varlen batch: short causal conv + SiLU of q, k, v with the conv tails of each
 // sequence's slot, then per-head L2 normalisation of q (times q_scale) and k. Two kernels in stream order:
 //   1. one warp per (token, head) row of one tensor: conv over tail ‖ x (reads the old tails), SiLU, L2;
+//      (or, when head_dim % 4 == 0 and rows are aligned, one warp per run of tokens of one head, see below);
 //   2. one block per (sequence, tensor): tails = the last K-1 inputs of tail ‖ x.
 // So tails are never read and written by the same kernel, and no host sync is needed (graph-capturable).
 #include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "kernels/cuda/activations.cuh"
@@ -109,6 +113,123 @@ __global__ void __launch_bounds__(kThreads) prep_rows_kernel(PrepArgs a, Out* q_
   }
 }
 
+// Vectorised form (head_dim % 4 == 0, 8-byte aligned inputs): one warp per (run of kTokensPerWarp tokens, head)
+// of one tensor, lane l owning channels 4l..4l+3 of the head (8-byte bf16 loads, one per token and lane). The K-1
+// previous inputs stay in registers as the warp walks its tokens, reloaded (from tail ‖ x) only at the warp's
+// first token and at sequence starts; weights are loaded once per warp. Per-token arithmetic is the same whatever
+// the reload point, so results do not depend on how tokens fall into runs.
+constexpr int kTokensPerWarp = 16;
+
+__device__ __forceinline__ void load4(const __nv_bfloat16* p, float (&v)[4]) {
+  const uint2 raw = *reinterpret_cast<const uint2*>(p);
+  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+  v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
+}
+
+__device__ __forceinline__ void store4(float* p, const float (&v)[4]) {
+  *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+}
+__device__ __forceinline__ void store4(__nv_bfloat16* p, const float (&v)[4]) {
+  const __nv_bfloat162 a = __floats2bfloat162_rn(v[0], v[1]), b = __floats2bfloat162_rn(v[2], v[3]);
+  uint2 raw;
+  raw.x = *reinterpret_cast<const uint32_t*>(&a);
+  raw.y = *reinterpret_cast<const uint32_t*>(&b);
+  *reinterpret_cast<uint2*>(p) = raw;
+}
+
+template <class Out, int K>
+__global__ void __launch_bounds__(kThreads) prep_rows_vec_kernel(PrepArgs a, Out* q_out, Out* k_out, Out* v_out) {
+  constexpr int kTail = K - 1;
+  constexpr int kWindow = K > 1 ? K - 1 : 1;
+  const int which = blockIdx.y;
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = blockIdx.x * static_cast<int64_t>(kRowsPerBlock) + (threadIdx.x >> 5);
+  const int64_t runs = (a.num_tokens + kTokensPerWarp - 1) / kTokensPerWarp;
+  if (warp >= runs * a.num_heads) return;  // whole warp: the shuffles below stay full-warp
+  const int64_t run = warp / a.num_heads;
+  const int h = static_cast<int>(warp - run * a.num_heads);
+  const int d = a.head_dim;
+  const bool active = 4 * lane < d;
+  const int64_t C = static_cast<int64_t>(a.num_heads) * d;
+  const int64_t c0 = static_cast<int64_t>(h) * d + 4 * lane;  // first channel of this lane
+  const __nv_bfloat16* x = which == 0 ? a.in[0] : (which == 1 ? a.in[1] : a.in[2]);
+  const float* weight = which == 0 ? a.conv_weight[0] : (which == 1 ? a.conv_weight[1] : a.conv_weight[2]);
+  Out* out = which == 0 ? q_out : (which == 1 ? k_out : v_out);
+  const float scale = which == 0 ? a.q_scale : 1.0f;
+
+  float w[4][K];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+#pragma unroll
+    for (int j = 0; j < K; ++j) w[e][j] = active ? weight[(c0 + e) * K + j] : 0.0f;
+  }
+
+  const int64_t t0 = run * kTokensPerWarp;
+  const int64_t t_end = t0 + kTokensPerWarp < a.num_tokens ? t0 + kTokensPerWarp : a.num_tokens;
+  int n = find_sequence(a.cu_seqlens, a.num_seqs, t0);
+  float window[kWindow][4];
+  bool have_window = false;
+  for (int64_t t = t0; t < t_end; ++t) {
+    bool new_sequence = false;
+    while (n + 1 < a.num_seqs && a.cu_seqlens[n + 1] <= t) {
+      ++n;
+      new_sequence = true;
+    }
+    const int32_t slot = a.slots[n];
+    if (slot < 0 || slot >= a.num_slots) {  // skipped sequence: outputs left untouched (warp-uniform)
+      have_window = false;
+      continue;
+    }
+    const int64_t first = a.cu_seqlens[n];
+    const int64_t i = t - first;
+    if (new_sequence || !have_window) {
+      const float* tail = a.conv_state + (static_cast<int64_t>(slot) * 3 + which) * C * kTail;
+#pragma unroll
+      for (int j = 0; j < kTail; ++j) {
+        const int64_t s = i + j;  // index into tail ‖ x
+        if (!active) {
+          window[j][0] = window[j][1] = window[j][2] = window[j][3] = 0.0f;
+        } else if (s < kTail) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) window[j][e] = tail[(c0 + e) * kTail + s];
+        } else {
+          load4(x + (first + s - kTail) * a.in_stride + c0, window[j]);
+        }
+      }
+      have_window = true;
+    }
+    float current[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (active) load4(x + t * a.in_stride + c0, current);
+    float values[4];
+    float sum_squares = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kTail; ++j) sum += w[e][j] * window[j][e];
+      sum += w[e][K - 1] * current[e];
+      values[e] = silu_f(sum);
+      sum_squares += values[e] * values[e];
+    }
+    if (which < 2) {
+      const float factor = scale / sqrtf(warp_sum(sum_squares) + a.l2_eps);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) values[e] *= factor;
+    }
+    if (active) store4(out + t * C + c0, values);
+#pragma unroll
+    for (int j = 0; j + 1 < kTail; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) window[j][e] = window[j + 1][e];
+    }
+    if constexpr (kTail > 0) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) window[kTail - 1][e] = current[e];
+    }
+  }
+}
+
 // grid (N, 3): new tail[j] = (tail ‖ x)[L + j] for j < K-1; L = 0 leaves the tail unchanged.
 __global__ void __launch_bounds__(kThreads) update_tails_kernel(PrepArgs a) {
   const int n = blockIdx.x, which = blockIdx.y;
@@ -170,6 +291,30 @@ Status validate(const char* name, const KdaPrepParams& p, const void* q, const v
   return Status::ok();
 }
 
+bool reference_forced_by_environment() {
+  static const bool forced = [] {
+    const char* value = std::getenv("DELTASERVE_KDA_PREP");
+    return value != nullptr && std::strcmp(value, "reference") == 0;
+  }();
+  return forced;
+}
+
+bool aligned(const void* p, uintptr_t bytes) {
+  return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0;
+}
+
+// The vectorised kernel needs whole 4-channel groups and 8-byte (bf16 in/out) or 16-byte (fp32 out) alignment of
+// every row it touches; anything else (or DELTASERVE_KDA_PREP=reference, or params.reference_kernel) takes the
+// per-channel kernel.
+template <class Out>
+bool use_vector_kernel(const KdaPrepParams& p, const Out* q, const Out* k, const Out* v) {
+  if (p.reference_kernel || reference_forced_by_environment()) return false;
+  if (p.head_dim % 4 != 0 || p.in_stride % 4 != 0) return false;
+  if (!aligned(p.q_in, 8) || !aligned(p.k_in, 8) || !aligned(p.v_in, 8)) return false;
+  const uintptr_t out_alignment = 4 * sizeof(Out);
+  return aligned(q, out_alignment) && aligned(k, out_alignment) && aligned(v, out_alignment);
+}
+
 template <class Out>
 Status launch_prep(const char* name, const KdaPrepParams& p, Out* q, Out* k, Out* v, cudaStream_t stream) {
   DS_RETURN_IF_ERROR(validate(name, p, q, k, v));
@@ -193,9 +338,28 @@ Status launch_prep(const char* name, const KdaPrepParams& p, Out* q, Out* k, Out
   a.num_slots = p.num_slots;
   a.l2_eps = p.l2_eps;
   a.q_scale = p.q_scale;
-  const int64_t rows = p.num_tokens * p.num_heads;
-  const dim3 grid(static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock), 3);
-  prep_rows_kernel<Out><<<grid, kThreads, 0, stream>>>(a, q, k, v);
+  if (use_vector_kernel(p, q, k, v)) {
+    const int64_t warps = (p.num_tokens + kTokensPerWarp - 1) / kTokensPerWarp * p.num_heads;
+    const dim3 grid(static_cast<unsigned>((warps + kRowsPerBlock - 1) / kRowsPerBlock), 3);
+    switch (p.conv_kernel) {
+      case 1:
+        prep_rows_vec_kernel<Out, 1><<<grid, kThreads, 0, stream>>>(a, q, k, v);
+        break;
+      case 2:
+        prep_rows_vec_kernel<Out, 2><<<grid, kThreads, 0, stream>>>(a, q, k, v);
+        break;
+      case 3:
+        prep_rows_vec_kernel<Out, 3><<<grid, kThreads, 0, stream>>>(a, q, k, v);
+        break;
+      default:
+        prep_rows_vec_kernel<Out, 4><<<grid, kThreads, 0, stream>>>(a, q, k, v);
+        break;
+    }
+  } else {
+    const int64_t rows = p.num_tokens * p.num_heads;
+    const dim3 grid(static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock), 3);
+    prep_rows_kernel<Out><<<grid, kThreads, 0, stream>>>(a, q, k, v);
+  }
   if (p.conv_kernel > 1) update_tails_kernel<<<dim3(static_cast<unsigned>(p.num_seqs), 3), kThreads, 0, stream>>>(a);
   const cudaError_t error = cudaGetLastError();
   if (error != cudaSuccess) {

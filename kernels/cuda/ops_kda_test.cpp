@@ -35,6 +35,8 @@ struct PrepCase {
   std::vector<int32_t> slots = {2, 7, 0, 4, -1, 5, 1, 8};  // sequence 4 skipped
   int num_slots = 9;
   uint32_t seed = 1;
+  int in_stride_pad = 8;          // in_stride = 3C + pad (an odd pad makes rows unaligned: reference kernel)
+  bool reference_kernel = false;  // KdaPrepParams::reference_kernel
 };
 
 // Everything the prep reads, on the host (fp32 copies of the bf16 inputs) and on the device.
@@ -59,7 +61,7 @@ void upload_data(PrepData& data) {
 void make_data(const PrepCase& c, PrepData& data, std::mt19937& rng) {
   data.C = static_cast<int64_t>(c.heads) * c.head_dim;
   data.T = prefix_sums(c.lengths).back();
-  data.in_stride = 3 * data.C + 8;
+  data.in_stride = 3 * data.C + c.in_stride_pad;
   data.tail_size = 3 * data.C * (c.conv_kernel - 1);
   data.in = normal_vector(rng, data.T * data.in_stride);
   for (float& x : data.in) x = bf16_round(x);
@@ -134,6 +136,7 @@ PrepResult run_prep(const PrepCase& c, const PrepData& data, const std::vector<i
   p.conv_state = c.conv_kernel > 1 ? conv_d.get() : nullptr;
   p.num_slots = c.num_slots;
   p.q_scale = q_scale;
+  p.reference_kernel = c.reference_kernel;
   p.q = out_bf16[0].get();
   p.k = out_bf16[1].get();
   p.v = out_bf16[2].get();
@@ -169,7 +172,8 @@ PrepResult run_prep(const PrepCase& c, const PrepData& data, const std::vector<i
 
 void run_prep_case(const PrepCase& c) {
   SCOPED_TRACE("H " + std::to_string(c.heads) + " d " + std::to_string(c.head_dim) + " K " +
-               std::to_string(c.conv_kernel));
+               std::to_string(c.conv_kernel) + " pad " + std::to_string(c.in_stride_pad) +
+               (c.reference_kernel ? " reference kernel" : ""));
   std::mt19937 rng(c.seed);
   PrepData data;
   make_data(c, data, rng);
@@ -241,6 +245,84 @@ TEST(OpsKdaGpu, PrepHeadSizesAndKernels) {
   run_prep_case({.heads = 2, .head_dim = 128, .conv_kernel = 2, .seed = 3});
   run_prep_case({.heads = 4, .head_dim = 1, .conv_kernel = 3, .seed = 4});
   run_prep_case({.heads = 2, .head_dim = 64, .conv_kernel = 1, .seed = 5});
+}
+
+// The vectorised kernel (head_dim % 4 == 0, aligned rows) walks runs of 16 tokens per warp with the conv window in
+// registers: sequences that start, end and are skipped inside a run and across run boundaries, idle lanes
+// (d < 128), one active lane (d = 4); every K; the same cases through the reference kernel; unaligned rows
+// (in_stride % 4 != 0) fall back to the reference kernel.
+const std::vector<int> kRunLengths = {0, 15, 16, 17, 1, 33, 2, 40, 0, 3, 31};
+const std::vector<int32_t> kRunSlots = {3, 0, 6, -1, 9, 2, 11, 5, 1, 8, 10};
+
+TEST(OpsKdaGpu, PrepVectorisedRuns) {
+  for (int K = 1; K <= 4; ++K) {
+    run_prep_case({.heads = 4,
+                   .head_dim = 128,
+                   .conv_kernel = K,
+                   .lengths = kRunLengths,
+                   .slots = kRunSlots,
+                   .num_slots = 12,
+                   .seed = 10u + K});
+  }
+  run_prep_case({.heads = 3,
+                 .head_dim = 96,
+                 .conv_kernel = 4,
+                 .lengths = kRunLengths,
+                 .slots = kRunSlots,
+                 .num_slots = 12,
+                 .seed = 20});
+  run_prep_case({.heads = 5,
+                 .head_dim = 4,
+                 .conv_kernel = 3,
+                 .lengths = kRunLengths,
+                 .slots = kRunSlots,
+                 .num_slots = 12,
+                 .seed = 21});
+}
+
+TEST(OpsKdaGpu, PrepReferenceKernelForcedAndUnalignedFallback) {
+  run_prep_case({.heads = 4,
+                 .head_dim = 128,
+                 .conv_kernel = 4,
+                 .lengths = kRunLengths,
+                 .slots = kRunSlots,
+                 .num_slots = 12,
+                 .seed = 30,
+                 .reference_kernel = true});
+  run_prep_case({.heads = 2, .head_dim = 32, .conv_kernel = 4, .seed = 31, .reference_kernel = true});
+  run_prep_case({.heads = 4,
+                 .head_dim = 128,
+                 .conv_kernel = 4,
+                 .lengths = kRunLengths,
+                 .slots = kRunSlots,
+                 .num_slots = 12,
+                 .seed = 32,
+                 .in_stride_pad = 9});
+}
+
+// The two kernels on the same data: tails bit-identical, outputs equal up to the L2 summation order.
+TEST(OpsKdaGpu, PrepVectorisedMatchesReferenceKernel) {
+  PrepCase c{.heads = 4,
+             .head_dim = 128,
+             .conv_kernel = 4,
+             .lengths = kRunLengths,
+             .slots = kRunSlots,
+             .num_slots = 12,
+             .seed = 40};
+  std::mt19937 rng(c.seed);
+  PrepData data;
+  make_data(c, data, rng);
+  const std::vector<int32_t> cu = prefix_sums(c.lengths);
+  const float q_scale = 1.0f / std::sqrt(128.0f);
+  const PrepResult fast = run_prep(c, data, cu, c.slots, 0, data.conv_state, q_scale, true);
+  c.reference_kernel = true;
+  const PrepResult slow = run_prep(c, data, cu, c.slots, 0, data.conv_state, q_scale, true);
+  EXPECT_TRUE(bit_equal(fast.conv_state.data(), slow.conv_state.data(), slow.conv_state.size(), "tails"));
+  const char* names[3] = {"q", "k", "v"};
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_TRUE(all_close(fast.f32[i], slow.f32[i], 1e-6, 1e-6, std::string(names[i]) + " fp32 fast vs reference"));
+    EXPECT_TRUE(all_close(fast.bf16[i], slow.bf16[i], 1e-6, 8e-3, std::string(names[i]) + " bf16 fast vs reference"));
+  }
 }
 
 // ---- kda_gate ------------------------------------------------------------------------------------------------
