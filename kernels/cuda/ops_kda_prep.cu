@@ -118,13 +118,22 @@ __global__ void __launch_bounds__(kThreads) prep_rows_kernel(PrepArgs a, Out* q_
 // previous inputs stay in registers as the warp walks its tokens, reloaded (from tail ‖ x) only at the warp's
 // first token and at sequence starts; weights are loaded once per warp. Per-token arithmetic is the same whatever
 // the reload point, so results do not depend on how tokens fall into runs.
+// The current-token loads are issued kPrefetch tokens at a time ahead of the arithmetic (several 256-byte warp
+// requests in flight per warp: the kernel is bandwidth-bound only with enough bytes in flight).
 constexpr int kTokensPerWarp = 16;
+constexpr int kPrefetch = 8;
+// ~96 registers a thread: blocks of 4 warps keep 20 warps an SM resident (blocks of 8 would fit only 16).
+constexpr int kVecThreads = 128;
+constexpr int kVecWarpsPerBlock = kVecThreads / 32;
 
-__device__ __forceinline__ void load4(const __nv_bfloat16* p, float (&v)[4]) {
-  const uint2 raw = *reinterpret_cast<const uint2*>(p);
+__device__ __forceinline__ void unpack4(const uint2 raw, float (&v)[4]) {
   const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
   const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
   v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
+}
+
+__device__ __forceinline__ void load4(const __nv_bfloat16* p, float (&v)[4]) {
+  unpack4(*reinterpret_cast<const uint2*>(p), v);
 }
 
 __device__ __forceinline__ void store4(float* p, const float (&v)[4]) {
@@ -139,12 +148,12 @@ __device__ __forceinline__ void store4(__nv_bfloat16* p, const float (&v)[4]) {
 }
 
 template <class Out, int K>
-__global__ void __launch_bounds__(kThreads) prep_rows_vec_kernel(PrepArgs a, Out* q_out, Out* k_out, Out* v_out) {
+__global__ void __launch_bounds__(kVecThreads) prep_rows_vec_kernel(PrepArgs a, Out* q_out, Out* k_out, Out* v_out) {
   constexpr int kTail = K - 1;
   constexpr int kWindow = K > 1 ? K - 1 : 1;
   const int which = blockIdx.y;
   const int lane = threadIdx.x & 31;
-  const int64_t warp = blockIdx.x * static_cast<int64_t>(kRowsPerBlock) + (threadIdx.x >> 5);
+  const int64_t warp = blockIdx.x * static_cast<int64_t>(kVecWarpsPerBlock) + (threadIdx.x >> 5);
   const int64_t runs = (a.num_tokens + kTokensPerWarp - 1) / kTokensPerWarp;
   if (warp >= runs * a.num_heads) return;  // whole warp: the shuffles below stay full-warp
   const int64_t run = warp / a.num_heads;
@@ -170,62 +179,73 @@ __global__ void __launch_bounds__(kThreads) prep_rows_vec_kernel(PrepArgs a, Out
   int n = find_sequence(a.cu_seqlens, a.num_seqs, t0);
   float window[kWindow][4];
   bool have_window = false;
-  for (int64_t t = t0; t < t_end; ++t) {
-    bool new_sequence = false;
-    while (n + 1 < a.num_seqs && a.cu_seqlens[n + 1] <= t) {
-      ++n;
-      new_sequence = true;
-    }
-    const int32_t slot = a.slots[n];
-    if (slot < 0 || slot >= a.num_slots) {  // skipped sequence: outputs left untouched (warp-uniform)
-      have_window = false;
-      continue;
-    }
-    const int64_t first = a.cu_seqlens[n];
-    const int64_t i = t - first;
-    if (new_sequence || !have_window) {
-      const float* tail = a.conv_state + (static_cast<int64_t>(slot) * 3 + which) * C * kTail;
+  for (int64_t base = t0; base < t_end; base += kPrefetch) {
+    uint2 raw[kPrefetch];
 #pragma unroll
-      for (int j = 0; j < kTail; ++j) {
-        const int64_t s = i + j;  // index into tail ‖ x
-        if (!active) {
-          window[j][0] = window[j][1] = window[j][2] = window[j][3] = 0.0f;
-        } else if (s < kTail) {
+    for (int u = 0; u < kPrefetch; ++u) {
+      raw[u] = make_uint2(0u, 0u);
+      if (active && base + u < t_end) raw[u] = *reinterpret_cast<const uint2*>(x + (base + u) * a.in_stride + c0);
+    }
 #pragma unroll
-          for (int e = 0; e < 4; ++e) window[j][e] = tail[(c0 + e) * kTail + s];
-        } else {
-          load4(x + (first + s - kTail) * a.in_stride + c0, window[j]);
-        }
+    for (int u = 0; u < kPrefetch; ++u) {
+      const int64_t t = base + u;
+      if (t >= t_end) break;
+      bool new_sequence = false;
+      while (n + 1 < a.num_seqs && a.cu_seqlens[n + 1] <= t) {
+        ++n;
+        new_sequence = true;
       }
-      have_window = true;
-    }
-    float current[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (active) load4(x + t * a.in_stride + c0, current);
-    float values[4];
-    float sum_squares = 0.0f;
+      const int32_t slot = a.slots[n];
+      if (slot < 0 || slot >= a.num_slots) {  // skipped sequence: outputs left untouched (warp-uniform)
+        have_window = false;
+        continue;
+      }
+      const int64_t first = a.cu_seqlens[n];
+      const int64_t i = t - first;
+      if (new_sequence || !have_window) {
+        const float* tail = a.conv_state + (static_cast<int64_t>(slot) * 3 + which) * C * kTail;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float sum = 0.0f;
+        for (int j = 0; j < kTail; ++j) {
+          const int64_t s = i + j;  // index into tail ‖ x
+          if (!active) {
+            window[j][0] = window[j][1] = window[j][2] = window[j][3] = 0.0f;
+          } else if (s < kTail) {
 #pragma unroll
-      for (int j = 0; j < kTail; ++j) sum += w[e][j] * window[j][e];
-      sum += w[e][K - 1] * current[e];
-      values[e] = silu_f(sum);
-      sum_squares += values[e] * values[e];
-    }
-    if (which < 2) {
-      const float factor = scale / sqrtf(warp_sum(sum_squares) + a.l2_eps);
+            for (int e = 0; e < 4; ++e) window[j][e] = tail[(c0 + e) * kTail + s];
+          } else {
+            load4(x + (first + s - kTail) * a.in_stride + c0, window[j]);
+          }
+        }
+        have_window = true;
+      }
+      float current[4];
+      unpack4(raw[u], current);  // zeros on idle lanes
+      float values[4];
+      float sum_squares = 0.0f;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) values[e] *= factor;
-    }
-    if (active) store4(out + t * C + c0, values);
+      for (int e = 0; e < 4; ++e) {
+        float sum = 0.0f;
 #pragma unroll
-    for (int j = 0; j + 1 < kTail; ++j) {
+        for (int j = 0; j < kTail; ++j) sum += w[e][j] * window[j][e];
+        sum += w[e][K - 1] * current[e];
+        values[e] = silu_f(sum);
+        sum_squares += values[e] * values[e];
+      }
+      if (which < 2) {
+        const float factor = scale / sqrtf(warp_sum(sum_squares) + a.l2_eps);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) window[j][e] = window[j + 1][e];
-    }
-    if constexpr (kTail > 0) {
+        for (int e = 0; e < 4; ++e) values[e] *= factor;
+      }
+      if (active) store4(out + t * C + c0, values);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) window[kTail - 1][e] = current[e];
+      for (int j = 0; j + 1 < kTail; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) window[j][e] = window[j + 1][e];
+      }
+      if constexpr (kTail > 0) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) window[kTail - 1][e] = current[e];
+      }
     }
   }
 }
@@ -340,19 +360,19 @@ Status launch_prep(const char* name, const KdaPrepParams& p, Out* q, Out* k, Out
   a.q_scale = p.q_scale;
   if (use_vector_kernel(p, q, k, v)) {
     const int64_t warps = (p.num_tokens + kTokensPerWarp - 1) / kTokensPerWarp * p.num_heads;
-    const dim3 grid(static_cast<unsigned>((warps + kRowsPerBlock - 1) / kRowsPerBlock), 3);
+    const dim3 grid(static_cast<unsigned>((warps + kVecWarpsPerBlock - 1) / kVecWarpsPerBlock), 3);
     switch (p.conv_kernel) {
       case 1:
-        prep_rows_vec_kernel<Out, 1><<<grid, kThreads, 0, stream>>>(a, q, k, v);
+        prep_rows_vec_kernel<Out, 1><<<grid, kVecThreads, 0, stream>>>(a, q, k, v);
         break;
       case 2:
-        prep_rows_vec_kernel<Out, 2><<<grid, kThreads, 0, stream>>>(a, q, k, v);
+        prep_rows_vec_kernel<Out, 2><<<grid, kVecThreads, 0, stream>>>(a, q, k, v);
         break;
       case 3:
-        prep_rows_vec_kernel<Out, 3><<<grid, kThreads, 0, stream>>>(a, q, k, v);
+        prep_rows_vec_kernel<Out, 3><<<grid, kVecThreads, 0, stream>>>(a, q, k, v);
         break;
       default:
-        prep_rows_vec_kernel<Out, 4><<<grid, kThreads, 0, stream>>>(a, q, k, v);
+        prep_rows_vec_kernel<Out, 4><<<grid, kVecThreads, 0, stream>>>(a, q, k, v);
         break;
     }
   } else {
