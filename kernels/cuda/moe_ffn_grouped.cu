@@ -9,11 +9,12 @@
 // y = global row tile. Row tiles are numbered expert by expert: expert e owns ceil(n_e / BM) of them; every CTA
 // finds its (expert, row tile) with a block-wide scan of the E counts (E <= 1024, ~1 KB of L2 reads). The grid is
 // sized for the worst case, ceil(R / BM) + min(E, R) row tiles; CTAs past the last real tile exit after the scan.
-// Inner loop: mma.sync m16n8k16 bf16 -> fp32, 8 warps as 2 (rows) x 4 (columns), BK = 32, a 3- or 4-stage cp.async
-// pipeline; shared rows padded to 40 elements (80 bytes: ldmatrix rows fall in distinct banks).
-// Tiles (BM x BN, stages, smem): 32 x 128 and 64 x 128 (3, 38 / 45 KB: decode-sized batches, weights read once
-// per row tile), 128 x 128 (3, 60 KB, 2 CTAs per SM), 128 x 256 (4, 120 KB, 1 CTA per SM, 64 x 64 per warp: the
-// prefill default).
+// Inner loop: mma.sync m16n8k16 bf16 -> fp32, 8 warps as 2 (rows) x 4 (columns), BK = 32 or 64 k per stage, a 3-
+// or 4-stage cp.async pipeline; shared rows padded by 8 elements (ldmatrix rows fall in distinct banks).
+// Tiles (BM x BN x BK, stages, smem): 32 x 128 x 32 and 64 x 128 x 32 (3, 38 / 45 KB: decode-sized batches,
+// weights read once per row tile), 128 x 128 x 32 (3, 60 KB) or x 64 (3, 108 KB; both 2 CTAs per SM),
+// 128 x 256 x 32 (4, 120 KB) or x 64 (3, 162 KB: the prefill default; 1 CTA per SM, 64 x 64 per warp).
+// Warps skip the m16 row tiles wholly past their expert's end unless full_row_tiles.
 // Bounds: rows past an expert's end and k past K are zero-filled (not read); columns past N are zero-filled and
 // not stored. K and N are multiples of 8 (validated), so every 16-byte chunk is either fully in or fully out.
 #include <cstdlib>
