@@ -1,4 +1,4 @@
-// A separate metrics listener (prometheus-cpp's civetweb Exposer) serving one Metrics at /metrics.
+// A separate metrics listener (a small Boost.Beast server on its own thread) serving one Metrics at /metrics.
 // For processes with no HTTP front (`deltaserve prefill` / `decode`), and for a router whose /metrics
 // must not share the API port. Scrapes run the Metrics' collect hooks first.
 #pragma once
@@ -9,10 +9,6 @@
 
 #include "common/status.hpp"
 #include "telemetry/metrics.hpp"
-
-namespace prometheus {
-class Exposer;
-}
 
 namespace deltaserve::telemetry {
 
@@ -30,7 +26,8 @@ class MetricsListener {
  private:
   MetricsListener() = default;
   std::shared_ptr<Metrics> metrics_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  struct Server;
+  std::unique_ptr<Server> server_;
   uint16_t port_ = 0;
 };
 

@@ -43,7 +43,7 @@ def complete(url: str, prompt: str, max_tokens: int, stream: bool = False, chat:
 
 
 def scrape(url: str, content_type: str = "text/plain; version=0.0.4") -> tuple[str, dict]:
-    """`content_type`: the HTTP front says version=0.0.4; prometheus-cpp's listener says text/plain."""
+    """`content_type`: the prefix of the Content-Type the scraped listener must send."""
     r = requests.get(url, timeout=30)
     assert r.status_code == 200, r.status_code
     assert r.headers["Content-Type"].startswith(content_type), r.headers["Content-Type"]
