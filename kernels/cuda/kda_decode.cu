@@ -3,12 +3,14 @@
 // run while they land, then S^T k, u, the update and o = S^T q reduce over 16 row groups in shared memory, and the
 // gated RMSNorm of o finishes in the same CTA. Each byte of state is read once and written once.
 //
-// v2 (default when some CTA gets two or more items): the same per-(row, head) arithmetic in a persistent CTA that
+// v2 (only with DELTASERVE_KDA_DECODE=v2: measured slower, see bench/gpu/NOTES.md): the same per-(row, head)
+// arithmetic in a persistent CTA that
 // walks items blockIdx.x, blockIdx.x + gridDim.x, ... (two CTAs per SM). The state of an item arrives in a 64 KiB
 // shared-memory buffer through cp.async.bulk (TMA, completion on an mbarrier); as soon as every thread holds its
 // 8 float4 in registers, thread 0 issues the bulk load of the CTA's next item into the same buffer, so state loads
 // stay in flight while the current item reduces and stores (v1 leaves the memory system idle while both resident
-// CTAs compute). DELTASERVE_KDA_DECODE=v1 / v2 forces a variant (read at every call).
+// CTAs compute). On the H200 it took 92 us at B=64 and 359 us at B=256 against v1's 84 and 331 (20-layer graphs),
+// so v1 stays the default. DELTASERVE_KDA_DECODE=v1 / v2 picks a variant (read at every call).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -345,8 +347,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel_v2(DecodeArgs p
   }
 }
 
-// Which kernel a call runs: DELTASERVE_KDA_DECODE=v1 / v2 forces one; otherwise v2 when some CTA of the
-// persistent grid gets two or more items (one item per CTA gains nothing from the prefetch).
+// Which kernel a call runs: v1 unless DELTASERVE_KDA_DECODE=v2 (v2 measured slower at every batch size).
 enum class Variant { kAuto, kV1, kV2 };
 
 Status cuda_status(cudaError_t error, const char* what) {
@@ -372,7 +373,7 @@ Status kda_decode_step(const KdaDecodeParams& p, cudaStream_t stream) {
   const int64_t items64 = static_cast<int64_t>(p.batch) * p.num_heads;
   const int items = static_cast<int>(std::min<int64_t>(items64, int64_t{1} << 30));
   const Variant variant = requested_variant();
-  if (variant != Variant::kV1 && items64 <= (int64_t{1} << 30)) {
+  if (variant == Variant::kV2 && items64 <= (int64_t{1} << 30)) {
     // Persistent grid: as many CTAs as fit at once (2 per SM), at most one per item.
     int device = 0, sms = 0, per_sm = 0;
     DS_RETURN_IF_ERROR(cuda_status(cudaGetDevice(&device), "kda_decode_step: cudaGetDevice"));
@@ -390,10 +391,8 @@ Status kda_decode_step(const KdaDecodeParams& p, cudaStream_t stream) {
                     "kda_decode_step: occupancy"));
     if (per_sm < 1) return internal_error("kda_decode_step: the v2 kernel does not fit on an SM");
     const int blocks = std::min(items, sms * per_sm);
-    if (variant == Variant::kV2 || blocks < items) {
-      kda_decode_kernel_v2<<<static_cast<unsigned>(blocks), kThreads, kStateBytes, stream>>>(args, items);
-      return launch_status("kda_decode_step (v2)");
-    }
+    kda_decode_kernel_v2<<<static_cast<unsigned>(blocks), kThreads, kStateBytes, stream>>>(args, items);
+    return launch_status("kda_decode_step (v2)");
   }
   kda_decode_kernel<<<dim3(static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch)), kThreads, 0, stream>>>(
       args);
