@@ -77,6 +77,13 @@ struct MlaWriteParams {
 // absorbed. The environment variable DELTASERVE_MLA_PREFILL=absorbed turns kAuto into
 // kAbsorbed (a bypass without a rebuild). kNaive fails (InvalidArgument) where the naive form cannot run.
 enum class MlaPrefillForm : int { kAuto = 0, kAbsorbed = 1, kNaive = 2 };
+// The naive form's flash-attention kernel (mla_prefill.cu): v1 = 64-query tiles, 4 warps, 2 cp.async stages, 2 CTAs
+// an SM (the first kernel, kept as a bypass); v2 = 128-query tiles, 8 warps, 3 stages, 1 CTA an SM, heaviest query
+// tiles of every head first, warps skip key tiles wholly past their queries (exact: such a tile leaves the softmax
+// state unchanged). Per query row both run the same operations in the same order, so their outputs are meant to be
+// bitwise equal (the tests check it). kDefault: the environment variable DELTASERVE_MLA_PREFILL_KERNEL=v1|v2 if set,
+// else v2.
+enum class MlaNaiveKernel : int { kDefault = 0, kV1 = 1, kV2 = 2 };
 constexpr int kMlaNaiveMaxQk = 192;  // qk_nope + qk_rope
 constexpr int kMlaNaiveMaxV = 128;
 constexpr int kMlaNaiveBlockGranule = 64;  // context rows per block are a multiple of this
@@ -125,6 +132,7 @@ struct MlaAttentionParams {
   const int32_t* host_cu_q = nullptr;
   const int32_t* host_context_lens = nullptr;
   cublasHandle_t cublas = nullptr;
+  MlaNaiveKernel naive_kernel = MlaNaiveKernel::kDefault;  // naive form only (see MlaNaiveKernel)
 };
 // Workspace for a batch of up to max_tokens query tokens with contexts up to max_context (device, 256-byte
 // aligned sections: absorbed queries fp32 [T, H, kv_lora + rope], per-split latent partials fp32

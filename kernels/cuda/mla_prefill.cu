@@ -18,6 +18,7 @@
 // FLOPs: 2 H (nope + rope + v) per visible (query, key) pair plus 2 kv_lora H (nope + v) per context row per
 // chunk for the GEMM (8.4 MFLOP per row at Kimi-48B dims: under 2% of the attention of an 8192-token chunk).
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -331,8 +332,244 @@ __global__ void __launch_bounds__(kThreads, 2) mla_naive_flash_kernel(FlashArgs 
   }
 }
 
+// ---- 3b. flash attention, v2 ------------------------------------------------------------------------------------
+// Same arithmetic per (query, key) as v1 (identical mma order, softmax and rounding per row), organised for
+// throughput: 128-query tiles with 8 warps (16 queries each) so every K/V tile brought into shared memory serves
+// twice the queries (half the cp.async traffic and L2 reads per FLOP); 3-stage cp.async ring with one barrier per
+// key tile (the refill of the ring slot read one iteration earlier is issued after that iteration's barrier); a
+// warp whose 16 queries all precede a key tile (causal diagonal) or lie past the chunk skips that tile's math (an
+// all-masked tile leaves the state unchanged, so this is exact); a 1-D grid ordered tile-major, last (heaviest)
+// query tiles of every head first, so the light tiles fill the tail. 1 CTA (8 warps) per SM, ~176 KB smem.
+constexpr int kQTile2 = 128;
+constexpr int kThreads2 = 256;
+constexpr int kStages2 = 3;
+constexpr size_t kFlashSmemBytes2 = sizeof(__nv_bfloat16) * (static_cast<size_t>(kQTile2) * kLdq +
+                                                             kStages2 * static_cast<size_t>(kKTile) * (kLdq + kLdv));
+
+// grid (ceil(q_len / kQTile2) * H), block kThreads2, dynamic smem kFlashSmemBytes2.
+__global__ void __launch_bounds__(kThreads2, 1) mla_naive_flash_v2_kernel(FlashArgs a) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __nv_bfloat16* s_q = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [kQTile2][kLdq]
+  __nv_bfloat16* s_k = s_q + kQTile2 * kLdq;                        // [kStages2][kKTile][kLdq]
+  __nv_bfloat16* s_v = s_k + kStages2 * kKTile * kLdq;              // [kStages2][kKTile][kLdv]
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, tq = lane & 3;
+  const int64_t tiles = (a.q_len + kQTile2 - 1) / kQTile2;
+  const int h = static_cast<int>(blockIdx.x % static_cast<unsigned>(a.num_heads));
+  const int64_t tile = tiles - 1 - static_cast<int64_t>(blockIdx.x / static_cast<unsigned>(a.num_heads));
+  const int64_t i0 = tile * kQTile2;
+  const int q_count = static_cast<int>(a.q_len - i0 < kQTile2 ? a.q_len - i0 : kQTile2);
+  if (tile < 0 || q_count <= 0) return;
+  const int q_width = a.nope + a.rope;
+  const int head_width = a.nope + a.v_head;
+  const int64_t kv_stride = static_cast<int64_t>(a.num_heads) * head_width;
+  const int64_t first_position = a.context - a.q_len + i0;
+  const int64_t last_needed = first_position + q_count - 1 - a.block_begin;
+  const int64_t needed = last_needed + 1 < a.block_rows ? last_needed + 1 : a.block_rows;
+  const int num_tiles = needed > 0 ? static_cast<int>((needed + kKTile - 1) / kKTile) : 0;
+
+  for (int e = tid; e < kQTile2 * kDq; e += kThreads2) {
+    const int r = e / kDq, d = e - r * kDq;
+    __nv_bfloat16 x = __float2bfloat16(0.0f);
+    if (r < q_count && d < q_width) {
+      x = a.q[(a.q_begin + i0 + r) * a.q_stride + static_cast<int64_t>(h) * q_width + d];
+    }
+    s_q[r * kLdq + d] = x;
+  }
+
+  const __nv_bfloat16* kv_head = a.kv + static_cast<int64_t>(h) * head_width;
+  auto load_tile = [&](int kt, int buf) {
+    __nv_bfloat16* dk = s_k + buf * kKTile * kLdq;
+    __nv_bfloat16* dv = s_v + buf * kKTile * kLdv;
+    const int64_t j0 = static_cast<int64_t>(kt) * kKTile;
+#pragma unroll
+    for (int c = tid; c < kKTile * (kDq / 8); c += kThreads2) {
+      const int r = c / (kDq / 8), d = (c - r * (kDq / 8)) * 8;
+      const int64_t j = j0 + r;
+      const __nv_bfloat16* src = a.kv;
+      bool valid = false;
+      if (j < a.block_rows) {
+        if (d < a.nope) {
+          src = kv_head + j * kv_stride + d;
+          valid = true;
+        } else if (d < q_width) {
+          src = a.rows + j * (a.kv_lora + a.rope) + a.kv_lora + (d - a.nope);
+          valid = true;
+        }
+      }
+      detail::cp_async16_zfill(dk + r * kLdq + d, src, valid);
+    }
+#pragma unroll
+    for (int c = tid; c < kKTile * (kDv / 8); c += kThreads2) {
+      const int r = c / (kDv / 8), d = (c - r * (kDv / 8)) * 8;
+      const int64_t j = j0 + r;
+      const bool valid = j < a.block_rows && d < a.v_head;
+      const __nv_bfloat16* src = valid ? kv_head + j * kv_stride + a.nope + d : a.kv;
+      detail::cp_async16_zfill(dv + r * kLdv + d, src, valid);
+    }
+  };
+
+  // Prologue: tiles 0 .. kStages2 - 2 in flight (one commit group each, empty groups past the end).
+#pragma unroll
+  for (int s = 0; s < kStages2 - 1; ++s) {
+    if (s < num_tiles) load_tile(s, s);
+    detail::cp_async_commit();
+  }
+
+  constexpr int kVTiles = kDv / 8;
+  float o[kVTiles][4];
+  float m_run[2], l_run[2];
+  const int row0 = warp * 16 + g;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    m_run[r] = -INFINITY;
+    l_run[r] = 0.0f;
+    const int row = row0 + 8 * r;
+    const bool valid = row < q_count;
+    const int64_t t = a.q_begin + i0 + row;
+    const float* src = a.out + (t * a.num_heads + h) * a.v_head;
+    if (!a.first && valid) {
+      const float2 ml = a.ml[t * a.num_heads + h];
+      m_run[r] = ml.x;
+      l_run[r] = tq == 0 ? ml.y : 0.0f;
+    }
+#pragma unroll
+    for (int n = 0; n < kVTiles; ++n) {
+      const int col = n * 8 + 2 * tq;
+      const bool load = !a.first && valid && col < a.v_head;
+      o[n][2 * r] = load ? src[col] : 0.0f;
+      o[n][2 * r + 1] = load ? src[col + 1] : 0.0f;
+    }
+  }
+
+  __syncthreads();  // s_q complete
+  uint32_t qf[kDq / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < kDq / 16; ++kk) detail::load_a(qf[kk], s_q, kLdq, warp * 16, kk * 16);
+
+  const int64_t row_position0 = first_position + row0;
+  // The warp's rows: none valid (past the chunk) -> no math; keys past its last row's position -> no math.
+  const bool warp_idle = warp * 16 >= q_count;
+  const int64_t warp_last_position = first_position + warp * 16 + 15;
+  for (int kt = 0; kt < num_tiles; ++kt) {
+    const int buf = kt % kStages2;
+    detail::cp_async_wait<kStages2 - 2>();  // tile kt landed (this thread's copies)
+    __syncthreads();                        // ... everyone's; and every warp is done with tile kt - 1's slot
+    if (kt + kStages2 - 1 < num_tiles) load_tile(kt + kStages2 - 1, (kt + kStages2 - 1) % kStages2);
+    detail::cp_async_commit();
+    const int64_t tile_key0 = a.block_begin + static_cast<int64_t>(kt) * kKTile;
+    if (warp_idle || tile_key0 > warp_last_position) continue;  // warp-uniform
+    const __nv_bfloat16* k_tile = s_k + buf * kKTile * kLdq;
+    const __nv_bfloat16* v_tile = s_v + buf * kKTile * kLdv;
+
+    float s[kKTile / 8][4];
+#pragma unroll
+    for (int n = 0; n < kKTile / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < kDq / 16; ++kk) {
+#pragma unroll
+      for (int n = 0; n < kKTile / 16; ++n) {
+        uint32_t b[4];
+        detail::load_b_nk(b, k_tile, kLdq, n * 16, kk * 16);
+        detail::mma_bf16_16816(s[2 * n], qf[kk], b[0], b[1]);
+        detail::mma_bf16_16816(s[2 * n + 1], qf[kk], b[2], b[3]);
+      }
+    }
+
+    const bool mask =
+        static_cast<int64_t>(kt + 1) * kKTile > a.block_rows || tile_key0 + kKTile - 1 > row_position0 - g;
+    if (mask) {
+#pragma unroll
+      for (int n = 0; n < kKTile / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int local = n * 8 + 2 * tq + (e & 1);
+          const int64_t key = tile_key0 + local;
+          const int64_t position = row_position0 + ((e >> 1) << 3);
+          if (static_cast<int64_t>(kt) * kKTile + local >= a.block_rows || key > position) s[n][e] = -INFINITY;
+        }
+      }
+    }
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < kKTile / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_run[r], mx * a.scale_log2);
+      const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+      const float correction = exp2f(m_run[r] - m_use);
+      m_run[r] = m_new;
+      float sum = 0.0f;
+#pragma unroll
+      for (int n = 0; n < kKTile / 8; ++n) {
+#pragma unroll
+        for (int e = 2 * r; e < 2 * r + 2; ++e) {
+          const float p = exp2f(s[n][e] * a.scale_log2 - m_use);
+          s[n][e] = p;
+          sum += p;
+        }
+      }
+      l_run[r] = l_run[r] * correction + sum;
+#pragma unroll
+      for (int n = 0; n < kVTiles; ++n) {
+        o[n][2 * r] *= correction;
+        o[n][2 * r + 1] *= correction;
+      }
+    }
+
+#pragma unroll
+    for (int kk = 0; kk < kKTile / 16; ++kk) {
+      uint32_t pa[4];
+      pa[0] = detail::pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+      pa[1] = detail::pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+      pa[2] = detail::pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[3] = detail::pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+      for (int n = 0; n < kDv / 16; ++n) {
+        uint32_t b[4];
+        detail::load_b_kn(b, v_tile, kLdv, n * 16, kk * 16);
+        detail::mma_bf16_16816(o[2 * n], pa, b[0], b[1]);
+        detail::mma_bf16_16816(o[2 * n + 1], pa, b[2], b[3]);
+      }
+    }
+  }
+  detail::cp_async_wait<0>();
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = l_run[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int row = row0 + 8 * r;
+    if (row >= q_count) continue;
+    const int64_t t = a.q_begin + i0 + row;
+    float* dst = a.out + (t * a.num_heads + h) * a.v_head;
+    const float inv = a.last ? (l > 0.0f ? 1.0f / l : 0.0f) : 1.0f;
+#pragma unroll
+    for (int n = 0; n < kVTiles; ++n) {
+      const int col = n * 8 + 2 * tq;
+      if (col < a.v_head) *reinterpret_cast<float2*>(dst + col) = make_float2(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+    }
+    if (!a.last && tq == 0) a.ml[t * a.num_heads + h] = make_float2(m_run[r], l);
+  }
+}
+
 bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
+
+// The flash kernel of the naive form: the call's choice, else DELTASERVE_MLA_PREFILL_KERNEL=v1|v2, else v2.
+MlaNaiveKernel naive_kernel_choice(MlaNaiveKernel requested) {
+  if (requested == MlaNaiveKernel::kV1 || requested == MlaNaiveKernel::kV2) return requested;
+  if (const char* value = std::getenv("DELTASERVE_MLA_PREFILL_KERNEL"); value != nullptr) {
+    if (std::strcmp(value, "v1") == 0) return MlaNaiveKernel::kV1;
+    if (std::strcmp(value, "v2") == 0) return MlaNaiveKernel::kV2;
+  }
+  return MlaNaiveKernel::kV2;
 }
 
 bool absorbed_forced_by_environment() {
@@ -431,8 +668,11 @@ Status run_naive(const MlaAttentionParams& p, int64_t block_rows, cudaStream_t s
   const int width = p.kv_lora_rank + p.qk_rope;
   const int kv_cols = p.num_heads * (p.qk_nope + p.v_head);
 
-  if (cudaError_t e = cudaFuncSetAttribute(mla_naive_flash_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(kFlashSmemBytes));
+  const bool v2 = naive_kernel_choice(p.naive_kernel) == MlaNaiveKernel::kV2;
+  if (cudaError_t e = v2 ? cudaFuncSetAttribute(mla_naive_flash_v2_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                static_cast<int>(kFlashSmemBytes2))
+                         : cudaFuncSetAttribute(mla_naive_flash_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                static_cast<int>(kFlashSmemBytes));
       e != cudaSuccess) {
     return Status(StatusCode::kInternal, w + ": cudaFuncSetAttribute: " + cudaGetErrorString(e));
   }
@@ -490,8 +730,17 @@ Status run_naive(const MlaAttentionParams& p, int64_t block_rows, cudaStream_t s
       args.block_rows = count;
       args.first = b0 == 0 ? 1 : 0;
       args.last = b0 + count >= context ? 1 : 0;
-      const dim3 grid(static_cast<unsigned>((q_len + kQTile - 1) / kQTile), static_cast<unsigned>(p.num_heads));
-      mla_naive_flash_kernel<<<grid, kThreads, kFlashSmemBytes, stream>>>(args);
+      const int64_t v2_ctas = (q_len + kQTile2 - 1) / kQTile2 * p.num_heads;
+      if (v2 && v2_ctas <= INT32_MAX) {
+        mla_naive_flash_v2_kernel<<<static_cast<unsigned>(v2_ctas), kThreads2, kFlashSmemBytes2, stream>>>(args);
+      } else {
+        if (v2 && (cudaFuncSetAttribute(mla_naive_flash_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(kFlashSmemBytes)) != cudaSuccess)) {
+          return Status(StatusCode::kInternal, w + ": cudaFuncSetAttribute (v1 fallback) failed");
+        }
+        const dim3 grid(static_cast<unsigned>((q_len + kQTile - 1) / kQTile), static_cast<unsigned>(p.num_heads));
+        mla_naive_flash_kernel<<<grid, kThreads, kFlashSmemBytes, stream>>>(args);
+      }
     }
   }
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
