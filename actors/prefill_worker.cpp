@@ -170,8 +170,13 @@ Status prefill_chunk(PrefillPointer self, Job& job, int64_t target) {
   ++s.stats.steps;
   const int64_t first = job.position;
   job.position = end;
-  // A device backend keeps the caches on the GPU: the handoff encoding and the prefix cache read the host copy.
-  if (job.caching || job.position >= target) DS_RETURN_IF_ERROR(state.sync_host());
+  // A device backend keeps the caches on the GPU: the handoff encoding reads the whole host copy; the prefix cache
+  // only this chunk's MLA rows, and the KDA part at block boundaries (where a checkpoint may be taken).
+  if (job.position >= target) {
+    DS_RETURN_IF_ERROR(state.sync_host());
+  } else if (job.caching) {
+    DS_RETURN_IF_ERROR(state.sync_host_part(job.position % s.cache->block_tokens() == 0, job.position));
+  }
   if (!job.caching) return Status::ok();
 
   const engine::ModelConfig& config = s.model->config();

@@ -27,6 +27,13 @@ class DeviceResidency {
   // Copies the device contents (KDA conv tails and recurrent states, MLA rows of num_tokens() tokens) into
   // `state`'s host containers, which have the model's shapes. Synchronous.
   [[nodiscard]] virtual Status download(RequestState& state) const = 0;
+  // Copies at least these parts: the KDA states and tails (when `kda`), and the MLA rows of tokens
+  // [mla_begin, mla_end) into rows that already exist in the host containers or are appended (rows before
+  // mla_begin are kept as they are). The default copies everything. Synchronous.
+  [[nodiscard]] virtual Status download_part(RequestState& state, bool kda, int64_t mla_begin, int64_t mla_end) const {
+    (void)kda, (void)mla_begin, (void)mla_end;
+    return download(state);
+  }
 };
 
 // What a backend holds and how many requests fit; reported at start-up and on /metrics.

@@ -75,7 +75,7 @@ int64_t mla_page_row_values(const ModelConfig& config) {
 }
 
 std::vector<std::byte> encode_kda_checkpoint(const ModelConfig& config, const RequestState& state) {
-  state.expect_host_current("encode_kda_checkpoint");
+  state.expect_host_kda_current("encode_kda_checkpoint");
   const size_t payload = kda_payload_bytes(state);
   const size_t total = kHeaderBytes + payload + kChecksumBytes;
   std::vector<std::byte> out(total);
@@ -132,7 +132,7 @@ Result<int64_t> restore_kda_checkpoint(const ModelConfig& config, std::span<cons
 
 std::vector<float> gather_mla_page_rows(const ModelConfig& config, const RequestState& state, int64_t first,
                                         int64_t count) {
-  state.expect_host_current("gather_mla_page_rows");
+  state.expect_host_mla_rows(first + count, "gather_mla_page_rows");
   const int64_t width = config.mla.cache_width(), row = mla_page_row_values(config);
   std::vector<float> rows(static_cast<size_t>(count * row));
   for (size_t l = 0; l < state.mla.size(); ++l) {

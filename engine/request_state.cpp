@@ -36,27 +36,60 @@ RequestState& RequestState::operator=(const RequestState& other) {
   mla = other.mla;
   num_tokens_ = other.num_tokens_;
   residency_.reset();
-  host_stale_ = false;
+  host_kda_current_ = true;
+  host_mla_tokens_ = num_tokens_;
   return *this;
 }
 
 Status RequestState::sync_host() const {
-  if (!host_stale_ || residency_ == nullptr) return Status::ok();
+  if (!host_stale()) return Status::ok();
   auto& self = const_cast<RequestState&>(*this);
   DS_RETURN_IF_ERROR_CTX(residency_->download(self), "copying a request's caches from the device");
-  self.host_stale_ = false;
+  self.host_kda_current_ = true;
+  self.host_mla_tokens_ = num_tokens_;
+  return Status::ok();
+}
+
+Status RequestState::sync_host_part(bool kda_part, int64_t mla_tokens) const {
+  if (residency_ == nullptr) return Status::ok();
+  const bool need_kda = kda_part && !host_kda_current_;
+  const int64_t mla_end = std::min(std::max<int64_t>(mla_tokens, 0), num_tokens_);
+  const bool need_mla = mla_end > host_mla_tokens_;
+  if (!need_kda && !need_mla) return Status::ok();
+  auto& self = const_cast<RequestState&>(*this);
+  DS_RETURN_IF_ERROR_CTX(residency_->download_part(self, need_kda, host_mla_tokens_, need_mla ? mla_end : 0),
+                         "copying part of a request's caches from the device");
+  if (need_kda) self.host_kda_current_ = true;
+  if (need_mla) self.host_mla_tokens_ = mla_end;
   return Status::ok();
 }
 
 void RequestState::drop_device() {
   residency_.reset();
-  host_stale_ = false;
+  host_kda_current_ = true;
+  host_mla_tokens_ = num_tokens_;
 }
 
-void RequestState::expect_host_current(const char* reader) const {
-  if (!host_stale_) return;
-  std::fprintf(stderr, "fatal: %s read a request state whose device copy is newer (sync_host() not called)\n", reader);
+namespace {
+
+[[noreturn]] void stale_read(const char* reader, const char* part) {
+  std::fprintf(stderr, "fatal: %s read %s of a request state whose device copy is newer (sync not called)\n", reader,
+               part);
   std::abort();
+}
+
+}  // namespace
+
+void RequestState::expect_host_current(const char* reader) const {
+  if (host_stale()) stale_read(reader, "the caches");
+}
+
+void RequestState::expect_host_kda_current(const char* reader) const {
+  if (residency_ != nullptr && !host_kda_current_) stale_read(reader, "the KDA states");
+}
+
+void RequestState::expect_host_mla_rows(int64_t mla_tokens, const char* reader) const {
+  if (residency_ != nullptr && host_mla_tokens_ < std::min(mla_tokens, num_tokens_)) stale_read(reader, "MLA rows");
 }
 
 void RequestState::reset() {

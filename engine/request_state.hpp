@@ -63,15 +63,29 @@ class RequestState {
   const DeviceResidency* residency() const { return residency_.get(); }
   DeviceResidency* mutable_residency() { return residency_.get(); }
   void attach_residency(std::unique_ptr<DeviceResidency> residency) { residency_ = std::move(residency); }
-  bool host_stale() const { return host_stale_; }
-  void set_host_stale(bool stale) { host_stale_ = stale; }
+  // The host copy is tracked in two parts: the KDA states (any device pass changes them) and the MLA rows
+  // (append-only: rows the host already holds stay valid while the device appends more).
+  bool host_stale() const { return residency_ != nullptr && (!host_kda_current_ || host_mla_tokens_ < num_tokens_); }
+  // Backends: true after a device pass (the KDA part and any new MLA rows are newer on the device); false after
+  // an upload (the host holds everything).
+  void set_host_stale(bool stale) {
+    host_kda_current_ = !stale;
+    if (!stale) host_mla_tokens_ = num_tokens_;
+  }
   // Brings the host containers up to date (a no-op unless stale). Logically const: the host containers are
   // a copy of the device contents.
   [[nodiscard]] Status sync_host() const;
+  // Only what a reader needs: the KDA part (when `kda`) and the MLA rows of the first `mla_tokens` tokens
+  // (clamped to num_tokens()). The prefix cache takes each chunk's new rows and a checkpoint now and then; the
+  // full copy waits for the handoff.
+  [[nodiscard]] Status sync_host_part(bool kda, int64_t mla_tokens) const;
   void drop_device();
   // For readers of the host containers that cannot fail: a stale host copy there is a bug (the caller
-  // skipped sync_host()), so this stops the process naming `reader`.
+  // skipped sync_host()), so this stops the process naming `reader`. The narrower checks: the KDA part, the MLA
+  // rows of the first `mla_tokens` tokens.
   void expect_host_current(const char* reader) const;
+  void expect_host_kda_current(const char* reader) const;
+  void expect_host_mla_rows(int64_t mla_tokens, const char* reader) const;
 
   // Indexed by the layer's ordinal among layers of its kind (see Model::layer_slot).
   std::vector<KdaLayerState> kda;
@@ -87,7 +101,8 @@ class RequestState {
  private:
   int64_t num_tokens_ = 0;
   std::unique_ptr<DeviceResidency> residency_;
-  bool host_stale_ = false;
+  bool host_kda_current_ = true;
+  int64_t host_mla_tokens_ = 0;  // MLA rows the host holds current (meaningful with a residency)
 };
 
 }  // namespace deltaserve::engine
