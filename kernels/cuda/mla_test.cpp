@@ -107,6 +107,29 @@ std::string batch_name(const Batch& b) {
 // Builds a shuffled, poisoned page pool holding each sequence's rows, runs the GPU launchers (mla_decode when every
 // q_len <= 1, and mla_prefill; each on tensor cores and in fp32; mla_prefill in the naive form and in kAuto) and
 // compares every output against cpu::mla_attention_naive on the same bf16 values.
+// The naive form's two flash kernels run the same per-row operations in the same order: outputs bitwise equal.
+// Reports the first few differing elements (token, head, col, both values) and the count.
+void expect_bitwise_equal_v1_v2(const std::vector<float>& v1, const std::vector<float>& v2, size_t out_size, int H,
+                                int v_head, const std::vector<int32_t>& cu_q) {
+  ASSERT_GE(v1.size(), out_size);
+  ASSERT_GE(v2.size(), out_size) << "no v2 output recorded";
+  size_t differing = 0;
+  for (size_t i = 0; i < out_size; ++i) {
+    uint32_t a = 0, b = 0;
+    std::memcpy(&a, &v1[i], sizeof(a));
+    std::memcpy(&b, &v2[i], sizeof(b));
+    if (a == b) continue;
+    if (differing++ < 5) {
+      const int64_t t = static_cast<int64_t>(i / (static_cast<size_t>(H) * v_head));
+      size_t n = 0;
+      while (n + 1 < cu_q.size() && cu_q[n + 1] <= t) ++n;
+      ADD_FAILURE() << "naive v1 vs v2 flash kernel differ at token " << t << " (seq " << n << ", query " << t - cu_q[n]
+                    << ") head " << i / v_head % H << " col " << i % v_head << ": v1 " << v1[i] << " v2 " << v2[i];
+    }
+  }
+  EXPECT_EQ(differing, 0u) << "elements where the v1 and v2 naive flash kernels differ (of " << out_size << ")";
+}
+
 void check_attention(const MlaShape& shape, const Batch& batch, uint32_t seed) {
   SCOPED_TRACE(shape_name(shape) + " " + batch_name(batch));
   std::mt19937 rng(seed);
@@ -273,41 +296,42 @@ void check_attention(const MlaShape& shape, const Batch& batch, uint32_t seed) {
     ~HandleGuard() { cublasDestroy(handle); }
   } guard{cublas};
   const bool decode_shaped = std::all_of(batch.q_lens.begin(), batch.q_lens.end(), [](int l) { return l <= 1; });
-  std::vector<float> decode_out;  // mla_decode on tensor cores, launched directly
-  for (int mode = 0; mode < 8; ++mode) {
+  std::vector<float> decode_out;    // mla_decode on tensor cores, launched directly
+  std::vector<float> naive_v2_out;  // mode 4's output: mode 8 (the v1 flash kernel) must match it bitwise
+  for (int mode = 0; mode < 9; ++mode) {
     // 0, 1: mla_decode tensor-core / fp32; 2, 3: mla_prefill absorbed tensor-core / fp32; 4: mla_prefill naive
     // (forced, own workspace); 5: mla_prefill kAuto with the host tables and the absorbed-sized workspace;
     // 6, 7: mla_decode / mla_prefill absorbed on the legacy tensor-core kernel (legacy_tc_attention, the bypass of
-    // the default one).
+    // the default one); 8: mla_prefill naive forced on the v1 flash kernel (mode 4 runs v2 explicitly).
     const bool decode = mode < 2 || mode == 6, fp32 = mode < 4 && (mode % 2) == 1;
-    const bool host_tables = mode == 4 || mode == 5;
+    const bool host_tables = mode == 4 || mode == 5 || mode == 8;
+    const bool naive_forced = mode == 4 || mode == 8;
     if (decode && !decode_shaped) continue;
-    const char* names[] = {"mla_decode tensor-core",
-                           "mla_decode fp32",
-                           "mla_prefill tensor-core",
-                           "mla_prefill fp32",
-                           "mla_prefill naive",
-                           "mla_prefill auto",
-                           "mla_decode tensor-core legacy",
-                           "mla_prefill tensor-core legacy"};
+    const char* names[] = {
+        "mla_decode tensor-core", "mla_decode fp32",  "mla_prefill tensor-core",       "mla_prefill fp32",
+        "mla_prefill naive",      "mla_prefill auto", "mla_decode tensor-core legacy", "mla_prefill tensor-core legacy",
+        "mla_prefill naive v1"};
     const std::string name = names[mode];
     SCOPED_TRACE(name);
     out_d.upload(std::vector<float>(out_size + out_pad, NAN));
     p.fp32_attention = fp32;
-    p.legacy_tc_attention = mode >= 6;
+    p.legacy_tc_attention = mode == 6 || mode == 7;
     p.prefill_form =
-        !host_tables ? MlaPrefillForm::kAbsorbed : (mode == 4 ? MlaPrefillForm::kNaive : MlaPrefillForm::kAuto);
+        !host_tables ? MlaPrefillForm::kAbsorbed : (naive_forced ? MlaPrefillForm::kNaive : MlaPrefillForm::kAuto);
+    p.naive_kernel = mode == 4 ? MlaNaiveKernel::kV2 : mode == 8 ? MlaNaiveKernel::kV1 : MlaNaiveKernel::kDefault;
     p.host_cu_q = host_tables ? cu_q.data() : nullptr;
     p.host_context_lens = host_tables ? contexts_host.data() : nullptr;
     p.cublas = host_tables ? cublas : nullptr;
-    p.workspace = mode == 4 ? static_cast<void*>(naive_ws_d.get()) : static_cast<void*>(ws_d.get());
-    p.workspace_bytes = mode == 4 ? naive_ws_bytes : ws_bytes;
+    p.workspace = naive_forced ? static_cast<void*>(naive_ws_d.get()) : static_cast<void*>(ws_d.get());
+    p.workspace_bytes = naive_forced ? naive_ws_bytes : ws_bytes;
     const Status status = decode ? mla_decode(p, nullptr) : mla_prefill(p, nullptr);
     ASSERT_TRUE(status.is_ok()) << status.to_string();
     DS_CUDA_OK(cudaDeviceSynchronize());
     DS_CUDA_OK(cudaGetLastError());
     const std::vector<float> out = out_d.download();
     if (mode == 0) decode_out = out;
+    if (mode == 4) naive_v2_out = out;
+    if (mode == 8) expect_bitwise_equal_v1_v2(out, naive_v2_out, out_size, H, v_head, cu_q);
     compare_outputs(name, out, expected, out_size, fp32, [&](size_t i) {
       const int64_t t = static_cast<int64_t>(i / (static_cast<size_t>(H) * v_head));
       const int h = static_cast<int>(i / v_head % H), c = static_cast<int>(i % v_head);
@@ -493,6 +517,21 @@ TEST(MlaPrefillNaive, ContextInSeveralKeyBlocks) {
   check_attention(kKimi48B, pages16, 104);
 }
 
+// The v2 flash kernel's edges (every check_attention call runs v1 and v2 forced and requires them bitwise equal):
+// chunks around its 128-query tile (127, 128, 129, 255, 257: idle warps in a partial last tile), histories off and
+// on the 64-key tile (the causal diagonal where warps skip key tiles past their rows), several key blocks (tiles
+// whose warps are all idle in a block), and a sequence whose history starts mid-tile.
+TEST(MlaPrefillNaive, V2QueryTileEdges) {
+  check_attention(kKimi48B, Batch{{127, 128, 129, 255, 257}, {127, 191, 129 + 64, 255 + 1, 257 + 700}}, 120);
+  for (int rows : {64, 192}) {
+    Batch batch{{129, 300, 16}, {129 + 65, 300 + 333, 1000}};
+    batch.naive_block_rows = rows;
+    check_attention(kKimi48B, batch, 121 + rows);
+    check_attention(kTiny, batch, 122 + rows);
+  }
+  check_attention(kK3, Batch{{250}, {250 + 130}}, 123);
+}
+
 TEST(MlaPrefillNaive, MixedBatchesAndZeroLengthSequences) {
   check_attention(kKimi48B, Batch{{0, 40, 0, 1, 300}, {0, 40, 9, 600, 2000}, 256}, 110);
   check_attention(kTiny, Batch{{0, 0, 65, 0}, {0, 5, 65, 64}}, 111);
@@ -501,7 +540,8 @@ TEST(MlaPrefillNaive, MixedBatchesAndZeroLengthSequences) {
 }
 
 // An 8192-token chunk over 24576 rows of history (a 32k prompt's last chunk) at Kimi-48B dims: the naive form
-// against the absorbed tensor-core form (no CPU reference at this size; both round to bf16, so the tolerance is
+// (timed on both flash kernels, v1 and v2, which must agree bitwise; v2 compared with absorbed) against the
+// absorbed tensor-core form (no CPU reference at this size; both round to bf16, so the tolerance is
 // the tensor-core one on each side: |naive - absorbed| <= 4e-2 + 2e-2 |absorbed|), and the time of each form
 // (printed with its FLOP rate; naive FLOPs = 2 H (nope + rope + v) per visible pair + the decompression GEMM).
 TEST(MlaPrefillNaive, Kimi48BLongChunkMatchesAbsorbedAndTimes) {
@@ -529,7 +569,8 @@ TEST(MlaPrefillNaive, Kimi48BLongChunkMatchesAbsorbedAndTimes) {
 
   DeviceBuffer<__nv_bfloat16> pool_d(pool.size()), q_d(q.size()), kv_b_d(kv_b.size());
   DeviceBuffer<int32_t> cu_d(2), ctx_d(1), table_d(table.size());
-  DeviceBuffer<float> out_absorbed(static_cast<size_t>(T) * H * v_head), out_naive(static_cast<size_t>(T) * H * v_head);
+  DeviceBuffer<float> out_absorbed(static_cast<size_t>(T) * H * v_head), out_naive(static_cast<size_t>(T) * H * v_head),
+      out_naive_v1(static_cast<size_t>(T) * H * v_head);
   pool_d.upload(pool);
   q_d.upload(q);
   kv_b_d.upload(kv_b);
@@ -578,10 +619,12 @@ TEST(MlaPrefillNaive, Kimi48BLongChunkMatchesAbsorbedAndTimes) {
   DS_CUDA_OK(cudaEventCreate(&stop));
   const double pairs = static_cast<double>(T) * (context - T) + static_cast<double>(T) * (T + 1) / 2;
   const double naive_flops = pairs * 2.0 * H * (q_width + v_head) + 2.0 * context * kv * H * (nope + v_head);
-  for (MlaPrefillForm form : {MlaPrefillForm::kAbsorbed, MlaPrefillForm::kNaive}) {
-    const bool naive = form == MlaPrefillForm::kNaive;
-    p.prefill_form = form;
-    p.out = naive ? out_naive.get() : out_absorbed.get();
+  // 0: absorbed; 1: naive on the v1 flash kernel; 2: naive on the v2 flash kernel.
+  for (int run = 0; run < 3; ++run) {
+    const bool naive = run > 0;
+    p.prefill_form = naive ? MlaPrefillForm::kNaive : MlaPrefillForm::kAbsorbed;
+    p.naive_kernel = run == 1 ? MlaNaiveKernel::kV1 : MlaNaiveKernel::kV2;
+    p.out = run == 0 ? out_absorbed.get() : run == 1 ? out_naive_v1.get() : out_naive.get();
     float best_ms = INFINITY;
     for (int rep = 0; rep < 3; ++rep) {
       DS_CUDA_OK(cudaEventRecord(start, nullptr));
@@ -595,7 +638,10 @@ TEST(MlaPrefillNaive, Kimi48BLongChunkMatchesAbsorbedAndTimes) {
       best_ms = std::min(best_ms, ms);
     }
     std::printf("  [%s] T=%lld context=%lld: %.3f ms, %.1f TFLOP/s at the naive form's FLOP count (%.3g FLOPs)\n",
-                naive ? "naive" : "absorbed", static_cast<long long>(T), static_cast<long long>(context), best_ms,
+                run == 0   ? "absorbed"
+                : run == 1 ? "naive v1"
+                           : "naive v2",
+                static_cast<long long>(T), static_cast<long long>(context), best_ms,
                 naive_flops / (best_ms * 1e-3) / 1e12, naive_flops);
   }
   cudaEventDestroy(start);
@@ -618,6 +664,7 @@ TEST(MlaPrefillNaive, Kimi48BLongChunkMatchesAbsorbedAndTimes) {
   std::printf("  naive vs absorbed: max abs err %.3g at %zu (%.6g vs %.6g), relative L2 %.3g\n", max_err, max_at,
               b[max_at], a[max_at], relative_error(b.data(), a.data(), a.size()));
   EXPECT_EQ(failures, 0u);
+  expect_bitwise_equal_v1_v2(out_naive_v1.download(), b, b.size(), H, v_head, cu_q);
 }
 
 // ---- page writes -----------------------------------------------------------------------------------------------
