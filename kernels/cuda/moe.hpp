@@ -154,6 +154,31 @@ bool moe_grouped_full_row_tiles_forced();
 // True if DELTASERVE_MOE_REFERENCE_FFN is set to a value other than "0" (cached at the first call).
 bool moe_reference_ffn_forced();
 
+// cuBLAS grouped path (opt-in, not graph-capturable, synchronises with the host): copies expert_offsets to the host
+// (host_offsets, if non-null, is used instead: E + 1 entries, validated as in moe_expert_ffn_prefill), stages the
+// per-expert pointer arrays in pinned host memory and copies them to a cached device array (one per thread and
+// device, allocated at first use), then runs one cublasGemmGroupedBatchedEx for gate/up (bf16 in, fp32 compute; C
+// fp32 where cuBLAS supports it, else bf16), the glu kernel into `activated` (bf16, rounded once), and one grouped
+// call for down into y_sorted (fp32 C). If cuBLAS rejects fp32 C for down, down runs as per-expert cublasGemmEx
+// calls (fp32 out) instead. The gate/up output lives in params.workspace if it holds fp32 [R, 2I], else in the
+// y_sorted buffer (fp32 if 2I <= width, bf16 if I <= width; else kInvalidArgument). handle: nullptr = a cached handle
+// of this thread and device. Requirements as moe_expert_ffn_grouped (16-byte aligned bf16 buffers), E <= 1024,
+// 2I * R and width * R below 2^31 elements per GEMM row count. Returns kInvalidArgument / kUnimplemented before
+// launching anything when it cannot run (callers fall back to moe_expert_ffn_grouped's kernels).
+Status moe_expert_ffn_cublas_grouped(const MoeFfnParams& params, const int32_t* host_offsets, cublasHandle_t handle,
+                                     cudaStream_t stream);
+// What the cuBLAS grouped path last ran, for logs and timing lines: "gate_up C fp32|bf16|unprobed, down grouped
+// fp32|per-expert|unprobed".
+const char* moe_cublas_grouped_mode();
+// Prefill FFN selector, DELTASERVE_MOE_PREFILL (read once per process): "grouped-kernel" (default, also for unset
+// or unknown values) or "cublas-grouped". With cublas-grouped, moe_expert_ffn_grouped (so moe_expert_ffn_prefill
+// and moe_expert_ffn_decode above kMoeDecodeGemvRowsPerExpert) hands batches with automatic tiles (row_tile,
+// col_tile, k_tile 0, full_row_tiles false) and more than kMoeCublasGroupedMinRowsPerExpert rows per expert on
+// average to moe_expert_ffn_cublas_grouped, unless `stream` is capturing a graph; if that path declines
+// (kInvalidArgument / kUnimplemented) the grouped kernels run.
+bool moe_prefill_cublas_grouped_selected();
+constexpr int64_t kMoeCublasGroupedMinRowsPerExpert = 16;
+
 // ---- combine -------------------------------------------------------------------------------------------------
 // out[t, :] (= or +=, accumulate) Σ_j weights[t, j] · y_sorted[assignment_pos[t*k + j], :], j in order 0..k-1 (fixed
 // order: deterministic). out fp32 rows with stride out_stride. An assignment with assignment_pos < 0 adds nothing.

@@ -424,6 +424,16 @@ Status moe_expert_ffn_grouped(const MoeFfnParams& params, cudaStream_t stream) {
     return invalid_argument("moe_expert_ffn_grouped: k_tile must be 0 (automatic), 32 or 64 (got " +
                             std::to_string(params.k_tile) + ")");
   }
+  // Selector (DELTASERVE_MOE_PREFILL=cublas-grouped): prefill-sized batches with automatic tiles go to the cuBLAS
+  // grouped path when the stream is not being captured; the kernels below run if it declines.
+  if (moe_prefill_cublas_grouped_selected() && params.row_tile == 0 && params.col_tile == 0 && params.k_tile == 0 &&
+      !params.full_row_tiles && R > kMoeCublasGroupedMinRowsPerExpert * w.num_experts) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) == cudaSuccess && capture == cudaStreamCaptureStatusNone) {
+      const Status cublas = moe_expert_ffn_cublas_grouped(params, nullptr, nullptr, stream);
+      if (cublas.code() != StatusCode::kInvalidArgument && cublas.code() != StatusCode::kUnimplemented) return cublas;
+    }
+  }
   const int bm = params.row_tile != 0 ? params.row_tile : moe_grouped_row_tile(R, w.num_experts);
   const int bn = params.col_tile != 0 ? params.col_tile : (bm == 128 ? kMoeGroupedWideColTile : 128);
   if (bn == 256 && bm != 128) {

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <numeric>
 #include <string>
@@ -850,6 +851,42 @@ void run_layer_case(const LayerCase& c) {
     const std::vector<float> out2 = download_out(d, "decode default");
     check_new_path(R > kMoeDecodeGemvRowsPerExpert * c.E ? "decode default (grouped)" : "decode default (GEMV)", out2);
   }
+  if (c.path != Path::kDecode) {
+    // The cuBLAS grouped path (DELTASERVE_MOE_PREFILL=cublas-grouped): with the caller's host offsets, handle and
+    // fp32 workspace, then as the selector calls it (offsets copied from the device, cached handle, gate/up product
+    // in the y_sorted buffer). Compared with the CPU and with the current default (grouped kernel or reference).
+    // If cuBLAS only takes bf16 C for gate/up, the product is rounded to bf16 before the glu: looser bounds
+    // (2^-9 relative per gate/up value on top of the activation's rounding).
+    const std::vector<float>& current = !grouped_auto_out.empty() ? grouped_auto_out : reference_out;
+    const std::string current_name = !grouped_auto_out.empty() ? "grouped kernel (auto tile)" : reference_name;
+    for (const int variant : {0, 1}) {
+      d.poison();
+      MoeFfnParams p = d.ffn(c);
+      if (variant == 1) {
+        p.workspace = nullptr;
+        p.workspace_bytes = 0;
+      }
+      status = variant == 0 ? moe_expert_ffn_cublas_grouped(p, offsets.data(), handle, stream)
+                            : moe_expert_ffn_cublas_grouped(p, nullptr, nullptr, stream);
+      const std::string name = std::string("cuBLAS grouped path (") +
+                               (variant == 0 ? "host offsets, fp32 workspace" : "device offsets, no workspace") + "; " +
+                               moe_cublas_grouped_mode() + ")";
+      SCOPED_TRACE(name);
+      if (variant == 1 && status.code() == StatusCode::kInvalidArgument && c.inter > c.width) {
+        continue;  // no room for the gate/up product without a workspace: declined (the kernels run instead)
+      }
+      ASSERT_TRUE(status) << name << ": " << status.to_string();
+      EXPECT_TRUE(d.combine(stream));
+      DS_CUDA_OK(cudaStreamSynchronize(stream));
+      const std::vector<float> out = download_out(d, name);
+      const bool bf16_h = std::string(moe_cublas_grouped_mode()).find("gate_up C bf16") != std::string::npos;
+      const double l2 = bf16_h ? 5e-3 : 2e-3, mx = bf16_h ? 4e-2 : 2e-2;
+      expect_close(select(out).data(), ref_sel.data(), ref_sel.size(), W, l2, mx, name + " vs CPU");
+      if (!current.empty()) {
+        expect_close(out.data(), current.data(), out.size(), W, l2, mx, name + " vs " + current_name);
+      }
+    }
+  }
   if (c.time_paths) {
     // Event timings, informational: the two FFN GEMMs of one layer (expert FLOPs 6 * R * W * I).
     cudaEvent_t start = nullptr, stop = nullptr;
@@ -858,9 +895,10 @@ void run_layer_case(const LayerCase& c) {
     const double flops = 6.0 * static_cast<double>(R) * static_cast<double>(W) * static_cast<double>(I);
     // Variants: grouped automatic, grouped 128 x 128, cuBLAS reference, grouped 128 x 256 with k_tile 32 and full
     // row tiles (the previous automatic prefill kernel), grouped 128 x 256 with k_tile 64 (skipping empty m16 tiles).
-    const char* names[] = {"grouped (auto tile)", "grouped 128x128", "cuBLAS per-expert",
-                           "grouped 128x256 k32 full tiles (previous)", "grouped 128x256 k64"};
-    for (const int variant : {0, 1, 2, 3, 4}) {
+    const char* names[] = {"grouped (auto tile)", "grouped 128x128",
+                           "cuBLAS per-expert",   "grouped 128x256 k32 full tiles (previous)",
+                           "grouped 128x256 k64", "cuBLAS grouped"};
+    for (const int variant : {0, 1, 2, 3, 4, 5}) {
       const bool reference = variant == 2;
       MoeFfnParams p = d.ffn(c);
       p.use_reference_path = reference;
@@ -875,15 +913,22 @@ void run_layer_case(const LayerCase& c) {
         p.full_row_tiles = variant == 3;
       }
       constexpr int kReps = 5;
-      EXPECT_TRUE(moe_expert_ffn_prefill(p, offsets, handle, stream));  // warm-up
+      // Variant 5: one cublasGemmGroupedBatchedEx per GEMM (host offsets given, as moe_expert_ffn_prefill has them;
+      // includes the pointer staging and its copy).
+      auto run_once = [&] {
+        return variant == 5 ? moe_expert_ffn_cublas_grouped(p, offsets.data(), handle, stream)
+                            : moe_expert_ffn_prefill(p, offsets, handle, stream);
+      };
+      EXPECT_TRUE(run_once());  // warm-up
       DS_CUDA_OK(cudaEventRecord(start, stream));
-      for (int i = 0; i < kReps; ++i) EXPECT_TRUE(moe_expert_ffn_prefill(p, offsets, handle, stream));
+      for (int i = 0; i < kReps; ++i) EXPECT_TRUE(run_once());
       DS_CUDA_OK(cudaEventRecord(stop, stream));
       DS_CUDA_OK(cudaEventSynchronize(stop));
       float ms = 0.0f;
       DS_CUDA_OK(cudaEventElapsedTime(&ms, start, stop));
       ms /= kReps;
-      std::printf("[ moe timing ] %s R=%lld W=%lld I=%lld: %.3f ms, %.1f TFLOP/s\n", names[variant],
+      std::printf("[ moe timing ] %s%s%s%s R=%lld W=%lld I=%lld: %.3f ms, %.1f TFLOP/s\n", names[variant],
+                  variant == 5 ? " (" : "", variant == 5 ? moe_cublas_grouped_mode() : "", variant == 5 ? ")" : "",
                   static_cast<long long>(R), static_cast<long long>(W), static_cast<long long>(I), ms,
                   flops / (ms * 1e-3) / 1e12);
     }
@@ -1122,6 +1167,60 @@ TEST(MoeGrouped, RejectsBadInputs) {
   EXPECT_EQ(moe_grouped_row_tile(256 * 16 + 1, 256), 64);
   EXPECT_EQ(moe_grouped_row_tile(256 * 64, 256), 64);
   EXPECT_EQ(moe_grouped_row_tile(256 * 64 + 1, 256), 128);
+}
+
+TEST(MoeCublasGrouped, RejectsBadInputs) {
+  // Declines (kInvalidArgument, nothing launched) so the selector falls back to the grouped kernels.
+  MoeFfnParams p;
+  auto* bf = reinterpret_cast<__nv_bfloat16*>(256);
+  p.weights = {bf, bf, 8, 64, 32};
+  p.rows = 4;
+  p.x_sorted = bf;
+  p.expert_offsets = reinterpret_cast<const int32_t*>(256);
+  p.activated = bf;
+  p.y_sorted = reinterpret_cast<float*>(256);
+  MoeFfnParams q = p;
+  q.weights.num_experts = 0;
+  EXPECT_EQ(moe_expert_ffn_cublas_grouped(q, nullptr, nullptr, 0).code(), StatusCode::kInvalidArgument);
+  q = p;
+  q.weights.num_experts = kMoeMaxExperts + 1;
+  EXPECT_EQ(moe_expert_ffn_cublas_grouped(q, nullptr, nullptr, 0).code(), StatusCode::kInvalidArgument);
+  q = p;
+  q.weights.width = 60;
+  EXPECT_EQ(moe_expert_ffn_cublas_grouped(q, nullptr, nullptr, 0).code(), StatusCode::kInvalidArgument);
+  q = p;
+  q.x_sorted = bf + 4;  // 8-byte aligned only
+  EXPECT_EQ(moe_expert_ffn_cublas_grouped(q, nullptr, nullptr, 0).code(), StatusCode::kInvalidArgument);
+  q = p;
+  q.y_sorted = reinterpret_cast<float*>(264);  // 8-byte aligned only
+  EXPECT_EQ(moe_expert_ffn_cublas_grouped(q, nullptr, nullptr, 0).code(), StatusCode::kInvalidArgument);
+  q = p;
+  q.expert_offsets = nullptr;
+  EXPECT_EQ(moe_expert_ffn_cublas_grouped(q, nullptr, nullptr, 0).code(), StatusCode::kInvalidArgument);
+  q = p;
+  q.weights.intermediate = 128;  // I > width and no workspace: no room for the gate/up product
+  EXPECT_EQ(moe_expert_ffn_cublas_grouped(q, nullptr, nullptr, 0).code(), StatusCode::kInvalidArgument);
+  q = p;
+  q.glu = GluKind::kSitu;
+  q.situ_beta = 0.0f;
+  EXPECT_EQ(moe_expert_ffn_cublas_grouped(q, nullptr, nullptr, 0).code(), StatusCode::kInvalidArgument);
+  q = p;
+  q.rows = 0;
+  q.x_sorted = nullptr;
+  EXPECT_TRUE(moe_expert_ffn_cublas_grouped(q, nullptr, nullptr, 0));
+  // Bad host offsets (read on the host, before anything is launched).
+  std::vector<int32_t> offsets = {0, 1, 2, 3, 4, 4, 4, 4, 4};
+  offsets[0] = 1;
+  EXPECT_EQ(moe_expert_ffn_cublas_grouped(p, offsets.data(), nullptr, 0).code(), StatusCode::kInvalidArgument);
+  offsets = {0, 2, 1, 3, 4, 4, 4, 4, 4};
+  EXPECT_EQ(moe_expert_ffn_cublas_grouped(p, offsets.data(), nullptr, 0).code(), StatusCode::kInvalidArgument);
+  offsets = {0, 1, 2, 3, 4, 4, 4, 4, 5};  // offsets[E] > rows
+  EXPECT_EQ(moe_expert_ffn_cublas_grouped(p, offsets.data(), nullptr, 0).code(), StatusCode::kInvalidArgument);
+  offsets.assign(9, 0);  // no rows used: nothing to do
+  EXPECT_TRUE(moe_expert_ffn_cublas_grouped(p, offsets.data(), nullptr, 0));
+  // Selector: off unless DELTASERVE_MOE_PREFILL=cublas-grouped.
+  const char* env = std::getenv("DELTASERVE_MOE_PREFILL");
+  EXPECT_EQ(moe_prefill_cublas_grouped_selected(), env != nullptr && std::string(env) == "cublas-grouped");
 }
 
 TEST(MoeFfn, RejectsBadInputs) {
