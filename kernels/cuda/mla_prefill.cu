@@ -15,6 +15,9 @@
 //                  Causal: query i sits at position context - q_len + i and sees keys at positions <= it; each CTA
 //                  stops at its last query's position. Between blocks the unnormalised O stays in `out` and the
 //                  (max, sum) pair per (token, head) in the workspace; the last block normalises.
+//                  That is the v1 kernel; v2 (the default, section 3b) runs the same per-row arithmetic with
+//                  128-query tiles of 8 warps, a 3-stage ring and causal per-warp tile skips
+//                  (MlaAttentionParams::naive_kernel, DELTASERVE_MLA_PREFILL_KERNEL=v1|v2).
 // FLOPs: 2 H (nope + rope + v) per visible (query, key) pair plus 2 kv_lora H (nope + v) per context row per
 // chunk for the GEMM (8.4 MFLOP per row at Kimi-48B dims: under 2% of the attention of an 8192-token chunk).
 #include <algorithm>
@@ -668,13 +671,18 @@ Status run_naive(const MlaAttentionParams& p, int64_t block_rows, cudaStream_t s
   const int width = p.kv_lora_rank + p.qk_rope;
   const int kv_cols = p.num_heads * (p.qk_nope + p.v_head);
 
-  const bool v2 = naive_kernel_choice(p.naive_kernel) == MlaNaiveKernel::kV2;
-  if (cudaError_t e = v2 ? cudaFuncSetAttribute(mla_naive_flash_v2_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                static_cast<int>(kFlashSmemBytes2))
-                         : cudaFuncSetAttribute(mla_naive_flash_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                static_cast<int>(kFlashSmemBytes));
+  // v1's attribute always (it is also v2's fallback); v2 where chosen and the device grants its shared memory
+  // (176 KB; otherwise v1 runs and the attribute error is cleared).
+  if (cudaError_t e = cudaFuncSetAttribute(mla_naive_flash_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(kFlashSmemBytes));
       e != cudaSuccess) {
     return Status(StatusCode::kInternal, w + ": cudaFuncSetAttribute: " + cudaGetErrorString(e));
+  }
+  bool v2 = naive_kernel_choice(p.naive_kernel) == MlaNaiveKernel::kV2;
+  if (v2 && cudaFuncSetAttribute(mla_naive_flash_v2_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(kFlashSmemBytes2)) != cudaSuccess) {
+    (void)cudaGetLastError();
+    v2 = false;
   }
   if (cublasStatus_t s = cublasSetStream(p.cublas, stream); s != CUBLAS_STATUS_SUCCESS) {
     return Status(StatusCode::kInternal, w + ": cublasSetStream failed (" + std::to_string(static_cast<int>(s)) + ")");
@@ -734,10 +742,6 @@ Status run_naive(const MlaAttentionParams& p, int64_t block_rows, cudaStream_t s
       if (v2 && v2_ctas <= INT32_MAX) {
         mla_naive_flash_v2_kernel<<<static_cast<unsigned>(v2_ctas), kThreads2, kFlashSmemBytes2, stream>>>(args);
       } else {
-        if (v2 && (cudaFuncSetAttribute(mla_naive_flash_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(kFlashSmemBytes)) != cudaSuccess)) {
-          return Status(StatusCode::kInternal, w + ": cudaFuncSetAttribute (v1 fallback) failed");
-        }
         const dim3 grid(static_cast<unsigned>((q_len + kQTile - 1) / kQTile), static_cast<unsigned>(p.num_heads));
         mla_naive_flash_kernel<<<grid, kThreads, kFlashSmemBytes, stream>>>(args);
       }
