@@ -347,6 +347,8 @@ Status moe_expert_ffn_cublas_grouped(const MoeFfnParams& params, const int32_t* 
     begins.push_back(e);
   }
   const int G = static_cast<int>(n_rows.size());
+  // Each of the 6 device pointer arrays starts on a 256-byte boundary (32 pointers): G <= E <= 1024.
+  const int S = (G + 31) / 32 * 32;
   const int w32 = static_cast<int>(W), i32 = static_cast<int>(I), gu32 = static_cast<int>(2 * I);
   m_gu.assign(G, gu32);
   k_gu.assign(G, w32);
@@ -369,15 +371,15 @@ Status moe_expert_ffn_cublas_grouped(const MoeFfnParams& params, const int32_t* 
     for (int g = 0; g < G; ++g) {
       const int e = begins[g];
       const int64_t begin = offsets[e];
-      hp[0 * G + g] = const_cast<__nv_bfloat16*>(w.gate_up + static_cast<int64_t>(e) * 2 * I * W);
-      hp[1 * G + g] = const_cast<__nv_bfloat16*>(params.x_sorted + begin * W);
-      hp[2 * G + g] = fp32_c ? static_cast<void*>(static_cast<float*>(h_buffer) + begin * 2 * I)
+      hp[0 * S + g] = const_cast<__nv_bfloat16*>(w.gate_up + static_cast<int64_t>(e) * 2 * I * W);
+      hp[1 * S + g] = const_cast<__nv_bfloat16*>(params.x_sorted + begin * W);
+      hp[2 * S + g] = fp32_c ? static_cast<void*>(static_cast<float*>(h_buffer) + begin * 2 * I)
                              : static_cast<void*>(static_cast<__nv_bfloat16*>(h_buffer) + begin * 2 * I);
-      hp[3 * G + g] = const_cast<__nv_bfloat16*>(w.down + static_cast<int64_t>(e) * W * I);
-      hp[4 * G + g] = params.activated + begin * I;
-      hp[5 * G + g] = params.y_sorted + begin * W;
+      hp[3 * S + g] = const_cast<__nv_bfloat16*>(w.down + static_cast<int64_t>(e) * W * I);
+      hp[4 * S + g] = params.activated + begin * I;
+      hp[5 * S + g] = params.y_sorted + begin * W;
     }
-    return cuda_status("copy pointer arrays", cudaMemcpyAsync(dp, hp, 6 * static_cast<size_t>(G) * sizeof(void*),
+    return cuda_status("copy pointer arrays", cudaMemcpyAsync(dp, hp, 6 * static_cast<size_t>(S) * sizeof(void*),
                                                               cudaMemcpyHostToDevice, stream));
   };
 
@@ -391,9 +393,9 @@ Status moe_expert_ffn_cublas_grouped(const MoeFfnParams& params, const int32_t* 
   bool h_fp32 = h_fp32_fits && g_gate_up_fp32.load() != 2;
   auto gate_up = [&](bool fp32) {
     return cublasGemmGroupedBatchedEx(handle, op_t.data(), op_n.data(), m_gu.data(), n_rows.data(), k_gu.data(),
-                                      ones.data(), const_cast<const void* const*>(dp + 0 * G), CUDA_R_16BF, ld_w.data(),
-                                      const_cast<const void* const*>(dp + 1 * G), CUDA_R_16BF, ld_w.data(),
-                                      zeros.data(), dp + 2 * G, fp32 ? CUDA_R_32F : CUDA_R_16BF, ld_gu.data(), G,
+                                      ones.data(), const_cast<const void* const*>(dp + 0 * S), CUDA_R_16BF, ld_w.data(),
+                                      const_cast<const void* const*>(dp + 1 * S), CUDA_R_16BF, ld_w.data(),
+                                      zeros.data(), dp + 2 * S, fp32 ? CUDA_R_32F : CUDA_R_16BF, ld_gu.data(), G,
                                       group_size.data(), CUBLAS_COMPUTE_32F);
   };
   record.armed = true;
@@ -435,9 +437,9 @@ Status moe_expert_ffn_cublas_grouped(const MoeFfnParams& params, const int32_t* 
   bool down_grouped = g_down_fp32.load() != 2;
   if (down_grouped) {
     cs = cublasGemmGroupedBatchedEx(handle, op_t.data(), op_n.data(), m_dn.data(), n_rows.data(), k_dn.data(),
-                                    ones.data(), const_cast<const void* const*>(dp + 3 * G), CUDA_R_16BF, ld_i.data(),
-                                    const_cast<const void* const*>(dp + 4 * G), CUDA_R_16BF, ld_i.data(), zeros.data(),
-                                    dp + 5 * G, CUDA_R_32F, ld_w.data(), G, group_size.data(), CUBLAS_COMPUTE_32F);
+                                    ones.data(), const_cast<const void* const*>(dp + 3 * S), CUDA_R_16BF, ld_i.data(),
+                                    const_cast<const void* const*>(dp + 4 * S), CUDA_R_16BF, ld_i.data(), zeros.data(),
+                                    dp + 5 * S, CUDA_R_32F, ld_w.data(), G, group_size.data(), CUBLAS_COMPUTE_32F);
     if (unsupported(cs)) {
       g_down_fp32.store(2);
       down_grouped = false;
