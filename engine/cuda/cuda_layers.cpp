@@ -107,9 +107,10 @@ Status CudaBackend::Impl::run_kda(const DeviceLayer& layer, const PassTables& t)
   auto* low = arena.take<__nv_bfloat16>(T * low_width);
   DS_RETURN_IF_ERROR(arena_check("KDA"));
   profiler.mark(Phase::kKdaProjections, stream());
-  DS_RETURN_IF_ERROR(gemm.run(x, hidden, w.fg_a, T, hidden, low_width, low, low_width));
+  const bool fused_decode = d == kc::kKdaHeadDim && t.pure_decode;
+  if (!fused_decode) DS_RETURN_IF_ERROR(gemm.run(x, hidden, w.fg_a, T, hidden, low_width, low, low_width));
 
-  if (d == kc::kKdaHeadDim && t.pure_decode) {
+  if (fused_decode) {
     // Fused decode: conv, L2, gate, beta, recurrence and the gated norm in one kernel over the slot pool.
     auto* q = arena.take<__nv_bfloat16>(T * C);
     auto* k = arena.take<__nv_bfloat16>(T * C);
@@ -118,16 +119,19 @@ Status CudaBackend::Impl::run_kda(const DeviceLayer& layer, const PassTables& t)
     auto* out_gate = arena.take<__nv_bfloat16>(T * C);
     auto* beta_raw = arena.take<__nv_bfloat16>(T * H);
     DS_RETURN_IF_ERROR(arena_check("KDA decode"));
-    DS_RETURN_IF_ERROR(gemm.run(x, hidden, w.qkv, T, hidden, C, q, C));
-    DS_RETURN_IF_ERROR(gemm.run(x, hidden, w.qkv + C * hidden, T, hidden, C, k, C));
-    DS_RETURN_IF_ERROR(gemm.run(x, hidden, w.qkv + 2 * C * hidden, T, hidden, C, v, C));
-    DS_RETURN_IF_ERROR(gemm.run(low, low_width, w.f_b, T, r, C, gate_raw, C));
+    // Every projection of x in one launch for small batches (the skinny GEMM; one cuBLAS call each otherwise).
+    const GemmTarget fg_a{w.fg_a, low_width, low, low_width};
+    const GemmTarget q_target{w.qkv, C, q, C}, k_target{w.qkv + C * hidden, C, k, C};
+    const GemmTarget v_target{w.qkv + 2 * C * hidden, C, v, C}, b_target{w.b_proj, H, beta_raw, H};
     if (low_rank_gate) {
+      DS_RETURN_IF_ERROR(gemm.run_shared_input(x, hidden, T, hidden, {fg_a, q_target, k_target, v_target, b_target}));
       DS_RETURN_IF_ERROR(gemm.run(low + r, low_width, w.g_b, T, r, C, out_gate, C));
     } else {
-      DS_RETURN_IF_ERROR(gemm.run(x, hidden, w.g_proj, T, hidden, C, out_gate, C));
+      const GemmTarget g_target{w.g_proj, C, out_gate, C};
+      DS_RETURN_IF_ERROR(
+          gemm.run_shared_input(x, hidden, T, hidden, {fg_a, q_target, k_target, v_target, b_target, g_target}));
     }
-    DS_RETURN_IF_ERROR(gemm.run(x, hidden, w.b_proj, T, hidden, H, beta_raw, H));
+    DS_RETURN_IF_ERROR(gemm.run(low, low_width, w.f_b, T, r, C, gate_raw, C));
     kc::KdaDecodeParams p;
     p.batch = static_cast<int>(T);
     p.num_heads = static_cast<int>(H);

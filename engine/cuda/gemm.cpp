@@ -3,8 +3,34 @@
 #include <string>
 
 #include "engine/cuda/cuda_util.hpp"
+#include "kernels/cuda/small_batch.hpp"
 
 namespace deltaserve::engine::cuda {
+
+namespace kc = kernels::cuda;
+
+namespace {
+
+// Skinny-GEMM parameters for one bf16 x bf16 projection; num_outputs == 0 when the skinny path
+// does not apply (disabled, too many rows, fp32 input, or a shape/alignment it does not take).
+kc::SkinnyGemmParams skinny_params(const void* x, cudaDataType x_type, int64_t x_stride, const void* w, int64_t rows,
+                                   int64_t in, int64_t out, void* y, cudaDataType y_type, int64_t y_stride,
+                                   float beta) {
+  kc::SkinnyGemmParams p;
+  if (x_type != CUDA_R_16BF || rows > kc::kSkinnyGemmMaxRows || !kc::skinny_gemm_enabled()) return p;
+  p.x = static_cast<const __nv_bfloat16*>(x);
+  p.x_stride = x_stride;
+  p.rows = rows;
+  p.in = in;
+  p.outputs[0] = {static_cast<const __nv_bfloat16*>(w), out, y, y_stride};
+  p.num_outputs = 1;
+  p.y_bf16 = y_type == CUDA_R_16BF;
+  p.accumulate = beta != 0.0f;
+  if (!kc::skinny_gemm_supported(p)) p.num_outputs = 0;
+  return p;
+}
+
+}  // namespace
 
 Gemm::~Gemm() {
   if (handle_ != nullptr) (void)cublasDestroy(handle_);  // before its workspace is freed (member order)
@@ -32,6 +58,8 @@ Status Gemm::gemm_ex(const void* x, cudaDataType x_type, int64_t x_stride, const
                           std::to_string(y_stride));
   }
   if (x == nullptr || w == nullptr || y == nullptr) return internal_error("gemm: null pointer");
+  const kc::SkinnyGemmParams skinny = skinny_params(x, x_type, x_stride, w, rows, in, out, y, y_type, y_stride, beta);
+  if (skinny.num_outputs > 0) return kc::skinny_gemm(skinny, stream_);
   // Another user of the handle (moe_expert_ffn_prefill) may have moved it to its own stream; cublasSetStream
   // resets the workspace to cuBLAS's default pool, so ours is set again (graph capture needs it).
   DS_CUBLAS_RETURN(cublasSetStream(handle_, stream_));
@@ -52,6 +80,30 @@ Status Gemm::run(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* 
 Status Gemm::run(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* w, int64_t rows, int64_t in,
                  int64_t out, __nv_bfloat16* y, int64_t y_stride) {
   return gemm_ex(x, CUDA_R_16BF, x_stride, w, rows, in, out, y, CUDA_R_16BF, y_stride, 0.0f);
+}
+
+Status Gemm::run_shared_input(const __nv_bfloat16* x, int64_t x_stride, int64_t rows, int64_t in,
+                              std::initializer_list<GemmTarget> targets) {
+  if (rows == 0) return Status::ok();
+  kc::SkinnyGemmParams p;
+  if (rows <= kc::kSkinnyGemmMaxRows && kc::skinny_gemm_enabled() &&
+      targets.size() <= static_cast<size_t>(kc::kSkinnyGemmMaxOutputs) && x != nullptr) {
+    p.x = x;
+    p.x_stride = x_stride;
+    p.rows = rows;
+    p.in = in;
+    p.y_bf16 = true;
+    for (const GemmTarget& target : targets) {
+      if (target.w == nullptr || target.y == nullptr)
+        return internal_error("gemm: null pointer in shared-input target");
+      p.outputs[p.num_outputs++] = {target.w, target.out, target.y, target.y_stride};
+    }
+    if (kc::skinny_gemm_supported(p)) return kc::skinny_gemm(p, stream_);
+  }
+  for (const GemmTarget& target : targets) {
+    DS_RETURN_IF_ERROR(run(x, x_stride, target.w, rows, in, target.out, target.y, target.y_stride));
+  }
+  return Status::ok();
 }
 
 Status Gemm::run_f32(const float* x, int64_t x_stride, const float* w, int64_t rows, int64_t in, int64_t out, float* y,

@@ -1,0 +1,55 @@
+// Small-batch (decode) kernels: a skinny GEMM for at most kSkinnyGemmMaxRows activation rows that streams bf16
+// weights at close to the copy rate, serving up to kSkinnyGemmMaxOutputs weight matrices that share one input in a
+// single launch. Row-major, strides in elements. Launchers validate host-visible arguments and return a Status
+// before launching; they never allocate or synchronise (CUDA-graph capturable).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "common/status.hpp"
+
+namespace deltaserve::kernels::cuda {
+
+inline constexpr int64_t kSkinnyGemmMaxRows = 16;
+inline constexpr int kSkinnyGemmMaxOutputs = 6;
+// The activation rows live in shared memory as bf16 [bucket rows, in]; larger inputs fall back (supported() false).
+inline constexpr int64_t kSkinnyGemmMaxSharedBytes = 200 * 1024;
+
+// One weight matrix of a skinny GEMM and where its product goes.
+struct SkinnyGemmOutput {
+  const __nv_bfloat16* weight = nullptr;  // [n, in], row stride in (the checkpoint layout); 16-byte aligned
+  int64_t n = 0;                          // output features (may be 0: the output is skipped)
+  void* y = nullptr;                      // [rows, n] row stride y_stride: float, or __nv_bfloat16 when y_bf16
+  int64_t y_stride = 0;                   // >= n
+};
+
+// y_o[r, :] = x[r, :] · weight_o^T (fp32 accumulation) for each output o, or y_o += ... when accumulate (fp32 y
+// only; beta = 1 of a cuBLAS GEMM). The sum order differs from cuBLAS's (each lane sums a strided eighth of every
+// 256-wide k slab, then a warp reduction), so results agree with it to fp32 rounding, not bitwise.
+struct SkinnyGemmParams {
+  const __nv_bfloat16* x = nullptr;  // [rows, in], row stride x_stride (any alignment)
+  int64_t x_stride = 0;              // >= in
+  int64_t rows = 0;                  // [0, kSkinnyGemmMaxRows]
+  int64_t in = 0;                    // > 0, a multiple of 8 (16-byte weight rows)
+  SkinnyGemmOutput outputs[kSkinnyGemmMaxOutputs];
+  int num_outputs = 0;      // [1, kSkinnyGemmMaxOutputs]
+  bool y_bf16 = false;      // every output bf16 (rounded once) instead of fp32
+  bool accumulate = false;  // fp32 outputs only
+};
+
+// Whether skinny_gemm handles these shapes and alignments (rows, in % 8, 16-byte weights, shared-memory size).
+// Callers fall back to cuBLAS when false.
+[[nodiscard]] bool skinny_gemm_supported(const SkinnyGemmParams& params);
+
+// False when the environment sets DELTASERVE_SKINNY_GEMM=off (read once): the engine then keeps cuBLAS for every
+// batch size. The bypass for a misbehaving kernel without a rebuild.
+[[nodiscard]] bool skinny_gemm_enabled();
+
+// Runs the skinny GEMM on `stream`; invalid_argument when !skinny_gemm_supported(params) or pointers are null.
+// rows == 0: ok, nothing launched.
+[[nodiscard]] Status skinny_gemm(const SkinnyGemmParams& params, cudaStream_t stream);
+
+}  // namespace deltaserve::kernels::cuda

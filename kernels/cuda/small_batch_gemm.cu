@@ -1,0 +1,278 @@
+// Skinny GEMM for decode batches (rows <= 16): y_o = x · W_o^T for up to six bf16 weight matrices sharing x.
+// Layout: a CTA of 8 warps copies the activation rows (zero-padded to the bucket size M) into shared memory as
+// bf16 once, then its warps walk "row groups" of R consecutive weight rows of one output in a grid-stride loop.
+// For a group, lane l reads bytes [16 l, 16 l + 16) of every 512-byte slab of each of the R weight rows with
+// 16-byte non-allocating loads, U slabs at a time (R * U loads in flight a lane), multiplies with the matching
+// 8 activations of each of the M rows (one 16-byte shared load a row) and accumulates R * M fp32 sums; a warp
+// reduction ends the group and one lane per (row, output) writes. Weight bytes are read exactly once.
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "kernels/cuda/small_batch.hpp"
+
+namespace deltaserve::kernels::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kSlab = 32 * 8;  // k elements one warp covers with one 16-byte load a lane
+
+Status launch_status(const char* name) {
+  const cudaError_t error = cudaGetLastError();
+  if (error != cudaSuccess) {
+    return internal_error(std::string(name) + ": launch: " + cudaGetErrorName(error) + " (" +
+                          cudaGetErrorString(error) + ")");
+  }
+  return Status::ok();
+}
+
+// Kernel arguments: the host params plus, per output, the first row group (prefix sums; group_begin[num_outputs]
+// is the total).
+struct SkinnyGemmArgs {
+  SkinnyGemmParams p;
+  int64_t group_begin[kSkinnyGemmMaxOutputs + 1];
+};
+
+__device__ __forceinline__ uint4 load_streaming(const void* address) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(address));
+  return v;
+}
+
+__device__ __forceinline__ float bf16_low(uint32_t pair) {
+  return __uint_as_float(pair << 16);
+}
+__device__ __forceinline__ float bf16_high(uint32_t pair) {
+  return __uint_as_float(pair & 0xffff0000u);
+}
+
+// acc += dot of 8 bf16 weights with 8 bf16 activations.
+__device__ __forceinline__ float dot8(const uint4& w, const uint4& x, float acc) {
+  acc = fmaf(bf16_low(w.x), bf16_low(x.x), acc);
+  acc = fmaf(bf16_high(w.x), bf16_high(x.x), acc);
+  acc = fmaf(bf16_low(w.y), bf16_low(x.y), acc);
+  acc = fmaf(bf16_high(w.y), bf16_high(x.y), acc);
+  acc = fmaf(bf16_low(w.z), bf16_low(x.z), acc);
+  acc = fmaf(bf16_high(w.z), bf16_high(x.z), acc);
+  acc = fmaf(bf16_low(w.w), bf16_low(x.w), acc);
+  acc = fmaf(bf16_high(w.w), bf16_high(x.w), acc);
+  return acc;
+}
+
+// M: activation rows (bucket; rows >= params.rows are zero). R: weight rows a warp group. U: slabs in flight.
+template <int M, int R, int U, bool kBf16Out, bool kAccumulate>
+__global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const __grid_constant__ SkinnyGemmArgs args) {
+  extern __shared__ __align__(16) unsigned char shared_raw[];
+  __nv_bfloat16* x_shared = reinterpret_cast<__nv_bfloat16*>(shared_raw);  // [M, in]
+  const SkinnyGemmParams& p = args.p;
+  const int64_t in = p.in;
+
+  // Activations to shared memory (16-byte copies when x's rows allow them).
+  const bool x_vector = (p.x_stride % 8 == 0) && (reinterpret_cast<uintptr_t>(p.x) % 16 == 0);
+  if (x_vector) {
+    const int64_t chunks_per_row = in / 8;
+    for (int64_t i = threadIdx.x; i < M * chunks_per_row; i += kThreads) {
+      const int64_t m = i / chunks_per_row, c = i - m * chunks_per_row;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (m < p.rows) v = *reinterpret_cast<const uint4*>(p.x + m * p.x_stride + c * 8);
+      *reinterpret_cast<uint4*>(x_shared + m * in + c * 8) = v;
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < M * in; i += kThreads) {
+      const int64_t m = i / in, k = i - m * in;
+      x_shared[i] = m < p.rows ? p.x[m * p.x_stride + k] : __float2bfloat16_rn(0.0f);
+    }
+  }
+  __syncthreads();
+
+  const int lane = threadIdx.x & 31;
+  const int64_t total_groups = args.group_begin[p.num_outputs];
+  for (int64_t group = int64_t{blockIdx.x} * kWarps + (threadIdx.x >> 5); group < total_groups;
+       group += int64_t{gridDim.x} * kWarps) {
+    int o = 0;
+    while (group >= args.group_begin[o + 1]) ++o;
+    const SkinnyGemmOutput& out = p.outputs[o];
+    const int64_t row0 = (group - args.group_begin[o]) * R;
+    const __nv_bfloat16* w_rows[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) w_rows[r] = out.weight + min(row0 + r, out.n - 1) * in;  // clamp: read, discard
+
+    float acc[R][M];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
+    }
+    for (int64_t k0 = int64_t{lane} * 8; k0 < in; k0 += int64_t{kSlab} * U) {
+      uint4 w[U][R];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t k = k0 + int64_t{u} * kSlab;
+#pragma unroll
+        for (int r = 0; r < R; ++r) w[u][r] = k < in ? load_streaming(w_rows[r] + k) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t k = k0 + int64_t{u} * kSlab;
+        if (k < in) {
+#pragma unroll
+          for (int m = 0; m < M; ++m) {
+            const uint4 xv = *reinterpret_cast<const uint4*>(x_shared + m * in + k);
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[r][m] = dot8(w[u][r], xv, acc[r][m]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        float v = acc[r][m];
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+        const int64_t n = row0 + r;
+        if (lane == ((r * M + m) & 31) && m < p.rows && n < out.n) {
+          if constexpr (kBf16Out) {
+            static_cast<__nv_bfloat16*>(out.y)[m * out.y_stride + n] = __float2bfloat16_rn(v);
+          } else if constexpr (kAccumulate) {
+            static_cast<float*>(out.y)[m * out.y_stride + n] += v;
+          } else {
+            static_cast<float*>(out.y)[m * out.y_stride + n] = v;
+          }
+        }
+      }
+    }
+  }
+}
+
+int64_t bucket_rows(int64_t rows) {
+  if (rows <= 1) return 1;
+  if (rows <= 2) return 2;
+  if (rows <= 4) return 4;
+  if (rows <= 8) return 8;
+  return 16;
+}
+
+// Of the current device (a process may drive several); a plain attribute query.
+int sm_count() {
+  int device = 0, value = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&value, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || value < 1) {
+    (void)cudaGetLastError();
+    return 132;  // H200; only the grid size depends on it
+  }
+  return value;
+}
+
+template <int M, int R, int U, bool kBf16Out, bool kAccumulate>
+Status launch(const SkinnyGemmArgs& args, cudaStream_t stream) {
+  auto kernel = skinny_gemm_kernel<M, R, U, kBf16Out, kAccumulate>;
+  const size_t shared_bytes = size_t{M} * static_cast<size_t>(args.p.in) * sizeof(__nv_bfloat16);
+  // Per call (the attribute is per device): a host-side call, legal during graph capture.
+  if (shared_bytes > 48 * 1024) {
+    const cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   static_cast<int>(kSkinnyGemmMaxSharedBytes));
+    if (error != cudaSuccess) {
+      return internal_error(std::string("skinny_gemm: cudaFuncSetAttribute: ") + cudaGetErrorName(error));
+    }
+  }
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, shared_bytes) != cudaSuccess ||
+      per_sm < 1) {
+    (void)cudaGetLastError();
+    per_sm = 1;
+  }
+  const int64_t total_groups = args.group_begin[args.p.num_outputs];
+  const int64_t needed = (total_groups + kWarps - 1) / kWarps;
+  const int64_t grid = std::min<int64_t>(needed, int64_t{per_sm} * sm_count());
+  kernel<<<static_cast<unsigned>(grid), kThreads, shared_bytes, stream>>>(args);
+  return launch_status("skinny_gemm");
+}
+
+// Weight rows per warp group (R) and slabs in flight (U), R * U 16-byte loads a lane in flight. R = 2 for few
+// activation rows keeps the groups small (12.5k rows of the fused KDA projection make ~6.3k groups for ~2-4k
+// resident warps: little tail imbalance); shared-memory traffic is M / R times the weight bytes, so the larger
+// buckets take R = 4 (M = 16: 4x, half the shared bandwidth) and U shrinks to hold the R * M accumulators.
+template <int M, bool kBf16Out, bool kAccumulate>
+Status launch_bucket(SkinnyGemmArgs& args, cudaStream_t stream) {
+  constexpr int R = M <= 4 ? 2 : 4;
+  constexpr int U = M <= 4 ? 4 : (M == 8 ? 2 : 1);
+  int64_t groups = 0;
+  for (int o = 0; o < args.p.num_outputs; ++o) {
+    args.group_begin[o] = groups;
+    groups += (args.p.outputs[o].n + R - 1) / R;
+  }
+  args.group_begin[args.p.num_outputs] = groups;
+  if (groups == 0) return Status::ok();
+  return launch<M, R, U, kBf16Out, kAccumulate>(args, stream);
+}
+
+template <int M>
+Status launch_rows(SkinnyGemmArgs& args, cudaStream_t stream) {
+  if (args.p.y_bf16) return launch_bucket<M, true, false>(args, stream);
+  if (args.p.accumulate) return launch_bucket<M, false, true>(args, stream);
+  return launch_bucket<M, false, false>(args, stream);
+}
+
+}  // namespace
+
+bool skinny_gemm_supported(const SkinnyGemmParams& p) {
+  if (p.rows < 0 || p.rows > kSkinnyGemmMaxRows || p.in <= 0 || p.in % 8 != 0 || p.x_stride < p.in) return false;
+  if (p.num_outputs < 1 || p.num_outputs > kSkinnyGemmMaxOutputs) return false;
+  if (p.y_bf16 && p.accumulate) return false;
+  if (bucket_rows(p.rows) * p.in * static_cast<int64_t>(sizeof(__nv_bfloat16)) > kSkinnyGemmMaxSharedBytes) {
+    return false;
+  }
+  for (int o = 0; o < p.num_outputs; ++o) {
+    const SkinnyGemmOutput& out = p.outputs[o];
+    if (out.n < 0 || (out.n > 0 && out.y_stride < out.n)) return false;
+    if (reinterpret_cast<uintptr_t>(out.weight) % 16 != 0) return false;
+  }
+  return true;
+}
+
+bool skinny_gemm_enabled() {
+  static const bool enabled = [] {
+    const char* value = std::getenv("DELTASERVE_SKINNY_GEMM");
+    return value == nullptr || (std::strcmp(value, "off") != 0 && std::strcmp(value, "0") != 0);
+  }();
+  return enabled;
+}
+
+Status skinny_gemm(const SkinnyGemmParams& params, cudaStream_t stream) {
+  if (!skinny_gemm_supported(params)) {
+    return invalid_argument("skinny_gemm: unsupported shape: rows " + std::to_string(params.rows) + " in " +
+                            std::to_string(params.in) + " x_stride " + std::to_string(params.x_stride) + " outputs " +
+                            std::to_string(params.num_outputs) + " (rows <= " + std::to_string(kSkinnyGemmMaxRows) +
+                            ", in % 8 == 0, 16-byte aligned weights, " + "y_stride >= n, no bf16 accumulate)");
+  }
+  if (params.rows == 0) return Status::ok();
+  if (params.x == nullptr) return invalid_argument("skinny_gemm: null x");
+  for (int o = 0; o < params.num_outputs; ++o) {
+    if (params.outputs[o].n > 0 && (params.outputs[o].weight == nullptr || params.outputs[o].y == nullptr)) {
+      return invalid_argument("skinny_gemm: null weight or y of output " + std::to_string(o));
+    }
+  }
+  SkinnyGemmArgs args{};
+  args.p = params;
+  // Outputs with n == 0 get no groups (their pointers are never touched).
+  switch (bucket_rows(params.rows)) {
+    case 1:
+      return launch_rows<1>(args, stream);
+    case 2:
+      return launch_rows<2>(args, stream);
+    case 4:
+      return launch_rows<4>(args, stream);
+    case 8:
+      return launch_rows<8>(args, stream);
+    default:
+      return launch_rows<16>(args, stream);
+  }
+}
+
+}  // namespace deltaserve::kernels::cuda
