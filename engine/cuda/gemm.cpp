@@ -11,18 +11,20 @@ namespace kc = kernels::cuda;
 
 namespace {
 
-// Skinny-GEMM parameters for one bf16 x bf16 projection; num_outputs == 0 when the skinny path
-// does not apply (disabled, too many rows, fp32 input, or a shape/alignment it does not take).
+// Skinny-GEMM parameters for one bf16 x bf16 or fp32 x fp32 projection; num_outputs == 0 when the skinny path
+// does not apply (disabled, too many rows, or a shape/alignment it does not take).
 kc::SkinnyGemmParams skinny_params(const void* x, cudaDataType x_type, int64_t x_stride, const void* w, int64_t rows,
                                    int64_t in, int64_t out, void* y, cudaDataType y_type, int64_t y_stride,
                                    float beta) {
   kc::SkinnyGemmParams p;
-  if (x_type != CUDA_R_16BF || rows > kc::kSkinnyGemmMaxRows || !kc::skinny_gemm_enabled()) return p;
-  p.x = static_cast<const __nv_bfloat16*>(x);
+  if ((x_type != CUDA_R_16BF && x_type != CUDA_R_32F) || rows > kc::kSkinnyGemmMaxRows) return p;
+  p.input = x_type == CUDA_R_32F ? kc::SkinnyGemmInput::kFp32 : kc::SkinnyGemmInput::kBf16;
+  if (!kc::skinny_gemm_enabled(p.input)) return p;
+  p.x = x;
   p.x_stride = x_stride;
   p.rows = rows;
   p.in = in;
-  p.outputs[0] = {static_cast<const __nv_bfloat16*>(w), out, y, y_stride};
+  p.outputs[0] = {w, out, y, y_stride};
   p.num_outputs = 1;
   p.y_bf16 = y_type == CUDA_R_16BF;
   p.accumulate = beta != 0.0f;
@@ -86,7 +88,7 @@ Status Gemm::run_shared_input(const __nv_bfloat16* x, int64_t x_stride, int64_t 
                               std::initializer_list<GemmTarget> targets) {
   if (rows == 0) return Status::ok();
   kc::SkinnyGemmParams p;
-  if (rows <= kc::kSkinnyGemmMaxRows && kc::skinny_gemm_enabled() &&
+  if (rows <= kc::kSkinnyGemmMaxRows && kc::skinny_gemm_enabled(kc::SkinnyGemmInput::kBf16) &&
       targets.size() <= static_cast<size_t>(kc::kSkinnyGemmMaxOutputs) && x != nullptr) {
     p.x = x;
     p.x_stride = x_stride;

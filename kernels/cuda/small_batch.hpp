@@ -18,35 +18,42 @@ inline constexpr int kSkinnyGemmMaxOutputs = 6;
 // The activation rows live in shared memory as bf16 [bucket rows, in]; larger inputs fall back (supported() false).
 inline constexpr int64_t kSkinnyGemmMaxSharedBytes = 200 * 1024;
 
+// Element type of x and of every weight (one for both): bf16 (the projections) or fp32 (the MoE router, no TF32).
+enum class SkinnyGemmInput { kBf16, kFp32 };
+
 // One weight matrix of a skinny GEMM and where its product goes.
 struct SkinnyGemmOutput {
-  const __nv_bfloat16* weight = nullptr;  // [n, in], row stride in (the checkpoint layout); 16-byte aligned
-  int64_t n = 0;                          // output features (may be 0: the output is skipped)
-  void* y = nullptr;                      // [rows, n] row stride y_stride: float, or __nv_bfloat16 when y_bf16
-  int64_t y_stride = 0;                   // >= n
+  const void* weight =
+      nullptr;           // [n, in] of SkinnyGemmParams::input, row stride in (checkpoint layout); 16-byte aligned
+  int64_t n = 0;         // output features (may be 0: the output is skipped)
+  void* y = nullptr;     // [rows, n] row stride y_stride: float, or __nv_bfloat16 when y_bf16
+  int64_t y_stride = 0;  // >= n
 };
 
 // y_o[r, :] = x[r, :] · weight_o^T (fp32 accumulation) for each output o, or y_o += ... when accumulate (fp32 y
 // only; beta = 1 of a cuBLAS GEMM). The sum order differs from cuBLAS's (each lane sums a strided eighth of every
 // 256-wide k slab, then a warp reduction), so results agree with it to fp32 rounding, not bitwise.
 struct SkinnyGemmParams {
-  const __nv_bfloat16* x = nullptr;  // [rows, in], row stride x_stride (any alignment)
-  int64_t x_stride = 0;              // >= in
-  int64_t rows = 0;                  // [0, kSkinnyGemmMaxRows]
-  int64_t in = 0;                    // > 0, a multiple of 8 (16-byte weight rows)
+  SkinnyGemmInput input = SkinnyGemmInput::kBf16;
+  const void* x = nullptr;  // [rows, in] of `input`, row stride x_stride (any alignment)
+  int64_t x_stride = 0;     // >= in
+  int64_t rows = 0;         // [0, kSkinnyGemmMaxRows]
+  int64_t in = 0;           // > 0, a multiple of 8 (bf16) or 4 (fp32): 16-byte weight rows
   SkinnyGemmOutput outputs[kSkinnyGemmMaxOutputs];
   int num_outputs = 0;      // [1, kSkinnyGemmMaxOutputs]
   bool y_bf16 = false;      // every output bf16 (rounded once) instead of fp32
-  bool accumulate = false;  // fp32 outputs only
+  bool accumulate = false;  // fp32 outputs of bf16 input only (fp32 input: plain fp32 output)
 };
 
-// Whether skinny_gemm handles these shapes and alignments (rows, in % 8, 16-byte weights, shared-memory size).
+// Whether skinny_gemm handles these shapes and alignments (rows, in % (16 / element size), 16-byte
+// weights, shared-memory size).
 // Callers fall back to cuBLAS when false.
 [[nodiscard]] bool skinny_gemm_supported(const SkinnyGemmParams& params);
 
-// False when the environment sets DELTASERVE_SKINNY_GEMM=off (read once): the engine then keeps cuBLAS for every
-// batch size. The bypass for a misbehaving kernel without a rebuild.
-[[nodiscard]] bool skinny_gemm_enabled();
+// Whether the engine routes GEMMs of `input` through the skinny GEMM. The environment variable
+// DELTASERVE_SKINNY_GEMM (read once) bypasses it without a rebuild: "off" (or "0") keeps cuBLAS for every GEMM,
+// "bf16" keeps it for the fp32 router only; unset or anything else: both.
+[[nodiscard]] bool skinny_gemm_enabled(SkinnyGemmInput input);
 
 // Runs the skinny GEMM on `stream`; invalid_argument when !skinny_gemm_supported(params) or pointers are null.
 // rows == 0: ok, nothing launched.

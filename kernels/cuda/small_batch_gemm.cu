@@ -1,10 +1,11 @@
-// Skinny GEMM for decode batches (rows <= 16): y_o = x · W_o^T for up to six bf16 weight matrices sharing x.
-// Layout: a CTA of 8 warps copies the activation rows (zero-padded to the bucket size M) into shared memory as
-// bf16 once, then its warps walk "row groups" of R consecutive weight rows of one output in a grid-stride loop.
-// For a group, lane l reads bytes [16 l, 16 l + 16) of every 512-byte slab of each of the R weight rows with
+// Skinny GEMM for decode batches (rows <= 16): y_o = x · W_o^T for up to six weight matrices sharing x
+// (bf16, or fp32 for the MoE router).
+// Layout: a CTA of 8 warps copies the activation rows (zero-padded to the bucket size M) into shared memory (in
+// the input type) once, then its warps walk "row groups" of R consecutive weight rows of one output in a grid-stride
+// loop. For a group, lane l reads bytes [16 l, 16 l + 16) of every 512-byte slab of each of the R weight rows with
 // 16-byte non-allocating loads, U slabs at a time (R * U loads in flight a lane), multiplies with the matching
-// 8 activations of each of the M rows (one 16-byte shared load a row) and accumulates R * M fp32 sums; a warp
-// reduction ends the group and one lane per (row, output) writes. Weight bytes are read exactly once.
+// 8 (bf16) or 4 (fp32) activations of each of the M rows (one 16-byte shared load a row) and accumulates R * M fp32
+// sums; a warp reduction ends the group and one lane per (row, output) writes. Weight bytes are read exactly once.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -17,7 +18,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kSlab = 32 * 8;  // k elements one warp covers with one 16-byte load a lane
 
 Status launch_status(const char* name) {
   const cudaError_t error = cudaGetLastError();
@@ -50,8 +50,8 @@ __device__ __forceinline__ float bf16_high(uint32_t pair) {
   return __uint_as_float(pair & 0xffff0000u);
 }
 
-// acc += dot of 8 bf16 weights with 8 bf16 activations.
-__device__ __forceinline__ float dot8(const uint4& w, const uint4& x, float acc) {
+// acc += dot of the 16-byte vectors w and x: 8 bf16 or 4 fp32 values each.
+__device__ __forceinline__ float dot16(const uint4& w, const uint4& x, float acc, __nv_bfloat16 /*tag*/) {
   acc = fmaf(bf16_low(w.x), bf16_low(x.x), acc);
   acc = fmaf(bf16_high(w.x), bf16_high(x.x), acc);
   acc = fmaf(bf16_low(w.y), bf16_low(x.y), acc);
@@ -62,29 +62,47 @@ __device__ __forceinline__ float dot8(const uint4& w, const uint4& x, float acc)
   acc = fmaf(bf16_high(w.w), bf16_high(x.w), acc);
   return acc;
 }
+__device__ __forceinline__ float dot16(const uint4& w, const uint4& x, float acc, float /*tag*/) {
+  acc = fmaf(__uint_as_float(w.x), __uint_as_float(x.x), acc);
+  acc = fmaf(__uint_as_float(w.y), __uint_as_float(x.y), acc);
+  acc = fmaf(__uint_as_float(w.z), __uint_as_float(x.z), acc);
+  acc = fmaf(__uint_as_float(w.w), __uint_as_float(x.w), acc);
+  return acc;
+}
 
-// M: activation rows (bucket; rows >= params.rows are zero). R: weight rows a warp group. U: slabs in flight.
-template <int M, int R, int U, bool kBf16Out, bool kAccumulate>
+__device__ __forceinline__ __nv_bfloat16 zero_of(__nv_bfloat16 /*tag*/) {
+  return __float2bfloat16_rn(0.0f);
+}
+__device__ __forceinline__ float zero_of(float /*tag*/) {
+  return 0.0f;
+}
+
+// TIn: element of x and weights. M: activation rows (bucket; rows >= params.rows are zero). R: weight rows a warp
+// group. U: slabs in flight.
+template <class TIn, int M, int R, int U, bool kBf16Out, bool kAccumulate>
 __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const __grid_constant__ SkinnyGemmArgs args) {
+  constexpr int kVector = 16 / sizeof(TIn);  // elements a 16-byte load
+  constexpr int kSlab = 32 * kVector;        // k elements one warp covers with one 16-byte load a lane
   extern __shared__ __align__(16) unsigned char shared_raw[];
-  __nv_bfloat16* x_shared = reinterpret_cast<__nv_bfloat16*>(shared_raw);  // [M, in]
+  TIn* x_shared = reinterpret_cast<TIn*>(shared_raw);  // [M, in]
   const SkinnyGemmParams& p = args.p;
+  const TIn* x = static_cast<const TIn*>(p.x);
   const int64_t in = p.in;
 
   // Activations to shared memory (16-byte copies when x's rows allow them).
-  const bool x_vector = (p.x_stride % 8 == 0) && (reinterpret_cast<uintptr_t>(p.x) % 16 == 0);
+  const bool x_vector = (p.x_stride % kVector == 0) && (reinterpret_cast<uintptr_t>(p.x) % 16 == 0);
   if (x_vector) {
-    const int64_t chunks_per_row = in / 8;
+    const int64_t chunks_per_row = in / kVector;
     for (int64_t i = threadIdx.x; i < M * chunks_per_row; i += kThreads) {
       const int64_t m = i / chunks_per_row, c = i - m * chunks_per_row;
       uint4 v = make_uint4(0, 0, 0, 0);
-      if (m < p.rows) v = *reinterpret_cast<const uint4*>(p.x + m * p.x_stride + c * 8);
-      *reinterpret_cast<uint4*>(x_shared + m * in + c * 8) = v;
+      if (m < p.rows) v = *reinterpret_cast<const uint4*>(x + m * p.x_stride + c * kVector);
+      *reinterpret_cast<uint4*>(x_shared + m * in + c * kVector) = v;
     }
   } else {
     for (int64_t i = threadIdx.x; i < M * in; i += kThreads) {
       const int64_t m = i / in, k = i - m * in;
-      x_shared[i] = m < p.rows ? p.x[m * p.x_stride + k] : __float2bfloat16_rn(0.0f);
+      x_shared[i] = m < p.rows ? x[m * p.x_stride + k] : zero_of(TIn{});
     }
   }
   __syncthreads();
@@ -97,9 +115,10 @@ __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const __grid_cons
     while (group >= args.group_begin[o + 1]) ++o;
     const SkinnyGemmOutput& out = p.outputs[o];
     const int64_t row0 = (group - args.group_begin[o]) * R;
-    const __nv_bfloat16* w_rows[R];
+    const TIn* w_rows[R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) w_rows[r] = out.weight + min(row0 + r, out.n - 1) * in;  // clamp: read, discard
+    for (int r = 0; r < R; ++r)
+      w_rows[r] = static_cast<const TIn*>(out.weight) + min(row0 + r, out.n - 1) * in;  // clamp: read, discard
 
     float acc[R][M];
 #pragma unroll
@@ -107,7 +126,7 @@ __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const __grid_cons
 #pragma unroll
       for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
     }
-    for (int64_t k0 = int64_t{lane} * 8; k0 < in; k0 += int64_t{kSlab} * U) {
+    for (int64_t k0 = int64_t{lane} * kVector; k0 < in; k0 += int64_t{kSlab} * U) {
       uint4 w[U][R];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
@@ -123,7 +142,7 @@ __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const __grid_cons
           for (int m = 0; m < M; ++m) {
             const uint4 xv = *reinterpret_cast<const uint4*>(x_shared + m * in + k);
 #pragma unroll
-            for (int r = 0; r < R; ++r) acc[r][m] = dot8(w[u][r], xv, acc[r][m]);
+            for (int r = 0; r < R; ++r) acc[r][m] = dot16(w[u][r], xv, acc[r][m], TIn{});
           }
         }
       }
@@ -169,10 +188,10 @@ int sm_count() {
   return value;
 }
 
-template <int M, int R, int U, bool kBf16Out, bool kAccumulate>
+template <class TIn, int M, int R, int U, bool kBf16Out, bool kAccumulate>
 Status launch(const SkinnyGemmArgs& args, cudaStream_t stream) {
-  auto kernel = skinny_gemm_kernel<M, R, U, kBf16Out, kAccumulate>;
-  const size_t shared_bytes = size_t{M} * static_cast<size_t>(args.p.in) * sizeof(__nv_bfloat16);
+  auto kernel = skinny_gemm_kernel<TIn, M, R, U, kBf16Out, kAccumulate>;
+  const size_t shared_bytes = size_t{M} * static_cast<size_t>(args.p.in) * sizeof(TIn);
   // Per call (the attribute is per device): a host-side call, legal during graph capture.
   if (shared_bytes > 48 * 1024) {
     const cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -198,7 +217,7 @@ Status launch(const SkinnyGemmArgs& args, cudaStream_t stream) {
 // activation rows keeps the groups small (12.5k rows of the fused KDA projection make ~6.3k groups for ~2-4k
 // resident warps: little tail imbalance); shared-memory traffic is M / R times the weight bytes, so the larger
 // buckets take R = 4 (M = 16: 4x, half the shared bandwidth) and U shrinks to hold the R * M accumulators.
-template <int M, bool kBf16Out, bool kAccumulate>
+template <class TIn, int M, bool kBf16Out, bool kAccumulate>
 Status launch_bucket(SkinnyGemmArgs& args, cudaStream_t stream) {
   constexpr int R = M <= 4 ? 2 : 4;
   constexpr int U = M <= 4 ? 4 : (M == 8 ? 2 : 1);
@@ -209,23 +228,34 @@ Status launch_bucket(SkinnyGemmArgs& args, cudaStream_t stream) {
   }
   args.group_begin[args.p.num_outputs] = groups;
   if (groups == 0) return Status::ok();
-  return launch<M, R, U, kBf16Out, kAccumulate>(args, stream);
+  return launch<TIn, M, R, U, kBf16Out, kAccumulate>(args, stream);
 }
 
+// fp32 input (the router) only ever needs plain fp32 output: fewer instantiations.
 template <int M>
 Status launch_rows(SkinnyGemmArgs& args, cudaStream_t stream) {
-  if (args.p.y_bf16) return launch_bucket<M, true, false>(args, stream);
-  if (args.p.accumulate) return launch_bucket<M, false, true>(args, stream);
-  return launch_bucket<M, false, false>(args, stream);
+  if (args.p.input == SkinnyGemmInput::kFp32) return launch_bucket<float, M, false, false>(args, stream);
+  if (args.p.y_bf16) return launch_bucket<__nv_bfloat16, M, true, false>(args, stream);
+  if (args.p.accumulate) return launch_bucket<__nv_bfloat16, M, false, true>(args, stream);
+  return launch_bucket<__nv_bfloat16, M, false, false>(args, stream);
+}
+
+int64_t element_bytes(SkinnyGemmInput input) {
+  return input == SkinnyGemmInput::kFp32 ? 4 : 2;
 }
 
 }  // namespace
 
 bool skinny_gemm_supported(const SkinnyGemmParams& p) {
-  if (p.rows < 0 || p.rows > kSkinnyGemmMaxRows || p.in <= 0 || p.in % 8 != 0 || p.x_stride < p.in) return false;
+  if (p.input != SkinnyGemmInput::kBf16 && p.input != SkinnyGemmInput::kFp32) return false;
+  const int64_t bytes = element_bytes(p.input);
+  if (p.rows < 0 || p.rows > kSkinnyGemmMaxRows || p.in <= 0 || p.in % (16 / bytes) != 0 || p.x_stride < p.in) {
+    return false;
+  }
+  if (p.input == SkinnyGemmInput::kFp32 && (p.y_bf16 || p.accumulate)) return false;
   if (p.num_outputs < 1 || p.num_outputs > kSkinnyGemmMaxOutputs) return false;
   if (p.y_bf16 && p.accumulate) return false;
-  if (bucket_rows(p.rows) * p.in * static_cast<int64_t>(sizeof(__nv_bfloat16)) > kSkinnyGemmMaxSharedBytes) {
+  if (bucket_rows(p.rows) * p.in * bytes > kSkinnyGemmMaxSharedBytes) {
     return false;
   }
   for (int o = 0; o < p.num_outputs; ++o) {
@@ -236,20 +266,26 @@ bool skinny_gemm_supported(const SkinnyGemmParams& p) {
   return true;
 }
 
-bool skinny_gemm_enabled() {
-  static const bool enabled = [] {
+bool skinny_gemm_enabled(SkinnyGemmInput input) {
+  // 0: off, 1: bf16 only, 2: bf16 and fp32.
+  static const int level = [] {
     const char* value = std::getenv("DELTASERVE_SKINNY_GEMM");
-    return value == nullptr || (std::strcmp(value, "off") != 0 && std::strcmp(value, "0") != 0);
+    if (value == nullptr) return 2;
+    if (std::strcmp(value, "off") == 0 || std::strcmp(value, "0") == 0) return 0;
+    if (std::strcmp(value, "bf16") == 0) return 1;
+    return 2;
   }();
-  return enabled;
+  return input == SkinnyGemmInput::kBf16 ? level >= 1 : level >= 2;
 }
 
 Status skinny_gemm(const SkinnyGemmParams& params, cudaStream_t stream) {
   if (!skinny_gemm_supported(params)) {
-    return invalid_argument("skinny_gemm: unsupported shape: rows " + std::to_string(params.rows) + " in " +
-                            std::to_string(params.in) + " x_stride " + std::to_string(params.x_stride) + " outputs " +
-                            std::to_string(params.num_outputs) + " (rows <= " + std::to_string(kSkinnyGemmMaxRows) +
-                            ", in % 8 == 0, 16-byte aligned weights, " + "y_stride >= n, no bf16 accumulate)");
+    return invalid_argument(
+        "skinny_gemm: unsupported shape: rows " + std::to_string(params.rows) + " in " + std::to_string(params.in) +
+        " x_stride " + std::to_string(params.x_stride) + " outputs " + std::to_string(params.num_outputs) +
+        " (rows <= " + std::to_string(kSkinnyGemmMaxRows) +
+        ", in % 8 == 0 (bf16) or in % 4 == 0 (fp32), 16-byte aligned weights, y_stride >= n, no bf16 "
+        "accumulate, fp32 input only with plain fp32 output)");
   }
   if (params.rows == 0) return Status::ok();
   if (params.x == nullptr) return invalid_argument("skinny_gemm: null x");

@@ -28,6 +28,7 @@ struct Case {
   int64_t y_stride_pad = 3;
   bool y_bf16 = false;
   bool accumulate = false;
+  bool fp32 = false;  // fp32 x and weights (the router form) instead of bf16
   uint32_t seed = 1;
 };
 
@@ -36,7 +37,7 @@ std::string describe(const Case& c) {
   s << "rows " << c.rows << " in " << c.in << " outs [";
   for (int64_t n : c.outs) s << n << " ";
   s << "] x_stride_pad " << c.x_stride_pad << " y_stride_pad " << c.y_stride_pad << " bf16 " << c.y_bf16
-    << " accumulate " << c.accumulate;
+    << " accumulate " << c.accumulate << " fp32 " << c.fp32;
   return s.str();
 }
 
@@ -78,7 +79,9 @@ void run_case(const Case& c) {
   std::mt19937 rng(c.seed);
   const int64_t x_stride = c.in + c.x_stride_pad;
   std::vector<float> x = normal_vector(rng, c.rows * c.in);
-  for (float& v : x) v = bf16_round(v);
+  if (!c.fp32) {
+    for (float& v : x) v = bf16_round(v);
+  }
   std::vector<float> x_strided(std::max<int64_t>(c.rows, 1) * x_stride, NAN);
   for (int64_t m = 0; m < c.rows; ++m) std::copy_n(x.begin() + m * c.in, c.in, x_strided.begin() + m * x_stride);
 
@@ -86,13 +89,27 @@ void run_case(const Case& c) {
   int64_t total_n = 0;
   for (int64_t n : c.outs) total_n += n;
   std::vector<float> w = normal_vector(rng, std::max<int64_t>(total_n, 1) * c.in, 0.0f, 0.05f);
-  for (float& v : w) v = bf16_round(v);
+  if (!c.fp32) {
+    for (float& v : w) v = bf16_round(v);
+  }
 
-  DeviceBuffer<__nv_bfloat16> x_d(x_strided.size()), w_d(w.size());
-  x_d.upload(to_bf16(x_strided));
-  w_d.upload(to_bf16(w));
+  DeviceBuffer<__nv_bfloat16> x_d(c.fp32 ? 0 : x_strided.size()), w_d(c.fp32 ? 0 : w.size());
+  DeviceBuffer<float> x32_d(c.fp32 ? x_strided.size() : 0), w32_d(c.fp32 ? w.size() : 0);
+  if (c.fp32) {
+    x32_d.upload(x_strided);
+    w32_d.upload(w);
+  } else {
+    x_d.upload(to_bf16(x_strided));
+    w_d.upload(to_bf16(w));
+  }
+  // Weight o starts at element offset * in of the buffer.
+  auto weight_at = [&](int64_t offset) -> const void* {
+    return c.fp32 ? static_cast<const void*>(w32_d.get() + offset * c.in)
+                  : static_cast<const void*>(w_d.get() + offset * c.in);
+  };
   SkinnyGemmParams p;
-  p.x = x_d.get();
+  p.input = c.fp32 ? SkinnyGemmInput::kFp32 : SkinnyGemmInput::kBf16;
+  p.x = c.fp32 ? static_cast<const void*>(x32_d.get()) : static_cast<const void*>(x_d.get());
   p.x_stride = x_stride;
   p.rows = c.rows;
   p.in = c.in;
@@ -114,11 +131,11 @@ void run_case(const Case& c) {
     if (c.y_bf16) {
       y16.emplace_back(initial.size());
       y16.back().upload(to_bf16(initial));
-      p.outputs[o] = {w_d.get() + w_offset * c.in, n, y16.back().get(), y_stride};
+      p.outputs[o] = {weight_at(w_offset), n, y16.back().get(), y_stride};
     } else {
       y32.emplace_back(initial.size());
       y32.back().upload(initial);
-      p.outputs[o] = {w_d.get() + w_offset * c.in, n, y32.back().get(), y_stride};
+      p.outputs[o] = {weight_at(w_offset), n, y32.back().get(), y_stride};
     }
     w_offset += n;
   }
@@ -216,6 +233,22 @@ TEST(SkinnyGemm, Bf16Output) {
   }
 }
 
+// The MoE router form: fp32 x and weights [E, hidden], fp32 logits; ragged K (in % 4 == 0 only).
+TEST(SkinnyGemm, Fp32Router) {
+  for (int64_t rows : {1, 2, 6, 16}) {
+    for (int64_t in : {2304, 132}) {
+      Case c;
+      c.rows = rows;
+      c.in = in;
+      c.outs = {256};
+      c.fp32 = true;
+      c.x_stride_pad = rows % 2 == 0 ? 4 : 1;
+      c.seed = static_cast<uint32_t>(300 + rows + in);
+      run_case(c);
+    }
+  }
+}
+
 // The KDA decode projection set (fg_a, q, k, v, b_proj, g_proj at reduced width) plus an empty output.
 TEST(SkinnyGemm, MultiOutputSharedInput) {
   for (int64_t rows : {1, 4, 16}) {
@@ -269,6 +302,10 @@ TEST(SkinnyGemm, UnsupportedShapesAreRefused) {
   bad.x_stride = 8192;
   bad.rows = 16;
   EXPECT_FALSE(skinny_gemm_supported(bad)) << "activations past the shared-memory limit";
+  bad = p;
+  bad.input = SkinnyGemmInput::kFp32;
+  bad.accumulate = true;
+  EXPECT_FALSE(skinny_gemm_supported(bad)) << "fp32 accumulate";
   bad = p;
   bad.num_outputs = 0;
   EXPECT_FALSE(skinny_gemm_supported(bad)) << "no outputs";
