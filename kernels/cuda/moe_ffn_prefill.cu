@@ -296,6 +296,27 @@ Status moe_expert_ffn_cublas_grouped(const MoeFfnParams& params, const int32_t* 
     return invalid_argument(std::string(kName) + "no room for the gate/up product (no workspace and I > width)");
   }
 
+  // Offsets: 0 = offsets[0] <= ... <= offsets[E] <= R. Host offsets are checked before any CUDA call.
+  auto check_offsets = [&](const int32_t* o) -> Status {
+    if (o[0] != 0) return invalid_argument(std::string(kName) + "offsets[0] must be 0");
+    for (int e = 0; e < E; ++e) {
+      if (o[e + 1] < o[e]) {
+        return invalid_argument(std::string(kName) + "offsets must be non-decreasing (at expert " + std::to_string(e) +
+                                ")");
+      }
+    }
+    if (o[E] > R) {
+      return invalid_argument(std::string(kName) + "offsets[E] = " + std::to_string(o[E]) + " exceeds rows " +
+                              std::to_string(R));
+    }
+    return Status::ok();
+  };
+  if (host_offsets != nullptr) {
+    const Status valid = check_offsets(host_offsets);
+    if (!valid) return valid;
+    if (host_offsets[E] == 0) return Status::ok();
+  }
+
   GroupedContext* ctx = nullptr;
   Status status = grouped_context(&ctx);
   if (!status) return status;
@@ -318,18 +339,9 @@ Status moe_expert_ffn_cublas_grouped(const MoeFfnParams& params, const int32_t* 
     if (!status) return status;
     offsets = ctx->host_offsets;
   }
-  if (offsets[0] != 0) return invalid_argument(std::string(kName) + "offsets[0] must be 0");
-  for (int e = 0; e < E; ++e) {
-    if (offsets[e + 1] < offsets[e]) {
-      return invalid_argument(std::string(kName) + "offsets must be non-decreasing (at expert " + std::to_string(e) +
-                              ")");
-    }
-  }
+  Status valid = check_offsets(offsets);
+  if (!valid) return valid;
   const int64_t used = offsets[E];
-  if (used > R) {
-    return invalid_argument(std::string(kName) + "offsets[E] = " + std::to_string(used) + " exceeds rows " +
-                            std::to_string(R));
-  }
   if (used == 0) return Status::ok();
 
   // (b) per-expert arrays: one group of one GEMM per expert with rows. Column-major view as in the reference path
