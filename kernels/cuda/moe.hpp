@@ -163,8 +163,9 @@ bool moe_reference_ffn_forced();
 // calls (fp32 out) instead. The gate/up output lives in params.workspace if it holds fp32 [R, 2I], else in the
 // y_sorted buffer (fp32 if 2I <= width, bf16 if I <= width; else kInvalidArgument). handle: nullptr = a cached handle
 // of this thread and device. Requirements as moe_expert_ffn_grouped (16-byte aligned bf16 buffers), E <= 1024,
-// 2I * R and width * R below 2^31 elements per GEMM row count. Returns kInvalidArgument / kUnimplemented before
-// launching anything when it cannot run (callers fall back to moe_expert_ffn_grouped's kernels).
+// R < 2^31. Returns kInvalidArgument before launching anything when it cannot run, kUnimplemented when cuBLAS
+// rejects a grouped call (the message names the call and the cuBLAS status; the outputs are then incomplete but the
+// grouped kernels recompute them all from x_sorted): the selector then runs moe_expert_ffn_grouped's kernels.
 Status moe_expert_ffn_cublas_grouped(const MoeFfnParams& params, const int32_t* host_offsets, cublasHandle_t handle,
                                      cudaStream_t stream);
 // What the cuBLAS grouped path last ran, for logs and timing lines: "gate_up C fp32|bf16|unprobed, down grouped

@@ -426,8 +426,11 @@ Status moe_expert_ffn_cublas_grouped(const MoeFfnParams& params, const int32_t* 
   } else if (h_fp32 && cs == CUBLAS_STATUS_SUCCESS) {
     g_gate_up_fp32.store(1);
   }
-  status = cublas_status("grouped gate/up GEMM", cs);
-  if (!status) return status;
+  if (cs != CUBLAS_STATUS_SUCCESS) {
+    // Nothing but the pointer copy was enqueued: the caller may run the grouped kernels instead.
+    return unimplemented(std::string(kName) + "cublasGemmGroupedBatchedEx (gate/up, C " + (h_fp32 ? "fp32" : "bf16") +
+                         ") returned cuBLAS status " + std::to_string(static_cast<int>(cs)));
+  }
 
   // (d) glu over the used rows.
   const int64_t total = used * I;
@@ -455,9 +458,11 @@ Status moe_expert_ffn_cublas_grouped(const MoeFfnParams& params, const int32_t* 
     if (unsupported(cs)) {
       g_down_fp32.store(2);
       down_grouped = false;
+    } else if (cs != CUBLAS_STATUS_SUCCESS) {
+      // The grouped kernels recompute activated and y_sorted from x_sorted: the caller may fall back to them.
+      return unimplemented(std::string(kName) + "cublasGemmGroupedBatchedEx (down, C fp32) returned cuBLAS status " +
+                           std::to_string(static_cast<int>(cs)));
     } else {
-      status = cublas_status("grouped down GEMM", cs);
-      if (!status) return status;
       g_down_fp32.store(1);
     }
   }
