@@ -15,6 +15,7 @@
 #include "kernels/cuda/mla.hpp"
 #include "kernels/cuda/moe.hpp"
 #include "kernels/cuda/ops.hpp"
+#include "kernels/cuda/small_batch.hpp"
 
 namespace deltaserve::engine::cuda {
 
@@ -332,8 +333,14 @@ Status CudaBackend::Impl::forward_layers(const PassTables& t, const float** fina
   };
   auto ffn = [&](const DeviceLayer& layer, const float* x) -> Status {
     profiler.mark(Phase::kNorms, stream());
-    DS_RETURN_IF_ERROR(kc::rms_norm(x, hidden, layer.post_attention_norm, T, hidden, eps, normed, hidden, stream()));
     arena.reset();
+    // MoE at small batches: the bf16 (experts) and fp32 (router) normalisations in one launch.
+    if (layer.is_moe && T <= kc::kSkinnyGemmMaxRows && kc::skinny_gemm_enabled(kc::SkinnyGemmInput::kBf16)) {
+      DS_RETURN_IF_ERROR(kc::rms_norm_dual(x, hidden, layer.post_attention_norm, T, hidden, eps, normed, hidden,
+                                           normed_f32, hidden, stream()));
+      return run_moe(layer.moe, T);
+    }
+    DS_RETURN_IF_ERROR(kc::rms_norm(x, hidden, layer.post_attention_norm, T, hidden, eps, normed, hidden, stream()));
     if (!layer.is_moe) {
       profiler.mark(Phase::kDenseFfn, stream());
       return run_dense_ffn(layer.dense, normed, hidden, T);

@@ -59,4 +59,13 @@ struct SkinnyGemmParams {
 // rows == 0: ok, nothing launched.
 [[nodiscard]] Status skinny_gemm(const SkinnyGemmParams& params, cudaStream_t stream);
 
+// The MoE layer's two normalisations of one input in one launch: y_bf16 and y_f32 both get
+// x[r, :] * (1 / sqrt(mean(x[r, :]^2) + eps)) * weight (weight fp32 [dim] or nullptr = 1), the fp32 value rounded
+// once for y_bf16. Same block reduction order as rms_norm (ops.hpp): each output is expected to be bitwise what
+// that kernel writes (the test holds it to 1e-6 relative). x fp32 rows (stride x_stride); y_bf16 / y_f32 rows with
+// strides y_bf16_stride / y_f32_stride; neither may alias x. rows == 0: ok, nothing launched.
+[[nodiscard]] Status rms_norm_dual(const float* x, int64_t x_stride, const float* weight, int64_t rows, int64_t dim,
+                                   float eps, __nv_bfloat16* y_bf16, int64_t y_bf16_stride, float* y_f32,
+                                   int64_t y_f32_stride, cudaStream_t stream);
+
 }  // namespace deltaserve::kernels::cuda

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "kernels/cpu/basic_ops.hpp"
+#include "kernels/cuda/ops.hpp"
 #include "kernels/cuda/ops_test_util.hpp"
 
 namespace deltaserve::kernels::cuda::test {
@@ -314,6 +315,68 @@ TEST(SkinnyGemm, UnsupportedShapesAreRefused) {
   const Status status = skinny_gemm(bad, nullptr);
   EXPECT_FALSE(status.is_ok());
   EXPECT_NE(status.to_string().find("in % 8"), std::string::npos) << status.to_string();
+}
+
+// rms_norm_dual vs cpu::rms_norm (fp32 within 1e-6 + 1e-5 |ref|; bf16 within one ulp of the rounded reference)
+// and vs rms_norm (ops.hpp), which it is expected to match bitwise (held to 1e-6 relative); poisoned padding.
+TEST(RmsNormDual, MatchesCpuAndSingleNorm) {
+  for (int64_t rows : {1, 3, 16, 40}) {
+    for (int64_t dim : {2304, 100}) {
+      for (bool with_weight : {true, false}) {
+        SCOPED_TRACE("rows " + std::to_string(rows) + " dim " + std::to_string(dim) + " weight " +
+                     std::to_string(with_weight));
+        std::mt19937 rng(static_cast<uint32_t>(rows * 7 + dim));
+        const int64_t x_stride = dim + 3, y16_stride = dim + 5, y32_stride = dim + 2;
+        const std::vector<float> x_packed = normal_vector(rng, rows * dim, 0.3f, 2.0f);
+        const std::vector<float> weight = normal_vector(rng, dim, 1.0f, 0.2f);
+        std::vector<float> x_strided(rows * x_stride, NAN);
+        for (int64_t r = 0; r < rows; ++r)
+          std::copy_n(x_packed.begin() + r * dim, dim, x_strided.begin() + r * x_stride);
+        std::vector<float> ref(rows * dim);
+        cpu::rms_norm(x_packed.data(), with_weight ? weight.data() : nullptr, ref.data(), rows, dim, 1e-5f);
+
+        DeviceBuffer<float> x_d(x_strided.size()), w_d(dim), y32_d(rows * y32_stride), single32_d(rows * dim);
+        DeviceBuffer<__nv_bfloat16> y16_d(rows * y16_stride);
+        x_d.upload(x_strided);
+        w_d.upload(weight);
+        y32_d.upload(std::vector<float>(rows * y32_stride, NAN));
+        y16_d.upload(std::vector<__nv_bfloat16>(rows * y16_stride, bf16_nan()));
+        Stream stream;
+        const float* w = with_weight ? w_d.get() : nullptr;
+        Status status = rms_norm_dual(x_d.get(), x_stride, w, rows, dim, 1e-5f, y16_d.get(), y16_stride, y32_d.get(),
+                                      y32_stride, stream.get());
+        ASSERT_TRUE(status.is_ok()) << status.to_string();
+        status = cuda::rms_norm(x_d.get(), x_stride, w, rows, dim, 1e-5f, single32_d.get(), dim, stream.get());
+        ASSERT_TRUE(status.is_ok()) << status.to_string();
+        stream.sync();
+        const std::vector<float> y32 = y32_d.download(), single = single32_d.download();
+        const std::vector<float> y16 = to_float(y16_d.download(), rows * y16_stride);
+        std::vector<float> y32_packed(rows * dim), y16_packed(rows * dim), ref16(rows * dim);
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t c = 0; c < y32_stride; ++c) {
+            if (c < dim) {
+              y32_packed[r * dim + c] = y32[r * y32_stride + c];
+            } else {
+              ASSERT_TRUE(std::isnan(y32[r * y32_stride + c])) << "fp32 padding row " << r << " col " << c;
+            }
+          }
+          for (int64_t c = 0; c < y16_stride; ++c) {
+            if (c < dim) {
+              y16_packed[r * dim + c] = y16[r * y16_stride + c];
+              ref16[r * dim + c] = bf16_round(ref[r * dim + c]);
+            } else {
+              ASSERT_TRUE(std::isnan(y16[r * y16_stride + c])) << "bf16 padding row " << r << " col " << c;
+            }
+          }
+        }
+        EXPECT_TRUE(all_close(y32_packed, ref, 1e-6, 1e-5, "fp32 vs cpu::rms_norm"));
+        EXPECT_TRUE(all_close(y16_packed, ref16, 1e-6, 8e-3, "bf16 vs rounded cpu::rms_norm"));
+        EXPECT_TRUE(all_close(y32_packed, single, 0.0, 1e-6, "fp32 vs cuda::rms_norm"));
+      }
+    }
+  }
+  EXPECT_FALSE(rms_norm_dual(nullptr, 4, nullptr, 1, 8, 1e-5f, nullptr, 8, nullptr, 8, nullptr).is_ok());
+  EXPECT_TRUE(rms_norm_dual(nullptr, 8, nullptr, 0, 8, 1e-5f, nullptr, 8, nullptr, 8, nullptr).is_ok());
 }
 
 // Achieved weight bandwidth at the 48B decode shapes (weights rotated through copies larger than L2 so every
