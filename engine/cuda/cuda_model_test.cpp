@@ -392,6 +392,32 @@ TEST_P(CudaModelTest, StateMovesBetweenCpuAndGpu) {
 // (6) Free-running greedy generation of 128 tokens: the same tokens as the CPU, unless they part where the CPU's
 // own top-2 margin was within the tolerance (a near tie bf16 may break either way). Continuous routing only: with
 // discrete routing one flipped expert choice may part them anywhere (the teacher-forced test covers those models).
+// (4b) Partial downloads (the prefix cache's per-chunk rows, the KDA part at boundaries) equal a full download.
+TEST_P(CudaModelTest, PartialDownloadsEqualAFullOne) {
+  Models m = make_models(GetParam());
+  ASSERT_NE(m.gpu, nullptr);
+  const auto prompt = random_tokens(40, m.config.vocab_size, 6);
+  RequestState parts = m.gpu->new_state(), full = m.gpu->new_state();
+  (void)run(*m.gpu, parts, std::span<const int32_t>(prompt).first(17));
+  ASSERT_TRUE(parts.sync_host_part(false, 17).is_ok());  // rows 0..16 while the KDA part stays on the device
+  EXPECT_TRUE(parts.host_stale());
+  (void)run(*m.gpu, parts, std::span<const int32_t>(prompt).subspan(17));
+  ASSERT_TRUE(parts.sync_host_part(false, 30).is_ok());  // rows 17..29
+  ASSERT_TRUE(parts.sync_host_part(true, 40).is_ok());   // rows 30..39 and the KDA part
+  EXPECT_FALSE(parts.host_stale());
+  (void)run(*m.gpu, full, std::span<const int32_t>(prompt).first(17));
+  (void)run(*m.gpu, full, std::span<const int32_t>(prompt).subspan(17));
+  ASSERT_TRUE(full.sync_host().is_ok());
+  for (size_t l = 0; l < full.kda.size(); ++l) {
+    expect_same_run(parts.kda[l].recurrent, full.kda[l].recurrent, "KDA layer " + std::to_string(l));
+    expect_same_run(parts.kda[l].conv_k, full.kda[l].conv_k, "KDA conv tail " + std::to_string(l));
+  }
+  for (size_t l = 0; l < full.mla.size(); ++l) {
+    ASSERT_EQ(parts.mla[l].num_tokens(), 40);
+    expect_same_run(parts.mla[l].data(), full.mla[l].data(), "MLA layer " + std::to_string(l));
+  }
+}
+
 // Diagnostic (run by hand: --gtest_also_run_disabled_tests): the teacher-forced error of tiny-k3-all-experts with
 // one K3 feature at a time switched back to its Kimi-Linear form, to see which part carries the error.
 TEST(CudaModelDiagnostics, DISABLED_K3FeatureErrors) {

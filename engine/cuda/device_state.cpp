@@ -147,13 +147,20 @@ Status DevicePools::upload(const RequestState& state, int32_t slot, const std::v
 }
 
 Status DevicePools::download(RequestState& state, int32_t slot, const std::vector<int32_t>& pages) {
+  return download_part(state, slot, pages, true, 0, state.num_tokens());
+}
+
+Status DevicePools::download_part(RequestState& state, int32_t slot, const std::vector<int32_t>& pages, bool kda,
+                                  int64_t mla_begin, int64_t mla_end) {
   const StateShape& s = shape_;
   const int64_t tail = s.channels() * (s.conv_kernel - 1);
   if (state.kda.size() != static_cast<size_t>(s.kda_layers) || state.mla.size() != static_cast<size_t>(s.mla_layers)) {
     return invalid_argument("request state was made for another model");
   }
+  mla_end = std::min(mla_end, state.num_tokens());
+  mla_begin = std::clamp<int64_t>(mla_begin, 0, std::max<int64_t>(mla_end, 0));
   DS_CUDA_RETURN(cudaSetDevice(device_));
-  for (int64_t i = 0; i < s.kda_layers; ++i) {
+  for (int64_t i = 0; kda && i < s.kda_layers; ++i) {
     KdaLayerState& layer = state.kda[static_cast<size_t>(i)];
     layer.recurrent.resize(static_cast<size_t>(s.state_floats()));
     DS_CUDA_RETURN(cudaMemcpyAsync(layer.recurrent.data(), state_pool(i) + slot * s.state_floats(),
@@ -166,31 +173,33 @@ Status DevicePools::download(RequestState& state, int32_t slot, const std::vecto
                                      static_cast<size_t>(tail) * 4, cudaMemcpyDeviceToHost, stream_));
     }
   }
-  const int64_t n = state.num_tokens();
+  // MLA rows of tokens [mla_begin, mla_end) (the host keeps the rows before mla_begin; they never change).
+  const int64_t first = mla_begin, n = std::max<int64_t>(mla_end - mla_begin, 0);
   const int64_t page_tokens = pool_.page_size, stride = pool_.row_stride, width = pool_.width;
-  if (s.mla_layers > 0 && static_cast<int64_t>(pages.size()) * page_tokens < n) {
+  if (s.mla_layers > 0 && static_cast<int64_t>(pages.size()) * page_tokens < first + n) {
     return internal_error("download: the request holds " + std::to_string(pages.size()) + " pages for " +
-                          std::to_string(n) + " tokens");
+                          std::to_string(first + n) + " tokens");
   }
   std::vector<std::vector<uint16_t>> staging(static_cast<size_t>(s.mla_layers));
   for (int64_t l = 0; l < s.mla_layers && n > 0; ++l) {
     auto& rows = staging[static_cast<size_t>(l)];
     rows.resize(static_cast<size_t>(n * stride));
-    for (int64_t begin = 0; begin < n; begin += page_tokens) {
-      const int64_t count = std::min(page_tokens, n - begin);
-      DS_CUDA_RETURN(cudaMemcpyAsync(&rows[static_cast<size_t>(begin * stride)], mla_row(pool_, pages, l, begin),
+    for (int64_t t = first; t < first + n;) {  // page by page
+      const int64_t count = std::min(page_tokens - t % page_tokens, first + n - t);
+      DS_CUDA_RETURN(cudaMemcpyAsync(&rows[static_cast<size_t>((t - first) * stride)], mla_row(pool_, pages, l, t),
                                      static_cast<size_t>(count * stride) * 2, cudaMemcpyDeviceToHost, stream_));
+      t += count;
     }
   }
   DS_CUDA_RETURN(cudaStreamSynchronize(stream_));
-  for (int64_t l = 0; l < s.mla_layers; ++l) {
+  for (int64_t l = 0; l < s.mla_layers && n > 0; ++l) {
     MlaLayerCache& cache = state.mla[static_cast<size_t>(l)];
     std::vector<float>& out = cache.mutable_data();
-    out.resize(static_cast<size_t>(n * width));
+    if (static_cast<int64_t>(out.size()) < (first + n) * width) out.resize(static_cast<size_t>((first + n) * width));
     const auto& rows = staging[static_cast<size_t>(l)];
     for (int64_t t = 0; t < n; ++t) {
       for (int64_t j = 0; j < width; ++j)
-        out[static_cast<size_t>(t * width + j)] = bf16_to_float(rows[static_cast<size_t>(t * stride + j)]);
+        out[static_cast<size_t>((first + t) * width + j)] = bf16_to_float(rows[static_cast<size_t>(t * stride + j)]);
     }
   }
   return Status::ok();
@@ -205,6 +214,11 @@ CudaResidency::~CudaResidency() {
 Status CudaResidency::download(RequestState& state) const {
   std::lock_guard<std::recursive_mutex> lock(pools_->mutex());
   return pools_->download(state, slot_, pages_);
+}
+
+Status CudaResidency::download_part(RequestState& state, bool kda, int64_t mla_begin, int64_t mla_end) const {
+  std::lock_guard<std::recursive_mutex> lock(pools_->mutex());
+  return pools_->download_part(state, slot_, pages_, kda, mla_begin, mla_end);
 }
 
 }  // namespace deltaserve::engine::cuda

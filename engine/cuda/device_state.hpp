@@ -81,6 +81,10 @@ class DevicePools {
   // Copies the device contents of `slot` and `pages` (state.num_tokens() MLA rows) into the host containers.
   // Caller holds the mutex; synchronous.
   [[nodiscard]] Status download(RequestState& state, int32_t slot, const std::vector<int32_t>& pages);
+  // Only the KDA part (when `kda`) and the MLA rows of tokens [mla_begin, mla_end) (rows before stay as the host has
+  // them; the host containers grow to mla_end rows when shorter).
+  [[nodiscard]] Status download_part(RequestState& state, int32_t slot, const std::vector<int32_t>& pages, bool kda,
+                                     int64_t mla_begin, int64_t mla_end);
 
  private:
   std::recursive_mutex mutex_;
@@ -100,6 +104,7 @@ class CudaResidency final : public DeviceResidency {
   CudaResidency(std::shared_ptr<DevicePools> pools, int32_t slot) : pools_(std::move(pools)), slot_(slot) {}
   ~CudaResidency() override;
   [[nodiscard]] Status download(RequestState& state) const override;
+  [[nodiscard]] Status download_part(RequestState& state, bool kda, int64_t mla_begin, int64_t mla_end) const override;
 
   const DevicePools* pools() const { return pools_.get(); }
   int32_t slot() const { return slot_; }
