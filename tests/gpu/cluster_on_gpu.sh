@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU machine only, from the repo root: the cluster built on Debian 12 (carried with its run-time libraries, see
 # shared stack notes and scripts/bundle.sh) serving the built-in tiny model with --device cuda, checked by the
-# integration suite's streaming correctness tests (openai SDK as the client) in both topologies: `serve` (every
-# role in one process) and `multi_ucx` (router, prefill and decode processes, request states over UCX).
+# integration suite's streaming correctness and greedy tests (openai SDK as the client) in the topologies `serve`
+# (every role in one process), `multi` and `multi_ucx` (router, prefill and decode processes, request states over
+# CAF or UCX), and its prefix-cache tests (cached continuations equal cold ones, tenants isolated).
 #   tests/gpu/cluster_on_gpu.sh OUTDIR
 # Expects (carried, git-ignored): .devcarry/bin/deltaserve, .devcarry/lib/*.so*, .whl/*.whl (openai and its deps).
 set -uo pipefail
@@ -18,8 +19,10 @@ export DELTASERVE_HOME=$(mktemp -d)
 # it, so each takes a tenth of its memory.
 export DELTASERVE_DEVICE=cuda
 export DELTASERVE_GPU_MEMORY_FRACTION=0.1
-"$DELTASERVE_BINARY" generate --prompt "The GPU says" --max-tokens 8 2>&1 | tail -2
-timeout 420 python3 -m pytest -q -p no:cacheprovider tests/integration/test_openai_api.py \
-  -k "stream or greedy" -rA >"$out/pytest.log" 2>&1
+# Evidence that the model runs on the GPU: the weights' upload progress and the speed line.
+"$DELTASERVE_BINARY" generate --prompt "The GPU says" --max-tokens 8 2>&1 >/dev/null | tail -3
+timeout 480 python3 -m pytest -q -p no:cacheprovider tests/integration/test_openai_api.py \
+  tests/integration/test_prefix_cache.py -k "stream or greedy or prefix or cached or tenant" -rA \
+  >"$out/pytest.log" 2>&1
 echo "pytest rc=$?"
 grep -E "passed|failed|PASSED|FAILED|ERROR" "$out/pytest.log" | tail -40
