@@ -12,7 +12,8 @@ bin=build/gpu/engine/cuda/engine_gpu_bench
 cmake --build build/gpu -j16 --target engine_gpu_bench >>"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
 common=(--commit "$commit" --date "$date" --machine nvidia-h200)
 echo "== Kimi-Linear-48B (random weights)"
-timeout 330 "$bin" --config tests/data/configs/kimi-linear-48b-a3b.config.json --label kimi-linear-48b "${common[@]}" \
+timeout 330 "$bin" --config tests/data/configs/kimi-linear-48b-a3b.config.json --label kimi-linear-48b \
+  --batches 1,2,4,8,32,128,256 "${common[@]}" \
   >"$out/engine_48b.jsonl" 2>"$out/engine_48b.err"
 echo "rc=$?"; cat "$out/engine_48b.err"
 echo "== K3 layer shapes (2 layers: KDA+MoE, MLA+MoE)"

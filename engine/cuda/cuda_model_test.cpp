@@ -324,7 +324,9 @@ TEST_P(CudaModelTest, MixedBatchEqualsSeparateRuns) {
   Status status = m.gpu->forward(batch, mixed);
   ASSERT_TRUE(status.is_ok()) << status.to_string();
 
-  StepStats stats;
+  // Alone, the decode tokens take the small-batch GEMMs and the mixed pass cuBLAS: other rounding, so a discrete
+  // routing choice may flip between them (strict only with continuous routing).
+  StepStats stats(continuous_routing(GetParam()), tolerance_scale(m.config));
   stats.add(0, mixed[0], run(*m.gpu, prefill_alone, chunk, true));
   for (int i = 0; i < 3; ++i) {
     stats.add(i + 1, mixed[static_cast<size_t>(i + 1)],
