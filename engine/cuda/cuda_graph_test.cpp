@@ -19,6 +19,7 @@
 
 #include "common/temp_dir.hpp"
 #include "engine/cuda/cuda_backend.hpp"
+#include "engine/cuda/test_compare.hpp"
 #include "engine/make_model.hpp"
 #include "engine/model.hpp"
 #include "engine/model_weights.hpp"
@@ -26,6 +27,9 @@
 
 namespace deltaserve::engine::cuda {
 namespace {
+
+using compare::max_abs;
+using compare::max_diff;
 
 using testing::random_tokens;
 
@@ -114,24 +118,6 @@ Pair make_pair_of_backends(uint64_t seed, bool all_experts = false) {
   p.graph = std::make_unique<Model>(p.config, std::move(graph).value());
   p.eager = std::make_unique<Model>(p.config, std::move(eager).value());
   return p;
-}
-
-double max_abs(std::span<const float> v) {
-  double m = 0;
-  for (float x : v) m = std::max(m, static_cast<double>(std::fabs(x)));
-  return m;
-}
-
-// max |a - b| (infinite on a size mismatch or NaN).
-double max_diff(std::span<const float> a, std::span<const float> b) {
-  if (a.size() != b.size()) return INFINITY;
-  double m = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    const double d = std::fabs(static_cast<double>(a[i]) - b[i]);
-    if (std::isnan(d)) return INFINITY;
-    m = std::max(m, d);
-  }
-  return m;
 }
 
 // Checks graph vs eager logits of one sequence; returns false (with a message naming `where`) when off.

@@ -29,6 +29,7 @@
 
 #include "common/temp_dir.hpp"
 #include "engine/cuda/cuda_backend.hpp"
+#include "engine/cuda/test_compare.hpp"
 #include "engine/make_model.hpp"
 #include "engine/model.hpp"
 #include "engine/model_weights.hpp"
@@ -36,6 +37,9 @@
 
 namespace deltaserve::engine::cuda {
 namespace {
+
+using compare::max_abs;
+using compare::max_diff;
 
 using testing::random_tokens;
 
@@ -125,23 +129,6 @@ Models make_models(const std::string& name, const CudaBackendOptions& options = 
 }
 
 // ---- comparisons ---------------------------------------------------------------------------------------------
-
-double max_abs(std::span<const float> v) {
-  double m = 0;
-  for (float x : v) m = std::max(m, static_cast<double>(std::fabs(x)));
-  return m;
-}
-
-double max_diff(std::span<const float> a, std::span<const float> b) {
-  if (a.size() != b.size()) return INFINITY;
-  double m = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    const double d = std::fabs(static_cast<double>(a[i]) - b[i]);
-    if (std::isnan(d)) return INFINITY;
-    m = std::max(m, d);
-  }
-  return m;
-}
 
 double tolerance(std::span<const float> reference, double scale = 1.0) {
   return scale * (0.05 * max_abs(reference) + 0.02);

@@ -8,6 +8,7 @@
 #include <cuda_bf16.h>
 
 #include "kernels/cuda/kda.hpp"
+#include "kernels/cuda/launch_status.hpp"
 
 namespace deltaserve::kernels::cuda::detail {
 
@@ -138,13 +139,6 @@ inline DecodeArgs make_decode_args(const KdaDecodeParams& p) {
                     p.conv_state,
                     p.state,
                     p.out};
-}
-
-inline Status launch_status(const char* who) {
-  const cudaError_t error = cudaGetLastError();
-  if (error == cudaSuccess) return Status::ok();
-  return internal_error(std::string(who) + ": launch: " + cudaGetErrorName(error) + " (" + cudaGetErrorString(error) +
-                        ")");
 }
 
 }  // namespace deltaserve::kernels::cuda::detail

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "kernels/cuda/activations.cuh"
+#include "kernels/cuda/launch_status.hpp"
 #include "kernels/cuda/ops.hpp"
 
 namespace deltaserve::kernels::cuda {
@@ -15,15 +16,6 @@ constexpr int64_t kMaxBlocks = 8192;
 int blocks_for(int64_t n) {
   const int64_t blocks = (n + kThreads - 1) / kThreads;
   return static_cast<int>(blocks < kMaxBlocks ? blocks : kMaxBlocks);
-}
-
-Status launch_status(const char* name) {
-  const cudaError_t error = cudaGetLastError();
-  if (error != cudaSuccess) {
-    return internal_error(std::string(name) + ": launch: " + cudaGetErrorName(error) + " (" +
-                          cudaGetErrorString(error) + ")");
-  }
-  return Status::ok();
 }
 
 Status check_count(const char* name, const char* what, int64_t n) {

@@ -3,6 +3,7 @@
 #include <string>
 
 #include "kernels/cuda/activations.cuh"
+#include "kernels/cuda/launch_status.hpp"
 #include "kernels/cuda/ops.hpp"
 
 namespace deltaserve::kernels::cuda {
@@ -10,15 +11,6 @@ namespace {
 
 constexpr int kNormThreads = 256;
 constexpr int kRowsPerBlock = kNormThreads / 32;  // warp-per-row kernels
-
-Status launch_status(const char* name) {
-  const cudaError_t error = cudaGetLastError();
-  if (error != cudaSuccess) {
-    return internal_error(std::string(name) + ": launch: " + cudaGetErrorName(error) + " (" +
-                          cudaGetErrorString(error) + ")");
-  }
-  return Status::ok();
-}
 
 __device__ __forceinline__ float warp_sum(float x) {
   for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <string>
 
+#include "kernels/cuda/launch_status.hpp"
 #include "kernels/cuda/small_batch.hpp"
 
 namespace deltaserve::kernels::cuda {
@@ -18,15 +19,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-
-Status launch_status(const char* name) {
-  const cudaError_t error = cudaGetLastError();
-  if (error != cudaSuccess) {
-    return internal_error(std::string(name) + ": launch: " + cudaGetErrorName(error) + " (" +
-                          cudaGetErrorString(error) + ")");
-  }
-  return Status::ok();
-}
 
 // Kernel arguments: the host params plus, per output, the first row group (prefix sums; group_begin[num_outputs]
 // is the total).
