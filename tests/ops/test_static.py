@@ -202,6 +202,9 @@ def test_probes_and_termination_grace_match_the_drain(overlay):
             assert c["livenessProbe"]["httpGet"]["port"] == "metrics"
             assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
             assert pod["nodeSelector"] and pod["tolerations"], "GPU placement patch not applied"
+            # A worker that holds a GPU runs the model on it (not on the CPU beside it).
+            assert config.get("device") == "cuda", f"{d['metadata']['name']}: --device cuda not set"
+            assert 0 < config.get("gpu_memory_fraction", 0.9) <= 1
 
 
 def test_config_files_use_only_flags_the_binary_knows(overlay):
