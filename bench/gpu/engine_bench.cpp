@@ -110,25 +110,34 @@ void emit(const std::string& bench, const std::string& case_name, const std::str
 }
 
 // ---- ceilings ------------------------------------------------------------------------------------------------
-double measure_copy_bandwidth() {  // bytes read + written per second
-  const size_t bytes = size_t{2} << 30;
-  void *a = nullptr, *b = nullptr;
-  check_cuda(cudaMalloc(&a, bytes), "cudaMalloc");
-  check_cuda(cudaMalloc(&b, bytes), "cudaMalloc");
-  check_cuda(cudaMemset(a, 1, bytes), "cudaMemset");
+// The fastest of 10 runs of `work` on the default stream, in ms (CUDA events).
+template <class Work>
+float best_of_10_ms(Work&& work) {
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
   float best = 1e30f;
   for (int i = 0; i < 10; ++i) {
     cudaEventRecord(start);
-    cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice);
+    work();
     cudaEventRecord(stop);
     cudaEventSynchronize(stop);
     float ms = 0;
     cudaEventElapsedTime(&ms, start, stop);
     best = std::min(best, ms);
   }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return best;
+}
+
+double measure_copy_bandwidth() {  // bytes read + written per second
+  const size_t bytes = size_t{2} << 30;
+  void *a = nullptr, *b = nullptr;
+  check_cuda(cudaMalloc(&a, bytes), "cudaMalloc");
+  check_cuda(cudaMalloc(&b, bytes), "cudaMalloc");
+  check_cuda(cudaMemset(a, 1, bytes), "cudaMemset");
+  const float best = best_of_10_ms([&] { cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice); });
   cudaFree(a);
   cudaFree(b);
   return 2.0 * static_cast<double>(bytes) / (best * 1e-3);
@@ -146,20 +155,10 @@ double measure_gemm_peak() {  // FLOP/s of a bf16 8192^3 GEMM with fp32 accumula
   cublasHandle_t handle;
   cublasCreate(&handle);
   const float alpha = 1, beta = 0;
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
-  float best = 1e30f;
-  for (int i = 0; i < 10; ++i) {
-    cudaEventRecord(start);
+  const float best = best_of_10_ms([&] {
     cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a, CUDA_R_16BF, n, b, CUDA_R_16BF, n, &beta, c,
                  CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-    cudaEventRecord(stop);
-    cudaEventSynchronize(stop);
-    float ms = 0;
-    cudaEventElapsedTime(&ms, start, stop);
-    best = std::min(best, ms);
-  }
+  });
   cublasDestroy(handle);
   cudaFree(a);
   cudaFree(b);
