@@ -149,16 +149,7 @@ void bench_prefill(const std::string& name, int H, const std::vector<int32_t>& l
   }
 }
 
-// kernel: "v1" / "v2" force that decode kernel (DELTASERVE_KDA_DECODE, case gets ",kernel=v1"), "default" runs
-// what kda_decode_step picks on its own (plain case name, the one kda_report.py pairs with fla).
-void bench_decode(int H, int B, int layers, const std::string& kernel = "default") {
-  if (kernel == "default") {
-    unsetenv("DELTASERVE_KDA_DECODE");
-  } else {
-    setenv("DELTASERVE_KDA_DECODE", kernel.c_str(), 1);
-  }
-  const std::string name =
-      "H=" + std::to_string(H) + ",d=128,B=" + std::to_string(B) + (kernel == "default" ? "" : ",kernel=" + kernel);
+void bench_decode(int H, int B, int layers) {
   const int64_t C = int64_t{H} * 128;
   const int K = 4;
   std::vector<void*> owned;
@@ -235,9 +226,8 @@ void bench_decode(int H, int B, int layers, const std::string& kernel = "default
   const double bytes =
       2.0 * B * H * 128 * 128 * 4 + 2.0 * B * 3 * C * (K - 1) * 4 + B * (5.0 * C + H) * 2 + B * C * 2.0;
   std::printf(
-      "{\"kind\": \"decode\", \"case\": \"%s\", \"kernel\": \"%s\", \"H\": %d, \"B\": %d, \"us\": %.3f, "
-      "\"bytes\": %.6e}\n",
-      name.c_str(), kernel.c_str(), H, B, us, bytes);
+      "{\"kind\": \"decode\", \"case\": \"H=%d,d=128,B=%d\", \"H\": %d, \"B\": %d, \"us\": %.3f, \"bytes\": %.6e}\n", H,
+      B, H, B, us, bytes);
   std::fflush(stdout);
   CHECK_CUDA(cudaGraphExecDestroy(exec));
   CHECK_CUDA(cudaGraphDestroy(graph));
@@ -260,12 +250,8 @@ int main(int argc, char** argv) {
   }
   if (what == "prefill16k") bench_prefill("H=32,d=128,T=16384,B=1,lb=-5", 32, {16384});
   if (what == "decode64") bench_decode(32, 64, 20);
-  if (what == "decode64v1") bench_decode(32, 64, 20, "v1");
-  if (what == "decode64v2") bench_decode(32, 64, 20, "v2");
   if (what == "all" || what == "decode") {
-    for (int B : {1, 8, 64, 256}) {
-      for (const char* kernel : {"default", "v1", "v2"}) bench_decode(32, B, 20, kernel);
-    }
+    for (int B : {1, 8, 64, 256}) bench_decode(32, B, 20);
   }
   return 0;
 }
