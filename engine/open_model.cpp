@@ -1,6 +1,5 @@
 #include "engine/open_model.hpp"
 
-#include <cctype>
 #include <cstdio>
 #include <memory>
 #include <ostream>
@@ -17,13 +16,9 @@ namespace deltaserve::engine {
 Result<int> parse_device(const std::string& device) {
   if (device == "cpu") return -1;
   if (device == "cuda") return 0;
-  if (device.starts_with("cuda:") && device.size() > 5 && device.size() <= 8) {
-    int index = 0;
-    for (char c : device.substr(5)) {
-      if (!std::isdigit(static_cast<unsigned char>(c))) break;
-      index = index * 10 + (c - '0');
-    }
-    if (device.substr(5).find_first_not_of("0123456789") == std::string::npos) return index;
+  const std::string index = device.starts_with("cuda:") ? device.substr(5) : std::string();
+  if (!index.empty() && index.size() <= 3 && index.find_first_not_of("0123456789") == std::string::npos) {
+    return std::stoi(index);
   }
   return invalid_argument("device: '" + device + "' is not cpu, cuda or cuda:N");
 }
