@@ -84,7 +84,7 @@ TEST(BackendCapacity, RequestsThatFitTakeTheScarcerOfSlotsAndPages) {
   c.page_tokens = 64;
   EXPECT_EQ(c.requests_that_fit(32768), 1);  // 512 pages each
   EXPECT_EQ(c.requests_that_fit(640), 100);  // 10 pages each: slots are scarcer
-  EXPECT_EQ(c.requests_that_fit(0), 100);    // an empty request still takes a page slot's worth
+  EXPECT_EQ(c.requests_that_fit(0), 100);    // every request takes at least one page
   EXPECT_EQ(c.requests_that_fit(65), 100);   // 2 pages each: 500 by pages
   EXPECT_EQ(c.requests_that_fit(-1), 0);
   c.cache_pages = 0;  // no MLA pages (a model without MLA): slots decide
