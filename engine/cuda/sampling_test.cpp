@@ -1,6 +1,5 @@
-// GPU sampling vs engine::Sampler (the CPU reference) driven with the same uniform draw, ctest label gpu.
-// The kernels test binary links only ds_kernels_cuda and ds_kernels_cpu, so the sampler's source (standard
-// library only) is compiled into this test directly.
+// GPU sampling (kernels/cuda/sampling.hpp) vs engine::Sampler (the CPU reference) driven with the same uniform
+// draw, ctest label gpu. Here rather than beside the kernel because its reference lives in engine/.
 // Checked: greedy = argmax with ties to the lowest id; NaN = -inf, +inf = FLT_MAX, all-masked rows uniform;
 // logprobs vs a float64 log-softmax (|err| <= 2e-6 + 1e-6 |ref|); top_logprobs ids exactly, values as logprobs;
 // non-greedy choices equal the CPU sampler's on distinct logits (where the CPU inverts its CDF over a sorted
@@ -17,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/sampler.cpp"  // NOLINT(bugprone-suspicious-include): see the file comment
+#include "engine/sampler.hpp"
 #include "kernels/cuda/ops_test_util.hpp"
 
 namespace deltaserve::kernels::cuda::test {
