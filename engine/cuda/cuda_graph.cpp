@@ -33,7 +33,6 @@
 
 #include "engine/cuda/cuda_model.hpp"
 #include "kernels/cuda/mla.hpp"
-#include "kernels/cuda/moe.hpp"
 
 namespace deltaserve::engine::cuda {
 
@@ -89,9 +88,8 @@ std::optional<DecodeGraphKey> CudaBackend::Impl::decode_graph_key(std::span<Sequ
   }
   const bool has_moe = std::any_of(weights->layers.begin(), weights->layers.end(),
                                    [](const DeviceLayer& layer) { return layer.is_moe; });
-  if (has_moe && kernels::cuda::moe_reference_ffn_forced() &&
-      B * config.moe.num_experts_per_token > kMoeDecodeRowsPerExpert * config.moe.num_experts) {
-    return std::nullopt;  // the reference per-expert cuBLAS path syncs with the host
+  if (has_moe && moe_ffn_syncs_host(B * config.moe.num_experts_per_token, config.moe.num_experts)) {
+    return std::nullopt;
   }
   DecodeGraphKey key;
   key.batch = B;

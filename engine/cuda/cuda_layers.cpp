@@ -417,10 +417,7 @@ Status CudaBackend::Impl::run_moe(const DeviceMoe& moe, int64_t T) {
   f.expert_offsets = plan.expert_offsets;
   f.activated = activated;
   f.y_sorted = y_sorted;
-  // moe_expert_ffn_decode takes every batch size without a host sync (few rows per expert: the bandwidth kernel;
-  // more: the grouped tensor-core GEMM); the per-expert cuBLAS path stays as the DELTASERVE_MOE_REFERENCE_FFN=1
-  // fallback for larger batches.
-  if (R <= kMoeDecodeRowsPerExpert * E || !kc::moe_reference_ffn_forced()) {
+  if (!moe_ffn_syncs_host(R, E)) {
     DS_RETURN_IF_ERROR_CTX(kc::moe_expert_ffn_decode(f, stream()), "moe_expert_ffn_decode");
   } else {
     const size_t ffn_bytes = kc::moe_ffn_prefill_workspace_bytes(R, I);
