@@ -77,12 +77,18 @@ struct Node::Impl {
     if (stopped || !system) return;
     stopped = true;
     service.reset();
-    if (ucx) ucx->close();  // engine callbacks stop messaging actors before the actor system goes
-    // Workers leave first (a graceful exit is not a lost worker); same connection as the joins, so it
-    // arrives before the connection closes.
-    if (registry) {
-      for (const std::string& name : worker_names) caf::anon_send(registry, leave_atom::value, name);
+    // Workers leave first (a graceful exit is not a lost worker), and before the transfer engine closes: closing it
+    // aborts the handoffs in flight, and a router that still listed this node's prefill worker would prefill them
+    // again right here, where each attempt fails the same way (seen in CI: three attempts, then an error). The
+    // list request after the leaves returns once the registry has processed them and told its routers (one sender,
+    // so in order); an unreachable registry just means there is no one left to tell.
+    if (registry && !worker_names.empty()) {
+      caf::scoped_actor self{*system};
+      for (const std::string& name : worker_names) self->send(registry, leave_atom::value, name);
+      self->request(registry, std::chrono::seconds(2), list_atom::value)
+          .receive([](const std::vector<WorkerInfo>&) {}, [](const caf::error&) {});
     }
+    if (ucx) ucx->close();  // engine callbacks stop messaging actors before the actor system goes
     auto kill = [&](const auto& handle) {
       if (handle) caf::anon_send_exit(handle, caf::exit_reason::user_shutdown);
     };
