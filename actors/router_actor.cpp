@@ -230,6 +230,9 @@ void retry(RouterPointer self, const std::string& id, const Status& why) {
     return;  // the sink quits after its final chunk; its down message releases the entry
   }
   ++s.totals.retried;
+  // Retries are the visible symptom of lost handoffs and dying workers; the reason is what an operator needs.
+  std::cerr << "warning: router: request " << id << " attempt " << e.attempt << " on " << e.prefill_worker << " -> "
+            << e.decode_worker << " failed, prefilling again: " << why.to_string() << "\n";
   if (e.stage == Stage::kPrefill && s.prefill_outstanding[e.prefill_worker] > 0) {
     --s.prefill_outstanding[e.prefill_worker];
     s.prefill_tokens[e.prefill_worker] = std::max<int64_t>(s.prefill_tokens[e.prefill_worker] - e.prefill_tokens, 0);
