@@ -80,11 +80,39 @@ double Xoshiro256StarStar::next_unit() {
   return static_cast<double>(next() >> 11) * 0x1.0p-53;
 }
 
+Status validate_request(const SampleRequest& request) {
+  DS_RETURN_IF_ERROR(validate(request.params));
+  if (!(request.draw >= 0.0 && request.draw < 1.0)) {
+    char buffer[48];
+    std::snprintf(buffer, sizeof(buffer), "%.17g", request.draw);
+    return invalid_argument(std::string("draw must be in [0, 1), got ") + buffer);
+  }
+  return Status::ok();
+}
+
 Sampler::Sampler(const SamplingParams& params) : params_(params), rng_(params.seed) {
   assert(validate(params).is_ok());
 }
 
-int64_t Sampler::select_nucleus(int64_t count, double needed_mass) {
+SampledToken Sampler::sample(std::span<const float> logits) {
+  return rule_.apply(SampleRequest{params_, next_draw(), /*logprobs=*/true}, logits);  // one draw: see the class
+}
+
+double Sampler::peek_draw() const {
+  Xoshiro256StarStar copy = rng_;
+  return copy.next_unit();
+}
+
+void sample_rows(std::span<const std::vector<float>> logits, std::span<const SampleRequest> rows,
+                 std::vector<SampledToken>& out) {
+  assert(logits.size() == rows.size());
+  SamplingRule rule;
+  out.clear();
+  out.reserve(rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) out.push_back(rule.apply(rows[i], logits[i]));
+}
+
+int64_t SamplingRule::select_nucleus(int64_t count, double needed_mass) {
   const float* values = values_.data();
   const auto better = [values](int32_t a, int32_t b) { return values[a] != values[b] ? values[a] > values[b] : a < b; };
   // Quickselect on mass over order_[lo, hi): own pivot and partition rules (no std::nth_element, whose
@@ -129,7 +157,7 @@ int64_t Sampler::select_nucleus(int64_t count, double needed_mass) {
   return hi;  // rounding: the whole range
 }
 
-void Sampler::sort_prefix(int64_t count) {
+void SamplingRule::sort_prefix(int64_t count) {
   if (count <= sorted_) return;
   // Elements past sorted_ are all not better than those before it, so sorting a further slice of the
   // suffix extends the sorted prefix.
@@ -146,10 +174,12 @@ void Sampler::sort_prefix(int64_t count) {
   }
 }
 
-SampledToken Sampler::sample(std::span<const float> logits) {
+SampledToken SamplingRule::apply(const SampleRequest& request, std::span<const float> logits) {
   assert(!logits.empty() && logits.size() <= static_cast<size_t>(std::numeric_limits<int32_t>::max()));
+  assert(validate_request(request).is_ok());
   const auto vocab = static_cast<int32_t>(logits.size());
-  const double random_unit = rng_.next_unit();  // drawn on every call: see the class comment
+  const SamplingParams& params = request.params;
+  const double random_unit = request.draw;
 
   values_.resize(logits.size());
   float max_value = -std::numeric_limits<float>::infinity();
@@ -180,9 +210,9 @@ SampledToken Sampler::sample(std::span<const float> logits) {
   sorted_ = 0;
 
   int32_t token = argmax;
-  const int64_t top_k = params_.top_k > 0 ? std::min<int64_t>(params_.top_k, vocab) : vocab;
-  if (params_.temperature > 0.0f && top_k > 1) {
-    const double inverse_temperature = 1.0 / static_cast<double>(params_.temperature);
+  const int64_t top_k = params.top_k > 0 ? std::min<int64_t>(params.top_k, vocab) : vocab;
+  if (params.temperature > 0.0f && top_k > 1) {
+    const double inverse_temperature = 1.0 / static_cast<double>(params.temperature);
     weights_.resize(logits.size());
     double total = 0.0;  // whole vocabulary, index order
     for (int32_t i = 0; i < vocab; ++i)
@@ -192,7 +222,7 @@ SampledToken Sampler::sample(std::span<const float> logits) {
     const int32_t* candidates = nullptr;
     int64_t num_candidates = vocab;
     double candidate_mass = total;
-    if (top_k < vocab || params_.top_p < 1.0f) {
+    if (top_k < vocab || params.top_p < 1.0f) {
       double top_k_mass = total;
       if (top_k < vocab) {
         sort_prefix(top_k);
@@ -200,7 +230,7 @@ SampledToken Sampler::sample(std::span<const float> logits) {
         for (int64_t i = 0; i < top_k; ++i) top_k_mass += weights_[order_[i]];
       }
       // Nucleus: the smallest prefix, in (value desc, id asc) order, with mass >= top_p · mass (>= 1 token).
-      const int64_t kept = params_.top_p < 1.0f ? select_nucleus(top_k, top_k_mass * params_.top_p) : top_k;
+      const int64_t kept = params.top_p < 1.0f ? select_nucleus(top_k, top_k_mass * params.top_p) : top_k;
       double kept_mass = top_k_mass;
       if (kept < top_k) {
         kept_mass = 0.0;
@@ -226,8 +256,9 @@ SampledToken Sampler::sample(std::span<const float> logits) {
     }
   }
 
+  if (!request.logprobs) return SampledToken{token, 0.0f, {}};
   SampledToken result{token, logprob(token), {}};
-  const int64_t num_top = std::min<int64_t>(params_.top_logprobs, vocab);
+  const int64_t num_top = std::min<int64_t>(params.top_logprobs, vocab);
   if (num_top > 0) {
     sort_prefix(num_top);
     result.top.reserve(static_cast<size_t>(num_top));

@@ -256,6 +256,89 @@ TEST(Sampler, SingleTokenVocabulary) {
   EXPECT_EQ(Sampler({}).sample(logits).logprob, 0.0f);
 }
 
+TEST(Sampler, EveryCallTakesExactlyTheDrawPeekShows) {
+  const std::vector<float> logits = random_logits(300, 12);
+  for (SamplingParams params : {SamplingParams{.temperature = 0.0f, .seed = 5}, SamplingParams{.seed = 5},
+                                SamplingParams{.top_p = 0.5f, .top_k = 10, .seed = 5}}) {
+    Xoshiro256StarStar stream(5);
+    Sampler sampler(params);
+    for (int i = 0; i < 6; ++i) {
+      const double expected = stream.next_unit();
+      EXPECT_EQ(sampler.peek_draw(), expected);
+      EXPECT_EQ(sampler.peek_draw(), expected) << "peeking takes nothing";
+      if (i % 2 == 0) {
+        (void)sampler.sample(logits);
+      } else {
+        EXPECT_EQ(sampler.next_draw(), expected);
+      }
+    }
+  }
+}
+
+// The rule given a Sampler's draw is what that Sampler returns, bit for bit (sample() is the rule after its draw);
+// without logprobs the token is the same and nothing else is reported.
+TEST(SamplingRule, GivenTheDrawEqualsSampler) {
+  const std::vector<float> logits = random_logits(2000, 13, 1.0f);
+  const std::vector<SamplingParams> cases = {
+      {.temperature = 0.0f, .top_logprobs = 3},
+      {.temperature = 0.9f, .seed = 1},
+      {.temperature = 1.2f, .top_k = 40, .seed = 2, .top_logprobs = 20},
+      {.temperature = 0.7f, .top_p = 0.9f, .seed = 3, .top_logprobs = 1},  // nucleus over > 64 candidates
+      {.temperature = 1.0f, .top_p = 0.6f, .top_k = 30, .seed = 4},
+      {.temperature = 1.5f, .top_k = 1, .seed = 6, .top_logprobs = 5},
+  };
+  SamplingRule rule;  // one rule across rows, as a batch uses it
+  for (const SamplingParams& params : cases) {
+    Sampler sampler(params), drawer(params);
+    for (int step = 0; step < 8; ++step) {
+      const double draw = drawer.next_draw();
+      const SampledToken expected = sampler.sample(logits);
+      const SampledToken got = rule.apply({params, draw, /*logprobs=*/true}, logits);
+      EXPECT_EQ(got.token, expected.token) << "seed " << params.seed << " step " << step;
+      EXPECT_EQ(got.logprob, expected.logprob);
+      ASSERT_EQ(got.top.size(), expected.top.size());
+      for (size_t k = 0; k < got.top.size(); ++k) {
+        EXPECT_EQ(got.top[k].token, expected.top[k].token);
+        EXPECT_EQ(got.top[k].logprob, expected.top[k].logprob);
+      }
+      const SampledToken bare = rule.apply({params, draw, /*logprobs=*/false}, logits);
+      EXPECT_EQ(bare.token, expected.token);
+      EXPECT_EQ(bare.logprob, 0.0f);
+      EXPECT_TRUE(bare.top.empty());
+    }
+  }
+}
+
+TEST(SamplingRule, SampleRowsAppliesTheRulePerRow) {
+  const std::vector<std::vector<float>> logits = {random_logits(50, 14), random_logits(50, 15), random_logits(50, 16)};
+  const std::vector<SampleRequest> rows = {{{.temperature = 0.0f}, 0.5, true},
+                                           {{.temperature = 1.0f, .top_logprobs = 2}, 0.25, true},
+                                           {{.temperature = 1.0f, .top_k = 5}, 0.75, false}};
+  std::vector<SampledToken> out = {{1, 1.0f, {}}};  // replaced, not appended to
+  sample_rows(logits, rows, out);
+  ASSERT_EQ(out.size(), 3u);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    SamplingRule rule;
+    const SampledToken expected = rule.apply(rows[i], logits[i]);
+    EXPECT_EQ(out[i].token, expected.token) << i;
+    EXPECT_EQ(out[i].logprob, expected.logprob) << i;
+    EXPECT_EQ(out[i].top.size(), expected.top.size()) << i;
+  }
+  EXPECT_EQ(out[0].token, argmax(logits[0]));
+}
+
+TEST(SampleRequestValidate, ChecksParamsAndDraw) {
+  EXPECT_TRUE(validate_request({{}, 0.0, false}).is_ok());
+  EXPECT_TRUE(validate_request({{}, std::nextafter(1.0, 0.0), true}).is_ok());
+  for (double draw : {-1e-300, 1.0, 2.0, std::numeric_limits<double>::quiet_NaN()}) {
+    const Status status = validate_request({{}, draw, false});
+    EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << draw;
+    EXPECT_NE(status.message().find("draw"), std::string::npos) << status.message();
+  }
+  const Status status = validate_request({{.top_p = 0.0f}, 0.5, false});
+  EXPECT_NE(status.message().find("top_p"), std::string::npos) << status.message();
+}
+
 TEST(SamplingParamsValidate, AcceptsBoundaries) {
   EXPECT_TRUE(validate({}).is_ok());
   EXPECT_TRUE(validate({.temperature = 0.0f}).is_ok());
