@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace deltaserve::engine {
 
@@ -13,6 +14,14 @@ int64_t BackendCapacity::requests_that_fit(int64_t tokens) const {
     fit = std::min(fit, cache_pages / pages_each);
   }
   return fit == INT64_MAX ? 0 : fit;
+}
+
+Status Backend::forward_sample(std::span<SequenceInput> batch, std::span<const SampleRequest> rows,
+                               std::vector<SampledToken>& out, const ForwardOptions& options) {
+  std::vector<std::vector<float>> logits;
+  DS_RETURN_IF_ERROR(forward(batch, logits, options));
+  sample_rows(logits, rows, out);
+  return Status::ok();
 }
 
 }  // namespace deltaserve::engine

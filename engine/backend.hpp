@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/status.hpp"
+#include "engine/sampler.hpp"
 
 namespace deltaserve::engine {
 
@@ -62,6 +63,14 @@ class Backend {
   // Thread-safe (calls are serialised by the backend).
   [[nodiscard]] virtual Status forward(std::span<SequenceInput> batch, std::vector<std::vector<float>>& logits,
                                        const ForwardOptions& options) = 0;
+
+  // The pass of Model::forward_sample, called after Model validated the batch and the rows (one row per sequence,
+  // no all_logits): out[i] is rows[i] sampled from the logits of sequence i's last token, as SamplingRule chooses.
+  // The default runs forward() and samples the logits on the host with SamplingRule (engine/sampler.hpp); a
+  // device backend overrides it to sample where the logits are and bring back only the sampled tokens. Same error
+  // contract as forward().
+  [[nodiscard]] virtual Status forward_sample(std::span<SequenceInput> batch, std::span<const SampleRequest> rows,
+                                              std::vector<SampledToken>& out, const ForwardOptions& options);
 };
 
 }  // namespace deltaserve::engine

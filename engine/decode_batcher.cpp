@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cassert>
+#include <cstdlib>
 #include <utility>
 
 namespace deltaserve::engine {
@@ -39,9 +40,15 @@ Status check_state_shapes(const ModelConfig& config, const RequestState& state) 
   return Status::ok();
 }
 
+bool host_sampling_forced() {
+  const char* value = std::getenv("DELTASERVE_HOST_SAMPLING");
+  return value != nullptr && std::string(value) == "1";
+}
+
 }  // namespace
 
-DecodeBatcher::DecodeBatcher(const Model& model, int64_t max_batch) : model_(model), max_batch_(max_batch) {
+DecodeBatcher::DecodeBatcher(const Model& model, int64_t max_batch, bool host_sampling)
+    : model_(model), max_batch_(max_batch), host_sampling_(host_sampling || host_sampling_forced()) {
   assert(max_batch >= 1);
 }
 
@@ -96,11 +103,26 @@ Result<std::vector<DecodeStepOutput>> DecodeBatcher::step() {
   for (const auto& [id, request] : batch) {
     inputs.push_back(SequenceInput{&request->state, {&request->next_token, 1}, /*all_logits=*/false});
   }
-  std::vector<std::vector<float>> logits;
-  DS_RETURN_IF_ERROR_CTX(model_.forward(inputs, logits),
-                         "decode step over " + std::to_string(batch.size()) + " requests");
+  const std::string context = "decode step over " + std::to_string(batch.size()) + " requests";
+  std::vector<SampledToken> sampled;
+  if (host_sampling_) {
+    std::vector<std::vector<float>> logits;
+    DS_RETURN_IF_ERROR_CTX(model_.forward(inputs, logits), context);
+    sampled.reserve(batch.size());
+    for (size_t i = 0; i < batch.size(); ++i) sampled.push_back(batch[i].second->sampler.sample(logits[i]));
+  } else {
+    std::vector<SampleRequest> rows;
+    rows.reserve(batch.size());
+    for (const auto& [id, request] : batch) {
+      rows.push_back(SampleRequest{request->params.sampling, request->sampler.peek_draw(), request->params.logprobs});
+    }
+    DS_RETURN_IF_ERROR_CTX(model_.forward_sample(inputs, rows, sampled), context);
+    // The pass used each stream's next draw (peeked, so that a failed pass leaves the streams alone): take it now,
+    // exactly as Sampler::sample would have.
+    for (const auto& [id, request] : batch) (void)request->sampler.next_draw();
+  }
 
-  // From here on nothing fails: every request samples, then the finished ones leave.
+  // From here on nothing fails: the finished requests leave.
   const int64_t context_limit = model_.config().max_position_embeddings;
   outputs.reserve(batch.size());
   std::vector<std::string> finished;  // copies: erasing by a reference to the node's own key is unsafe
@@ -108,7 +130,7 @@ Result<std::vector<DecodeStepOutput>> DecodeBatcher::step() {
     const auto& [id, request] = batch[i];
     DecodeStepOutput out;
     out.request_id = *id;
-    out.sampled = request->sampler.sample(logits[i]);
+    out.sampled = std::move(sampled[i]);
     if (!request->params.logprobs) {
       out.sampled.logprob = 0.0f;
       out.sampled.top.clear();

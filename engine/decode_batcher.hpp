@@ -1,6 +1,6 @@
 // Continuous batching for decode: requests join and leave between steps; one step runs one forward
 // pass over every active request (one token each, assembled in admission order), samples with each
-// request's own Sampler and applies max_tokens, stop token ids and the context limit. Text-level work
+// request's own RNG stream and applies max_tokens, stop token ids and the context limit. Text-level work
 // (detokenization, stop strings) is the caller's (tokenizer/text_stream.hpp), so the engine stays free
 // of the tokenizer.
 //
@@ -9,6 +9,14 @@
 // KDA state advances over every prompt token exactly once and the first sampled token comes from
 // the decode worker. `deltaserve generate` uses the same split, so both paths do the same math.
 // A one-token prompt hands over an empty state (model.new_state()) and that token.
+//
+// Sampling: the step's pass is Model::forward_sample, given each request's params and the next draw of its
+// Sampler, so a device backend samples where the logits are and only the tokens (and the logprobs asked for)
+// come back (the CUDA backend: engine/cuda/cuda_backend.hpp); the CPU backend samples on the host with the same
+// rule. Host sampling (the constructor's switch, or DELTASERVE_HOST_SAMPLING=1) copies the logits back and calls
+// each Sampler instead: identical results on the CPU; on a GPU, the kernel's one documented difference
+// (kernels/cuda/sampling.hpp: top_p < 1 over more than 64 top-k candidates may pick another token of the same
+// nucleus for the same draw).
 //
 // Determinism: a request's tokens depend only on its own state, tokens and params (seed included),
 // not on which other requests share its steps: the forward pass treats sequences independently and
@@ -49,7 +57,9 @@ struct DecodeStepOutput {
 class DecodeBatcher {
  public:
   // `max_batch` (>= 1): requests decoding at once (state slots); `model` must outlive the batcher.
-  DecodeBatcher(const Model& model, int64_t max_batch);
+  // `host_sampling`: sample on the host from logits copied back (see the top); DELTASERVE_HOST_SAMPLING=1 at
+  // construction forces it (a bypass for a device sampling problem).
+  DecodeBatcher(const Model& model, int64_t max_batch, bool host_sampling = false);
 
   // Adds a request whose state holds prompt[0, N−1); `next_token` = prompt[N−1] is fed by the next step.
   // Errors (the batcher is unchanged): FailedPrecondition when full; InvalidArgument on a duplicate id,
@@ -69,6 +79,7 @@ class DecodeBatcher {
   int64_t active() const { return static_cast<int64_t>(requests_.size()); }
   int64_t free_slots() const { return max_batch_ - active(); }
   int64_t max_batch() const { return max_batch_; }
+  bool host_sampling() const { return host_sampling_; }
   bool contains(const std::string& request_id) const { return requests_.count(request_id) != 0; }
   // Bytes held by the active requests' states (KDA state + MLA cache, as RequestState stores them).
   int64_t state_bytes() const;
@@ -84,6 +95,7 @@ class DecodeBatcher {
   };
   const Model& model_;
   int64_t max_batch_;
+  bool host_sampling_;
   uint64_t next_order_ = 0;
   std::unordered_map<std::string, Active> requests_;
 };

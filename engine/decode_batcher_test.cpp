@@ -2,11 +2,14 @@
 // prompt[0, N−1), forward the last prompt token, argmax / log-softmax written here in fp64, forward
 // the sampled token, ...) for greedy decoding, and the batcher running the request alone for seeded
 // sampling. Requests join and leave between steps; each must produce exactly the tokens it produces alone.
+// Sampling in the pass (Model::forward_sample) against host sampling (each Sampler on forward's logits), and a
+// failed pass that must leave every request's RNG stream alone.
 #include "engine/decode_batcher.hpp"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -20,6 +23,7 @@
 
 #include "common/temp_dir.hpp"
 #include "engine/make_model.hpp"
+#include "engine/test_models.hpp"
 
 namespace deltaserve::engine {
 namespace {
@@ -385,6 +389,94 @@ TEST(DecodeBatcher, SeededSamplingIsTheSameAloneAndBatched) {
     tokens.push_back((*out)[0].sampled.token);
   }
   EXPECT_NE(tokens, alone) << "the seed must matter";
+}
+
+// Requests of mixed sampling params (greedy, temperature, top-k, top-p, logprobs with and without alternatives)
+// joining at different steps, on `batcher`; every step's outputs in order. With `flaky` (the backend of the
+// batcher's model), the pass before steps 2 and 7 fails first and the step is retried.
+std::vector<std::vector<DecodeStepOutput>> run_mixed(const Model& model, DecodeBatcher& batcher,
+                                                     testing::CpuModelBackend* flaky = nullptr) {
+  const int64_t vocab = model.config().vocab_size;
+  const std::vector<SamplingParams> kinds = {{.temperature = 0.0f, .top_logprobs = 3},
+                                             {.temperature = 0.8f, .seed = 21},
+                                             {.temperature = 1.0f, .top_k = 20, .seed = 22, .top_logprobs = 20},
+                                             {.temperature = 0.9f, .top_p = 0.9f, .seed = 23, .top_logprobs = 1},
+                                             {.temperature = 1.2f, .top_p = 0.5f, .top_k = 50, .seed = 24}};
+  std::vector<std::vector<DecodeStepOutput>> steps;
+  size_t joined = 0;
+  for (int step = 0; step < 60 && (joined < kinds.size() || batcher.active() > 0); ++step) {
+    if (joined < kinds.size() && step % 3 == 0) {
+      DecodeParams params;
+      params.sampling = kinds[joined];
+      params.logprobs = joined % 2 == 0 || joined == 3;
+      params.max_tokens = 10 + 3 * static_cast<int64_t>(joined);
+      const auto prompt =
+          random_tokens(5 + 2 * static_cast<int64_t>(joined), vocab, 70 + static_cast<uint32_t>(joined));
+      EXPECT_TRUE(batcher.add("r" + std::to_string(joined), prefill_all_but_last(model, prompt), prompt.back(), params)
+                      .is_ok());
+      ++joined;
+    }
+    if (flaky != nullptr && (step == 2 || step == 7)) {
+      flaky->fail_passes = 1;
+      const int64_t active = batcher.active();
+      auto failed = batcher.step();
+      EXPECT_EQ(failed.status().code(), StatusCode::kUnavailable) << failed.status().to_string();
+      EXPECT_EQ(batcher.active(), active);
+    }
+    auto out = batcher.step();
+    EXPECT_TRUE(out.is_ok()) << out.status().to_string();
+    if (!out.is_ok()) break;
+    steps.push_back(std::move(*out));
+  }
+  return steps;
+}
+
+void expect_same_steps(const std::vector<std::vector<DecodeStepOutput>>& got,
+                       const std::vector<std::vector<DecodeStepOutput>>& expected) {
+  ASSERT_EQ(got.size(), expected.size());
+  for (size_t s = 0; s < got.size(); ++s) {
+    ASSERT_EQ(got[s].size(), expected[s].size()) << "step " << s;
+    for (size_t i = 0; i < got[s].size(); ++i) {
+      const DecodeStepOutput &a = got[s][i], &b = expected[s][i];
+      const std::string where = "step " + std::to_string(s) + " " + b.request_id;
+      EXPECT_EQ(a.request_id, b.request_id) << where;
+      EXPECT_EQ(a.sampled.token, b.sampled.token) << where;
+      EXPECT_EQ(a.sampled.logprob, b.sampled.logprob) << where;
+      ASSERT_EQ(a.sampled.top.size(), b.sampled.top.size()) << where;
+      for (size_t k = 0; k < a.sampled.top.size(); ++k) {
+        EXPECT_EQ(a.sampled.top[k].token, b.sampled.top[k].token) << where;
+        EXPECT_EQ(a.sampled.top[k].logprob, b.sampled.top[k].logprob) << where;
+      }
+      EXPECT_EQ(a.completion_tokens, b.completion_tokens) << where;
+      EXPECT_EQ(a.finished, b.finished) << where;
+      EXPECT_EQ(a.finish_reason, b.finish_reason) << where;
+    }
+  }
+}
+
+// On the CPU, sampling in the pass and host sampling give the same outputs bit for bit.
+TEST(DecodeBatcher, SamplingInThePassEqualsHostSampling) {
+  if (std::getenv("DELTASERVE_HOST_SAMPLING") != nullptr) GTEST_SKIP() << "DELTASERVE_HOST_SAMPLING is set";
+  const Model& model = tiny_model();
+  DecodeBatcher in_pass(model, 8), on_host(model, 8, /*host_sampling=*/true);
+  EXPECT_FALSE(in_pass.host_sampling());
+  EXPECT_TRUE(on_host.host_sampling());
+  const auto expected = run_mixed(model, on_host);
+  EXPECT_GT(expected.size(), 20u);
+  expect_same_steps(run_mixed(model, in_pass), expected);
+}
+
+// A step whose pass fails changes nothing: no state advanced, no request left, and no RNG stream took its draw, so
+// the run continues exactly as one that never failed. (The model's backend samples with Backend's default.)
+TEST(DecodeBatcher, FailedStepTakesNoDraw) {
+  const Model& model = tiny_model();
+  auto backend = std::make_shared<testing::CpuModelBackend>(model);
+  const Model flaky(model.config(), backend);
+  DecodeBatcher reference(model, 8), batcher(flaky, 8);
+  const auto expected = run_mixed(model, reference);
+  const auto got = run_mixed(model, batcher, backend.get());
+  expect_same_steps(got, expected);
+  EXPECT_EQ(backend->passes, static_cast<int>(expected.size()) + 2);
 }
 
 }  // namespace

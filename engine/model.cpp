@@ -257,9 +257,7 @@ void Model::run_mla(const LayerWeights& layer, int64_t slot, const float* x, flo
   cpu::linear(attention.data(), w.o_proj.data(), out, rows, v_width, hidden);
 }
 
-Status Model::forward(std::span<SequenceInput> sequences, std::vector<std::vector<float>>& logits,
-                      const ForwardOptions& options) const {
-  Batch batch{sequences, {0}};
+Status Model::check_batch(std::span<SequenceInput> sequences) const {
   for (size_t s = 0; s < sequences.size(); ++s) {
     const SequenceInput& in = sequences[s];
     const std::string where = "sequence " + std::to_string(s);
@@ -281,6 +279,38 @@ Status Model::forward(std::span<SequenceInput> sequences, std::vector<std::vecto
       return out_of_range(where + ": " + std::to_string(length) + " tokens exceed the context limit of " +
                           std::to_string(config_.max_position_embeddings));
     }
+  }
+  return Status::ok();
+}
+
+Status Model::forward_sample(std::span<SequenceInput> sequences, std::span<const SampleRequest> rows,
+                             std::vector<SampledToken>& out, const ForwardOptions& options) const {
+  if (rows.size() != sequences.size()) {
+    return invalid_argument("forward_sample: " + std::to_string(rows.size()) + " sampling rows for " +
+                            std::to_string(sequences.size()) + " sequences");
+  }
+  for (size_t s = 0; s < sequences.size(); ++s) {
+    const std::string where = "sequence " + std::to_string(s);
+    if (sequences[s].all_logits) {
+      return invalid_argument(where + ": forward_sample samples the last token only; all_logits must be false");
+    }
+    DS_RETURN_IF_ERROR_CTX(validate_request(rows[s]), where);
+  }
+  if (backend_) {
+    DS_RETURN_IF_ERROR(check_batch(sequences));
+    return backend_->forward_sample(sequences, rows, out, options);
+  }
+  std::vector<std::vector<float>> logits;
+  DS_RETURN_IF_ERROR(forward(sequences, logits, options));
+  sample_rows(logits, rows, out);
+  return Status::ok();
+}
+
+Status Model::forward(std::span<SequenceInput> sequences, std::vector<std::vector<float>>& logits,
+                      const ForwardOptions& options) const {
+  DS_RETURN_IF_ERROR(check_batch(sequences));
+  Batch batch{sequences, {0}};
+  for (const SequenceInput& in : sequences) {
     batch.row_begin.push_back(batch.row_begin.back() + static_cast<int64_t>(in.tokens.size()));
   }
   if (backend_) return backend_->forward(sequences, logits, options);

@@ -51,6 +51,14 @@ class Model {
   Status forward(std::span<SequenceInput> batch, std::vector<std::vector<float>>& logits,
                  const ForwardOptions& options = {}) const;
 
+  // A forward pass that samples: out[i] is rows[i] sampled from the logits of sequence i's last token (one row
+  // per sequence; all_logits must be false), as SamplingRule::apply (engine/sampler.hpp) chooses it. On the CPU
+  // that is forward() plus the rule on the host; a device backend samples where the logits are and returns only
+  // the tokens (and the logprobs asked for): see Backend::forward_sample. Checks the rows (params, draws) and then
+  // the batch as forward() does; on an error no state has been modified.
+  Status forward_sample(std::span<SequenceInput> batch, std::span<const SampleRequest> rows,
+                        std::vector<SampledToken>& out, const ForwardOptions& options = {}) const;
+
   // Convenience: prefill `tokens` into `state` in pieces of at most `chunk_tokens`, returning the
   // logits of the last token.
   Result<std::vector<float>> prefill(RequestState& state, std::span<const int32_t> tokens,
@@ -61,6 +69,8 @@ class Model {
 
  private:
   struct Batch;
+  // forward()'s checks: states, token ids, the context limit.
+  Status check_batch(std::span<SequenceInput> batch) const;
   void run_kda(const LayerWeights& layer, int64_t slot, const float* x, float* out, Batch& batch,
                const ForwardOptions& options) const;
   void run_mla(const LayerWeights& layer, int64_t slot, const float* x, float* out, Batch& batch) const;

@@ -1,17 +1,20 @@
 // The forward pass against itself in independent arrangements: one-shot prefill as the reference for
-// chunked prefill (any split), decode steps, batching with other requests; and the loader against the
-// generated checkpoints in every storage format.
+// chunked prefill (any split), decode steps, batching with other requests; the sampled pass (forward_sample)
+// against forward + Sampler; and the loader against the generated checkpoints in every storage format.
 #include "engine/model.hpp"
 
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <random>
+#include <vector>
 
 #include <gtest/gtest.h>
 
 #include "common/temp_dir.hpp"
 #include "engine/make_model.hpp"
+#include "engine/sampler.hpp"
 #include "engine/test_models.hpp"
 
 namespace deltaserve::engine {
@@ -134,7 +137,134 @@ TEST_P(ModelPresetTest, LogitsAreFiniteAndDependOnContext) {
   EXPECT_GT(relative_error({lx.end() - vocab, lx.end()}, {ly.end() - vocab, ly.end()}), 1e-4);
 }
 
+// Sampling params of the forward_sample tests: greedy, plain temperature, top-k, top-p over many candidates, top-k
+// with top-p, top-k 1; with and without alternatives.
+std::vector<SamplingParams> mixed_sampling_params() {
+  return {{.temperature = 0.0f, .top_logprobs = 2},
+          {.temperature = 0.8f, .seed = 11},
+          {.temperature = 1.1f, .top_k = 7, .seed = 12, .top_logprobs = 5},
+          {.temperature = 0.9f, .top_p = 0.85f, .seed = 13, .top_logprobs = 20},
+          {.temperature = 1.3f, .top_p = 0.7f, .top_k = 40, .seed = 14},
+          {.temperature = 0.6f, .top_k = 1, .seed = 15, .top_logprobs = 1}};
+}
+
+void expect_same_sampled(const SampledToken& got, const SampledToken& expected, const std::string& where) {
+  EXPECT_EQ(got.token, expected.token) << where;
+  EXPECT_EQ(got.logprob, expected.logprob) << where;
+  ASSERT_EQ(got.top.size(), expected.top.size()) << where;
+  for (size_t k = 0; k < got.top.size(); ++k) {
+    EXPECT_EQ(got.top[k].token, expected.top[k].token) << where << " alternative " << k;
+    EXPECT_EQ(got.top[k].logprob, expected.top[k].logprob) << where << " alternative " << k;
+  }
+}
+
+// forward_sample on the CPU is forward + each request's Sampler, bit for bit, over several steps (the first with a
+// multi-token chunk for one sequence), with the streams consumed identically (the caller takes the peeked draw).
+TEST_P(ModelPresetTest, ForwardSampleEqualsForwardThenSampler) {
+  auto model = make_model(GetParam());
+  ASSERT_NE(model, nullptr);
+  const int64_t vocab = model->config().vocab_size;
+  const std::vector<SamplingParams> params = mixed_sampling_params();
+  const size_t n = params.size();
+  std::vector<RequestState> states_a, states_b;
+  std::vector<Sampler> samplers_a, samplers_b;
+  std::vector<std::vector<int32_t>> feed(n);
+  for (size_t i = 0; i < n; ++i) {
+    states_a.push_back(model->new_state());
+    states_b.push_back(model->new_state());
+    samplers_a.emplace_back(params[i]);
+    samplers_b.emplace_back(params[i]);
+    feed[i] = random_tokens(i == 2 ? 9 : 1, vocab, 40 + static_cast<uint32_t>(i));  // sequence 2: a chunk first
+  }
+  for (int step = 0; step < 6; ++step) {
+    std::vector<SequenceInput> batch_a, batch_b;
+    std::vector<SampleRequest> rows;
+    for (size_t i = 0; i < n; ++i) {
+      batch_a.push_back({&states_a[i], feed[i], false});
+      batch_b.push_back({&states_b[i], feed[i], false});
+      rows.push_back({params[i], samplers_b[i].peek_draw(), /*logprobs=*/true});
+    }
+    std::vector<std::vector<float>> logits;
+    ASSERT_TRUE(model->forward(batch_a, logits).is_ok());
+    std::vector<SampledToken> sampled;
+    const Status status = model->forward_sample(batch_b, rows, sampled);
+    ASSERT_TRUE(status.is_ok()) << status.to_string();
+    ASSERT_EQ(sampled.size(), n);
+    for (size_t i = 0; i < n; ++i) {
+      (void)samplers_b[i].next_draw();
+      const SampledToken expected = samplers_a[i].sample(logits[i]);
+      expect_same_sampled(sampled[i], expected, "step " + std::to_string(step) + ", sequence " + std::to_string(i));
+      EXPECT_EQ(states_b[i].num_tokens(), states_a[i].num_tokens());
+      feed[i] = {expected.token};
+    }
+  }
+  for (size_t i = 0; i < n; ++i) EXPECT_EQ(samplers_a[i].peek_draw(), samplers_b[i].peek_draw()) << i;
+}
+
+TEST_P(ModelPresetTest, ForwardSampleRejectsBadRowsAndLeavesStateUntouched) {
+  auto model = make_model(GetParam());
+  ASSERT_NE(model, nullptr);
+  RequestState state = model->new_state();
+  const std::vector<int32_t> tokens = {1, 2, 3};
+  std::vector<SampledToken> out;
+  const SampleRequest good{{}, 0.5, false};
+  auto check = [&](SequenceInput input, std::vector<SampleRequest> rows, const std::string& expected) {
+    const Status s = model->forward_sample({&input, 1}, rows, out);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << expected;
+    EXPECT_NE(s.message().find(expected), std::string::npos) << s.message();
+    EXPECT_TRUE(state.same_contents(model->new_state())) << expected;
+  };
+  check({&state, tokens, false}, {}, "sampling rows");
+  check({&state, tokens, false}, {good, good}, "sampling rows");
+  check({&state, tokens, true}, {good}, "all_logits");
+  check({&state, tokens, false}, {{{}, 1.0, false}}, "draw");
+  check({&state, tokens, false}, {{{.temperature = 3.0f}, 0.5, false}}, "temperature");
+  const std::vector<int32_t> bad = {static_cast<int32_t>(model->config().vocab_size)};
+  check({&state, bad, false}, {good}, "outside the vocabulary");
+}
+
 INSTANTIATE_TEST_SUITE_P(Presets, ModelPresetTest, ::testing::Values("tiny-linear", "tiny-k3"));
+
+// A backend that does not sample itself gets Backend::forward_sample's default: its forward pass, then the rule on the
+// host; the results are those of the CPU model's forward_sample. A failed pass returns its error.
+TEST(ModelForwardSample, BackendDefaultSamplesItsLogitsOnTheHost) {
+  auto cpu = make_model("tiny-linear");
+  ASSERT_NE(cpu, nullptr);
+  auto backend = std::make_shared<testing::CpuModelBackend>(*cpu);
+  const Model with_backend(cpu->config(), backend);
+  const std::vector<SamplingParams> params = mixed_sampling_params();
+  std::vector<RequestState> states_a, states_b;
+  std::vector<std::vector<int32_t>> tokens;
+  std::vector<SampleRequest> rows;
+  for (size_t i = 0; i < params.size(); ++i) {
+    states_a.push_back(cpu->new_state());
+    states_b.push_back(cpu->new_state());
+    tokens.push_back(
+        random_tokens(3 + static_cast<int64_t>(i), cpu->config().vocab_size, 60 + static_cast<uint32_t>(i)));
+    rows.push_back({params[i], 0.1 + 0.15 * static_cast<double>(i), i % 2 == 0});
+  }
+  std::vector<SequenceInput> batch_a, batch_b;
+  for (size_t i = 0; i < params.size(); ++i) {
+    batch_a.push_back({&states_a[i], tokens[i], false});
+    batch_b.push_back({&states_b[i], tokens[i], false});
+  }
+  std::vector<SampledToken> expected, got;
+  backend->fail_passes = 1;
+  const Status failed = with_backend.forward_sample(batch_b, rows, got);
+  EXPECT_EQ(failed.code(), StatusCode::kUnavailable) << failed.to_string();
+  EXPECT_EQ(states_b[0].num_tokens(), 0);
+  ASSERT_TRUE(cpu->forward_sample(batch_a, rows, expected).is_ok());
+  ASSERT_TRUE(with_backend.forward_sample(batch_b, rows, got).is_ok());
+  EXPECT_EQ(backend->passes, 2);
+  ASSERT_EQ(got.size(), expected.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    expect_same_sampled(got[i], expected[i], "sequence " + std::to_string(i));
+    if (!rows[i].logprobs) {
+      EXPECT_EQ(got[i].logprob, 0.0f);
+      EXPECT_TRUE(got[i].top.empty());
+    }
+  }
+}
 
 TEST(ModelLoad, ShardingDoesNotChangeTheModelAndFp8IsReallyQuantised) {
   // A random model is chaotic (a tiny weight change can flip an MoE routing decision), so storage

@@ -1,5 +1,5 @@
 // Test helpers for engine suites: a random model of a preset written in the real checkpoint format and
-// loaded back, and random token ids.
+// loaded back, random token ids, and a backend that runs a CPU model (for the Backend defaults and failures).
 #pragma once
 
 #include <memory>
@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include "common/temp_dir.hpp"
+#include "engine/backend.hpp"
 #include "engine/make_model.hpp"
 #include "engine/model.hpp"
 
@@ -38,5 +39,28 @@ inline std::vector<int32_t> random_tokens(int64_t n, int64_t vocab, uint32_t see
   for (auto& t : tokens) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab));
   return tokens;
 }
+
+// A Backend whose forward pass is a CPU model's (so forward_sample is the base class's default: forward, then the
+// rule on the host), and which fails its next `fail_passes` passes (kUnavailable) without touching any state.
+class CpuModelBackend : public Backend {
+ public:
+  explicit CpuModelBackend(const Model& model) : model_(model) {}
+  std::string name() const override { return "cpu-model-backend"; }
+  BackendCapacity capacity() const override { return {}; }
+  Status forward(std::span<SequenceInput> batch, std::vector<std::vector<float>>& logits,
+                 const ForwardOptions& options) override {
+    ++passes;
+    if (fail_passes > 0) {
+      --fail_passes;
+      return Status(StatusCode::kUnavailable, "injected failure");
+    }
+    return model_.forward(batch, logits, options);
+  }
+  int fail_passes = 0;
+  int passes = 0;
+
+ private:
+  const Model& model_;
+};
 
 }  // namespace deltaserve::engine::testing
