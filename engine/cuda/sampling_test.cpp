@@ -3,7 +3,8 @@
 // Checked: greedy = argmax with ties to the lowest id; NaN = -inf, +inf = FLT_MAX, all-masked rows uniform;
 // logprobs vs a float64 log-softmax (|err| <= 2e-6 + 1e-6 |ref|); top_logprobs ids exactly, values as logprobs;
 // non-greedy choices equal the CPU sampler's on distinct logits (where the CPU inverts its CDF over a sorted
-// order: no top-p, or top-p with top-k <= 64); with top-p over more candidates the token lies in the nucleus.
+// order: no top-p, or top-p with top-k <= 64); with top-p over more candidates the token lies in the nucleus;
+// rows with their own top_logprobs counts.
 #include "kernels/cuda/sampling.hpp"
 
 #include <algorithm>
@@ -44,8 +45,9 @@ double first_draw(uint64_t seed) {
   return rng.next_unit();
 }
 
+// row_top_logprobs: each row's own count (SampleParams::row_top_logprobs), or empty for top_logprobs everywhere.
 GpuResult run_gpu(const std::vector<float>& logits, int64_t vocab, const std::vector<RowParams>& rows, int top_logprobs,
-                  bool graph = false) {
+                  bool graph = false, const std::vector<int32_t>& row_top_logprobs = {}) {
   const int n = static_cast<int>(rows.size());
   std::vector<float> temperature(n), top_p(n);
   std::vector<int32_t> top_k(n);
@@ -60,6 +62,8 @@ GpuResult run_gpu(const std::vector<float>& logits, int64_t vocab, const std::ve
   DeviceBuffer<float> top_values_d(std::max(n * top_logprobs, 1));
   DeviceBuffer<int32_t> top_k_d(n), tokens_d(n), top_ids_d(std::max(n * top_logprobs, 1));
   DeviceBuffer<double> uniform_d(n);
+  DeviceBuffer<int32_t> row_top_d(std::max<size_t>(row_top_logprobs.size(), 1));
+  if (!row_top_logprobs.empty()) row_top_d.upload(row_top_logprobs);
   const size_t workspace_bytes = sample_workspace_bytes(n, vocab);
   DeviceBuffer<char> workspace_d(workspace_bytes);
   logits_d.upload(logits);
@@ -69,6 +73,7 @@ GpuResult run_gpu(const std::vector<float>& logits, int64_t vocab, const std::ve
   uniform_d.upload(uniform);
   tokens_d.upload(std::vector<int32_t>(n, -7));
   logprobs_d.upload(nan_vector(n));
+  top_ids_d.upload(std::vector<int32_t>(static_cast<size_t>(std::max(n * top_logprobs, 1)), -7));
   SampleParams p;
   p.rows = n;
   p.vocab = vocab;
@@ -78,6 +83,7 @@ GpuResult run_gpu(const std::vector<float>& logits, int64_t vocab, const std::ve
   p.top_k = top_k_d.get();
   p.uniform = uniform_d.get();
   p.top_logprobs = top_logprobs;
+  p.row_top_logprobs = row_top_logprobs.empty() ? nullptr : row_top_d.get();
   p.tokens = tokens_d.get();
   p.logprobs = logprobs_d.get();
   p.top_ids = top_logprobs > 0 ? top_ids_d.get() : nullptr;
@@ -157,11 +163,12 @@ std::string describe(const RowParams& row) {
 
 // Compares every row with the CPU sampler: token (when `exact_token`), logprob vs float64, top_logprobs.
 void compare_rows(const std::vector<float>& logits, int64_t vocab, const std::vector<RowParams>& rows, int top_logprobs,
-                  const GpuResult& got, bool exact_token = true) {
+                  const GpuResult& got, bool exact_token = true, const std::vector<int32_t>& row_top_logprobs = {}) {
   for (size_t r = 0; r < rows.size(); ++r) {
     SCOPED_TRACE("row " + std::to_string(r) + " " + describe(rows[r]));
     const float* row_logits = logits.data() + r * vocab;
-    const engine::SampledToken cpu = run_cpu(row_logits, vocab, rows[r], top_logprobs);
+    const int row_top = row_top_logprobs.empty() ? top_logprobs : row_top_logprobs[r];
+    const engine::SampledToken cpu = run_cpu(row_logits, vocab, rows[r], row_top);
     const std::vector<double> reference = log_softmax(row_logits, vocab);
     const int32_t token = got.tokens[r];
     ASSERT_TRUE(token >= 0 && token < vocab) << "token " << token << " out of range";
@@ -172,7 +179,7 @@ void compare_rows(const std::vector<float>& logits, int64_t vocab, const std::ve
         << "logprob of token " << token << ": GPU " << got.logprobs[r] << ", float64 " << reference[token];
     EXPECT_TRUE(close(got.logprobs[r], cpu.logprob) || token != cpu.token)
         << "logprob: GPU " << got.logprobs[r] << ", CPU " << cpu.logprob;
-    const int num_top = static_cast<int>(std::min<int64_t>(top_logprobs, vocab));
+    const int num_top = static_cast<int>(std::min<int64_t>(row_top, vocab));
     ASSERT_EQ(cpu.top.size(), static_cast<size_t>(num_top));
     for (int i = 0; i < num_top; ++i) {
       const int32_t id = got.top_ids[r * top_logprobs + i];
@@ -182,7 +189,8 @@ void compare_rows(const std::vector<float>& logits, int64_t vocab, const std::ve
           << "top_logprobs entry " << i << ": GPU " << value << ", CPU " << cpu.top[i].logprob;
     }
     for (int i = num_top; i < top_logprobs; ++i) {
-      EXPECT_EQ(got.top_ids[r * top_logprobs + i], -1) << "top_logprobs entry " << i << " past the vocabulary";
+      EXPECT_EQ(got.top_ids[r * top_logprobs + i], -1) << "top_logprobs entry " << i << " past the vocabulary or row";
+      EXPECT_EQ(got.top_values[r * top_logprobs + i], -INFINITY) << "top_logprobs entry " << i;
     }
   }
 }
@@ -335,6 +343,38 @@ TEST(SamplingGpu, MixedRowsWithoutTopLogprobs) {
   }
   const GpuResult got = run_gpu(logits, vocab, rows, 0);
   compare_rows(logits, vocab, rows, 0, got);
+}
+
+// Rows with their own top_logprobs counts (row_top_logprobs) in one launch: 0 (greedy or unfiltered rows are then
+// not sorted at all), fewer than the stride, the stride; next to filtering rows. Choices and alternatives as the CPU
+// sampler's with that row's count; the entries past a row's count are -1 / -inf.
+TEST(SamplingGpu, PerRowTopLogprobs) {
+  const int64_t vocab = 4000;
+  const int stride = 8;
+  std::mt19937 rng(7);
+  std::vector<float> logits;
+  std::vector<RowParams> rows;
+  std::vector<int32_t> counts;
+  const RowParams kinds[] = {
+      {0.0f, 1.0f, 0, 0}, {1.0f, 1.0f, 0, 0}, {0.9f, 1.0f, 30, 0}, {1.1f, 0.8f, 64, 0}, {0.7f, 1.0f, 1, 0}};
+  const int32_t row_counts[] = {0, 3, 8, 0, 1, 8, 0};
+  for (int r = 0; r < 35; ++r) {
+    const std::vector<float> row = distinct_logits(rng, vocab, 11.0f);
+    logits.insert(logits.end(), row.begin(), row.end());
+    rows.push_back(kinds[r % 5]);
+    rows.back().seed = 600 + r;
+    counts.push_back(row_counts[r % 7]);
+  }
+  for (bool graph : {false, true}) {
+    SCOPED_TRACE(graph ? "graph" : "eager");
+    const GpuResult got = run_gpu(logits, vocab, rows, stride, graph, counts);
+    compare_rows(logits, vocab, rows, stride, got, true, counts);
+  }
+  // A small vocabulary: a row's count past it still ends at the vocabulary.
+  const std::vector<float> small = {0.5f, 2.0f, -1.0f, 1.0f, 1.0f, 1.0f};
+  const std::vector<RowParams> small_rows = {{0.0f, 1.0f, 0, 1}, {1.0f, 1.0f, 0, 2}};
+  const std::vector<int32_t> small_counts = {5, 2};
+  compare_rows(small, 3, small_rows, 5, run_gpu(small, 3, small_rows, 5, false, small_counts), true, small_counts);
 }
 
 TEST(SamplingGpu, GraphCaptureReplays) {

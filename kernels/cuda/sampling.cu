@@ -3,10 +3,10 @@
 //      lowest id) and log Σ exp(v - max) in fp64; writes each row's cleaned values and ids for the sort;
 //   2. cub::DeviceSegmentedRadixSort, descending by value per row (stable, so ties keep ascending ids: the
 //      CPU's (value desc, id asc) order);
-//   3. choose (one block per row): logprob, top_logprobs from the sorted prefix; greedy rows take the argmax;
-//      other rows take weights exp((v - max) / T) in fp64 and invert the CDF at the draw: in index order when
-//      neither top-k nor top-p filters (as the CPU does), else over the top-k prefix of the sorted order cut to
-//      the nucleus (the fewest best tokens with mass >= top_p · top-k mass).
+//   3. choose (one block per row): logprob, top_logprobs (each row's own count) from the sorted prefix; greedy
+//      rows take the argmax; other rows take weights exp((v - max) / T) in fp64 and invert the CDF at the draw:
+//      in index order when neither top-k nor top-p filters (as the CPU does), else over the top-k prefix of the
+//      sorted order cut to the nucleus (the fewest best tokens with mass >= top_p · top-k mass).
 // The sums are block reductions (not the CPU's sequential order), so a draw within ~1e-15 of a CDF boundary may
 // pick a neighbour; nothing else differs. One known difference: with top_p < 1 and more than 64 candidates the
 // CPU inverts its CDF over the nucleus in its quickselect's partition order, here in sorted order.
@@ -97,7 +97,13 @@ struct ArgMaxOp {
   }
 };
 
-__global__ void __launch_bounds__(kThreads) prep_kernel(SampleParams p, Layout l) {
+// Alternatives reported by row r (its own count when the caller gives one, clamped to the row stride).
+__device__ __forceinline__ int row_top_logprobs(const int32_t* row_counts, int top_logprobs, int r) {
+  return row_counts != nullptr ? min(max(row_counts[r], 0), top_logprobs) : top_logprobs;
+}
+
+// One block per SM is enough to fill it (512 threads); without the hint ptxas capped prep at 40 registers and spilled.
+__global__ void __launch_bounds__(kThreads, 1) prep_kernel(SampleParams p, Layout l) {
   using Reduce = cub::BlockReduce<ArgMax, kThreads>;
   using ReduceDouble = cub::BlockReduce<double, kThreads>;
   __shared__ union {
@@ -112,7 +118,8 @@ __global__ void __launch_bounds__(kThreads) prep_kernel(SampleParams p, Layout l
   const int32_t top_k_raw = p.top_k[r];
   const int64_t top_k = top_k_raw > 0 && top_k_raw < vocab ? top_k_raw : vocab;
   const bool sampled = p.temperature[r] > 0.0f && top_k > 1;
-  const bool needs_sort = p.top_logprobs > 0 || (sampled && (top_k < vocab || p.top_p[r] < 1.0f));
+  const bool needs_sort =
+      row_top_logprobs(p.row_top_logprobs, p.top_logprobs, r) > 0 || (sampled && (top_k < vocab || p.top_p[r] < 1.0f));
   if (threadIdx.x == 0) {
     l.begins[r] = static_cast<int32_t>(r * vocab);
     l.ends[r] = static_cast<int32_t>(r * vocab + (needs_sort ? vocab : 0));
@@ -198,9 +205,11 @@ __global__ void __launch_bounds__(kThreads)
   const float* sorted_values = sorted_keys + r * vocab;
   const int32_t* sorted_ids = sorted_ids_all + r * vocab;
 
-  // top_logprobs: the sorted prefix (entries past the vocabulary: id -1, -inf).
+  // top_logprobs: the sorted prefix (entries past the vocabulary or the row's own count: id -1, -inf; a row without
+  // alternatives may not have been sorted).
   for (int i = threadIdx.x; i < p.top_logprobs; i += kThreads) {
-    const bool valid = i < vocab;
+    const int row_top = row_top_logprobs(p.row_top_logprobs, p.top_logprobs, r);
+    const bool valid = i < vocab && i < row_top;
     if (p.top_ids != nullptr) p.top_ids[r * p.top_logprobs + i] = valid ? sorted_ids[i] : -1;
     if (p.top_values != nullptr) {
       p.top_values[r * p.top_logprobs + i] =

@@ -5,7 +5,8 @@
 // One known difference: with top_p < 1 over more than 64 top-k candidates, engine::Sampler walks its nucleus in
 // its quickselect's partition order, this in sorted order: the same nucleus and distribution, but the same draw
 // may pick another token of it. Everywhere else the choice is the CPU's (up to fp64 summation order).
-// Workspace: 16 bytes per logit plus the sort's scratch; only rows that filter or report top_logprobs are sorted.
+// Workspace: 16 bytes per logit plus the sort's scratch; only rows that filter or report top_logprobs are sorted
+// (row_top_logprobs lets a batch mix rows that report alternatives with rows that do not).
 #pragma once
 
 #include <cstddef>
@@ -28,13 +29,16 @@ struct SampleParams {
   const int32_t* top_k = nullptr;      // device [rows]; 0 = off
   const double* uniform = nullptr;     // device [rows]: the row's random draw in [0, 1) (the caller draws it from
                                        // the request's own RNG stream, exactly as engine::Sampler does)
-  int top_logprobs = 0;                // [0, 20] alternatives per row
+  int top_logprobs = 0;                // [0, 20] alternatives per row (the row stride of top_ids / top_values)
   int32_t* tokens = nullptr;           // device [rows] out
   float* logprobs = nullptr;           // device [rows] out: log-softmax of the raw logits at the chosen token
   int32_t* top_ids = nullptr;          // device [rows, top_logprobs] out (best first, ties to lower id) or nullptr
   float* top_values = nullptr;         // device [rows, top_logprobs] out or nullptr
   void* workspace = nullptr;           // device, >= sample_workspace_bytes(rows, vocab), 256-byte aligned
   size_t workspace_bytes = 0;
+  // device [rows] or nullptr (every row top_logprobs): the alternatives of each row, in [0, top_logprobs]; entries
+  // past a row's count are id -1 / -inf; a row with none that does not filter is not sorted.
+  const int32_t* row_top_logprobs = nullptr;
 };
 size_t sample_workspace_bytes(int rows, int64_t vocab);
 [[nodiscard]] Status sample(const SampleParams& params, cudaStream_t stream);
