@@ -11,6 +11,7 @@
 #include "kernels/cuda/kda.hpp"
 #include "kernels/cuda/mla.hpp"
 #include "kernels/cuda/moe.hpp"
+#include "kernels/cuda/sampling.hpp"
 
 namespace deltaserve::engine::cuda {
 
@@ -78,9 +79,22 @@ Status allocate_scratch(CudaBackend::Impl& impl) {
   at += row_f32;
   impl.normed = reinterpret_cast<__nv_bfloat16*>(base + at);
 
-  const size_t arena = arena_bytes(c, R);
-  DS_RETURN_IF_ERROR(impl.arena_memory.allocate(arena, "layer scratch"));
+  // LM head in pieces of at most ~256 MiB of logits.
+  const int64_t vocab = c.vocab_size;
+  impl.logit_chunk = std::clamp<int64_t>((int64_t{256} << 20) / (vocab * 4), 1, std::min<int64_t>(R, 1024));
+
+  // The layer arena doubles as the sampling workspace (sampling runs after the layers): one launch samples a whole
+  // LM-head piece, of no more sequences than there can be state slots. Kimi's arena at 8192 rows (~1.3 GB) already
+  // holds the 16 bytes per logit of a 409-row piece of 163840 logits (~1.1 GB); small configurations grow it.
+  impl.sample_launch_rows = std::min(impl.logit_chunk, impl.options.max_requests);
+  const size_t arena = std::max(arena_bytes(c, R),
+                                align_up(kc::sample_workspace_bytes(static_cast<int>(impl.sample_launch_rows), vocab)));
+  DS_RETURN_IF_ERROR(impl.arena_memory.allocate(arena, "layer scratch and sampling workspace"));
   impl.arena.assign(impl.arena_memory.data(), arena);
+  // Sampled results of up to R sequences: token, logprob and up to 20 (id, logprob) alternatives each.
+  const size_t sample_bytes = static_cast<size_t>(R) * (8 + 8 * kc::kMaxSampleTopLogprobs);
+  DS_RETURN_IF_ERROR(impl.sample_memory.allocate(sample_bytes, "sampled tokens"));
+  DS_RETURN_IF_ERROR(impl.sample_host.allocate(sample_bytes, "sampled tokens (host)"));
 
   const StateShape& s = impl.shape;
   if (s.kda_layers > 0 && s.head_dim == kc::kKdaHeadDim) {
@@ -107,9 +121,6 @@ Status allocate_scratch(CudaBackend::Impl& impl) {
     DS_RETURN_IF_ERROR(impl.mla_workspace.allocate(align_up(workspace), "MLA attention workspace"));
   }
 
-  // LM head in pieces of at most ~256 MiB of logits.
-  const int64_t vocab = c.vocab_size;
-  impl.logit_chunk = std::clamp<int64_t>((int64_t{256} << 20) / (vocab * 4), 1, std::min<int64_t>(R, 1024));
   const size_t head_f32 = align_up(static_cast<size_t>(impl.logit_chunk * hidden) * 4);
   const size_t head_bf16 = align_up(static_cast<size_t>(impl.logit_chunk * hidden) * 2);
   DS_RETURN_IF_ERROR(impl.head_memory.allocate(
@@ -266,6 +277,12 @@ BackendCapacity CudaBackend::capacity() const {
 Status CudaBackend::forward(std::span<SequenceInput> batch, std::vector<std::vector<float>>& logits,
                             const ForwardOptions& /*options: the GPU prefill's chunk is fixed at 64*/) {
   return impl_->run(batch, &logits);
+}
+
+Status CudaBackend::forward_sample(std::span<SequenceInput> batch, std::span<const SampleRequest> rows,
+                                   std::vector<SampledToken>& out, const ForwardOptions& /*options*/) {
+  const PassSampling sampling{rows, &out};
+  return impl_->run(batch, nullptr, &sampling);
 }
 
 Status CudaBackend::forward_on_device(std::span<SequenceInput> batch, const ForwardOptions& /*options*/) {

@@ -22,6 +22,14 @@
 // logits need more than one LM-head piece, run eagerly, as does every other pass (policy: cuda_graph.cpp).
 // DELTASERVE_CUDA_GRAPHS=0 (read at construction) turns them off whatever the options say.
 //
+// Sampling (forward_sample, Model::forward_sample, used by the decode batcher): the pass keeps the logits on the
+// device and kernels::cuda::sample picks every row's token there (one launch per LM-head piece, after the graph
+// replay for graph passes), from per-row temperature / top-p / top-k / draw / top_logprobs arrays uploaded with the
+// pass's tables; only the tokens, their logprobs and the alternatives asked for come back (8 + 8 x top_logprobs
+// bytes per row instead of 4 x vocab). Choices are SamplingRule's (engine/sampler.hpp) up to the kernel's one
+// documented difference (kernels/cuda/sampling.hpp: top_p < 1 over more than 64 top-k candidates). The workspace
+// shares the layer arena.
+//
 // Profiling: DELTASERVE_CUDA_PROFILE=1 (read at construction) times the phases of eager passes with cudaEvents
 // (profile.hpp; a replayed graph counts as one phase) and prints the table to stderr when the backend is
 // destroyed. Off: no events.
@@ -67,10 +75,14 @@ class CudaBackend final : public Backend {
   // was touched; the message says what ran out.
   [[nodiscard]] Status forward(std::span<SequenceInput> batch, std::vector<std::vector<float>>& logits,
                                const ForwardOptions& options) override;
+  // Model::forward_sample's pass, sampled on the device (see the top); the same error contract as forward.
+  [[nodiscard]] Status forward_sample(std::span<SequenceInput> batch, std::span<const SampleRequest> rows,
+                                      std::vector<SampledToken>& out, const ForwardOptions& options) override;
 
   // For benchmarks: the same pass, but the logits stay on the device (device_logits(): the last LM-head piece of
-  // up to logit_chunk_rows() rows, fp32 [rows, vocab]). Validates the batch itself. Asynchronous: the pass may still
-  // run on the device when this returns; synchronize() waits for it.
+  // up to logit_chunk_rows() rows, fp32 [rows, vocab]; after forward_sample, the last piece it sampled from).
+  // Validates the batch itself. Asynchronous: the pass may still run on the device when this returns; synchronize()
+  // waits for it.
   [[nodiscard]] Status forward_on_device(std::span<SequenceInput> batch, const ForwardOptions& options = {});
   [[nodiscard]] Status synchronize();
   const float* device_logits() const;

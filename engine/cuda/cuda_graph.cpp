@@ -21,7 +21,8 @@
 //    partitioned differently from the eager pass, so graph and eager logits differ by rounding there; at or below
 //    512 they run the same kernels on the same inputs.
 //  - Tables: written into a fixed device buffer (one cudaMemcpyAsync from pinned staging) that every graph reads;
-//    growing it (a larger batch or bound than any before) drops every graph.
+//    growing it (a larger batch or bound than any before) drops every graph. A sampled pass (forward_sample) appends
+//    the rows' sampling parameters after what the graph reads and samples after the replay, outside the graph.
 //  - The first pass of a key runs eagerly (module loading, kernel attributes, cuBLAS heuristics happen outside a
 //    capture); the second captures, instantiates and replays. A capture that fails (a kernel that is not
 //    capturable) leaves that key eager for good and says so once on stderr; nothing ran during the capture, so the
@@ -139,7 +140,8 @@ Status CudaBackend::Impl::capture_decode_graph(const PassTables& t, cudaGraphExe
 }
 
 Status CudaBackend::Impl::run_decode_graph(std::span<SequenceInput> batch, const DecodeGraphKey& key,
-                                           std::vector<std::vector<float>>* out, bool* ran) {
+                                           std::vector<std::vector<float>>* out, const PassSampling* sampling,
+                                           bool* ran) {
   *ran = false;
   DecodeGraphs& g = decode_graphs;
   if (!g.graphs.contains(key)) {
@@ -148,7 +150,7 @@ Status CudaBackend::Impl::run_decode_graph(std::span<SequenceInput> batch, const
     if (g.seen.insert(key).second) return Status::ok();  // first sight: the eager warm-up
   }
   PassTables t;
-  DS_RETURN_IF_ERROR(build_tables(batch, t, &key));  // may drop every graph (the fixed buffer grew)
+  DS_RETURN_IF_ERROR(build_tables(batch, t, &key, sampling));  // may drop every graph (the fixed buffer grew)
   auto it = g.graphs.find(key);
   if (it == g.graphs.end()) {
     if (shape.mla_layers > 0) {
@@ -187,6 +189,13 @@ Status CudaBackend::Impl::run_decode_graph(std::span<SequenceInput> batch, const
     size_logits(batch, *out);
     std::vector<int64_t> filled(batch.size(), 0);
     DS_RETURN_IF_ERROR(copy_logits(t, 0, static_cast<int64_t>(t.logit_rows.size()), *out, filled));
+  }
+  if (sampling != nullptr) {
+    // After the replay, outside the graph: the sampling parameters change every step and the results are read on
+    // the host anyway.
+    DS_RETURN_IF_ERROR(sample_piece(t, 0, static_cast<int64_t>(t.logit_rows.size())));
+    DS_RETURN_IF_ERROR(fetch_samples(t, *sampling));
+    profiler.idle(stream());
   }
   return Status::ok();
 }

@@ -6,11 +6,20 @@
 // bf16-rounded softmax weights then differ by rounding (kSplitTolerance, a tenth of the CPU-comparison tolerance
 // of cuda_model_test.cpp: a wrong table or a stale graph is off by the size of the logits).
 // Also: the per-phase profile (CudaBackend::enable_profile) names the phases it timed.
+//
+// Sampling in the pass (CudaBackend::forward_sample), eager and after a graph replay: the tokens, logprobs and
+// alternatives against SamplingRule (the CPU rule) applied with the same draws to the very logits the pass sampled
+// (device_logits(), themselves checked against a twin pass's forward() logits); a DecodeBatcher sampling on the device
+// against one sampling on the host from forward's logits; and the timing of a decode step at Kimi's vocabulary with
+// host sampling (the old path) and device sampling.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -20,9 +29,11 @@
 #include "common/temp_dir.hpp"
 #include "engine/cuda/cuda_backend.hpp"
 #include "engine/cuda/test_compare.hpp"
+#include "engine/decode_batcher.hpp"
 #include "engine/make_model.hpp"
 #include "engine/model.hpp"
 #include "engine/model_weights.hpp"
+#include "engine/sampler.hpp"
 #include "engine/test_models.hpp"
 
 namespace deltaserve::engine::cuda {
@@ -348,6 +359,385 @@ TEST(CudaGraphs, ProfileNamesThePhases) {
   EXPECT_TRUE(has(p.graph_backend->profile(), "decode graph (whole step)")) << p.graph_backend->profile_table();
   p.eager_backend->reset_profile();
   EXPECT_TRUE(p.eager_backend->profile().empty());
+}
+
+// ---- sampling in the pass (forward_sample) -------------------------------------------------------------------
+
+bool host_sampling_forced() {
+  return std::getenv("DELTASERVE_HOST_SAMPLING") != nullptr;
+}
+
+// The logprob tolerance of one computation (the kernel's fp64 sums in another order than the CPU's).
+constexpr double kLogprobAtol = 2e-6, kLogprobRtol = 1e-6;
+
+bool logprob_close(double got, double expected) {
+  return std::fabs(got - expected) <= kLogprobAtol + kLogprobRtol * std::fabs(expected);
+}
+
+// A row kind: its params, whether it reports logprobs, and whether the GPU must pick the CPU's very token (everything
+// but top_p < 1 over more than 64 top-k candidates, where only the nucleus is the same: kernels/cuda/sampling.hpp).
+struct SampleKind {
+  SamplingParams params;
+  bool logprobs;
+  bool exact;
+};
+
+std::vector<SampleKind> sample_kinds() {
+  return {{{.temperature = 0.0f, .top_logprobs = 5}, true, true},
+          {{.temperature = 0.0f}, false, true},
+          {{.temperature = 0.8f, .seed = 1}, false, true},
+          {{.temperature = 1.0f, .top_k = 40, .seed = 2, .top_logprobs = 20}, true, true},
+          {{.temperature = 0.9f, .top_p = 0.9f, .top_k = 64, .seed = 3, .top_logprobs = 1}, true, true},
+          {{.temperature = 0.7f, .top_k = 1, .seed = 4}, true, true},
+          {{.temperature = 1.2f, .top_p = 0.8f, .seed = 5, .top_logprobs = 3}, true, false}};
+}
+
+// Whether `token` lies in the nucleus of `params` over `logits` (value desc, id asc; fewest best of the top-k whose
+// mass at the temperature reaches top_p of the top-k mass), in fp64.
+bool in_nucleus(std::span<const float> logits, const SamplingParams& params, int32_t token) {
+  std::vector<int32_t> order(logits.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return logits[a] > logits[b]; });
+  const auto vocab = static_cast<int64_t>(logits.size());
+  const int64_t k = params.top_k > 0 ? std::min<int64_t>(params.top_k, vocab) : vocab;
+  const double max_value = logits[order[0]], inverse_t = 1.0 / params.temperature;
+  double mass = 0.0;
+  for (int64_t i = 0; i < k; ++i) mass += std::exp((logits[order[i]] - max_value) * inverse_t);
+  double cumulative = 0.0;
+  int64_t nucleus = k;
+  for (int64_t i = 0; i < k; ++i) {
+    cumulative += std::exp((logits[order[i]] - max_value) * inverse_t);
+    if (cumulative >= mass * params.top_p * (1.0 - 1e-12)) {  // rounding: a nucleus one token longer is fine
+      nucleus = std::min<int64_t>(i + 2, k);
+      break;
+    }
+  }
+  const auto rank = std::find(order.begin(), order.end(), token) - order.begin();
+  return rank < nucleus;
+}
+
+// The GPU's result for one row against SamplingRule on the logits it sampled from. Returns false when off.
+bool expect_sampled(const SampledToken& got, const SampleRequest& row, bool exact, std::span<const float> logits,
+                    const std::string& where) {
+  SamplingRule rule;
+  const SampledToken cpu = rule.apply(row, logits);
+  bool ok = true;
+  if (exact) {
+    EXPECT_EQ(got.token, cpu.token) << where << ": GPU token differs from SamplingRule's";
+    ok = ok && got.token == cpu.token;
+  } else {
+    EXPECT_TRUE(in_nucleus(logits, row.params, got.token))
+        << where << ": token " << got.token << " outside the nucleus";
+  }
+  if (!row.logprobs) {
+    EXPECT_EQ(got.logprob, 0.0f) << where;
+    EXPECT_TRUE(got.top.empty()) << where;
+    return ok;
+  }
+  // The logprob of the GPU's own token (another than the CPU's in inexact rows) against an fp64 log-softmax.
+  double max_value = -INFINITY, sum = 0.0;
+  for (float v : logits) max_value = std::max<double>(max_value, v);
+  for (float v : logits) sum += std::exp(v - max_value);
+  const double expected = logits[static_cast<size_t>(got.token)] - max_value - std::log(sum);
+  EXPECT_TRUE(logprob_close(got.logprob, expected)) << where << ": logprob " << got.logprob << ", fp64 " << expected;
+  EXPECT_TRUE(got.token != cpu.token || logprob_close(got.logprob, cpu.logprob))
+      << where << ": logprob " << got.logprob << ", SamplingRule " << cpu.logprob;
+  EXPECT_EQ(got.top.size(), cpu.top.size()) << where;
+  for (size_t k = 0; k < std::min(got.top.size(), cpu.top.size()); ++k) {
+    EXPECT_EQ(got.top[k].token, cpu.top[k].token) << where << " alternative " << k;
+    EXPECT_TRUE(logprob_close(got.top[k].logprob, cpu.top[k].logprob))
+        << where << " alternative " << k << ": " << got.top[k].logprob << " vs " << cpu.top[k].logprob;
+  }
+  return ok;
+}
+
+// Batches of `batch` requests of every kind, 6 teacher-forced steps, on the graph or the eager backend of a pair:
+// each step's forward_sample results against SamplingRule on device_logits() (the pass's own logits, one LM-head piece
+// here) with the same draws, and those logits against a twin request set's forward() logits of the same step.
+void sampled_steps(Pair& p, bool graph, size_t batch) {
+  Model& model = graph ? *p.graph : *p.eager;
+  CudaBackend& backend = graph ? *p.graph_backend : *p.eager_backend;
+  const int64_t vocab = p.config.vocab_size;
+  ASSERT_LE(static_cast<int64_t>(batch), backend.logit_chunk_rows());
+  const std::vector<SampleKind> kinds = sample_kinds();
+  std::vector<RequestState> states, twins;
+  std::vector<Sampler> samplers;
+  std::vector<const SampleKind*> kind_of;
+  for (size_t i = 0; i < batch; ++i) {
+    states.push_back(model.new_state());
+    twins.push_back(model.new_state());
+    const SampleKind& kind = kinds[i % kinds.size()];
+    SamplingParams params = kind.params;
+    params.seed += 1000 * i;
+    samplers.emplace_back(params);
+    kind_of.push_back(&kind);
+  }
+  for (size_t i = 0; i < batch; ++i) {
+    const auto prompt = random_tokens(5 + 3 * static_cast<int64_t>(i), vocab, 300 + static_cast<uint32_t>(i));
+    std::vector<std::vector<float>> out;
+    SequenceInput a{&states[i], prompt, false}, b{&twins[i], prompt, false};
+    ASSERT_TRUE(model.forward({&a, 1}, out).is_ok());
+    ASSERT_TRUE(model.forward({&b, 1}, out).is_ok());
+  }
+  const int64_t replays_before = backend.graph_stats().replays;
+  int failures = 0;
+  for (int step = 0; step < 6 && failures < 5; ++step) {
+    const auto tokens = random_tokens(static_cast<int64_t>(batch), vocab, 400 + static_cast<uint32_t>(step));
+    std::vector<SequenceInput> inputs, twin_inputs;
+    std::vector<SampleRequest> rows;
+    for (size_t i = 0; i < batch; ++i) {
+      inputs.push_back({&states[i], {&tokens[i], 1}, false});
+      twin_inputs.push_back({&twins[i], {&tokens[i], 1}, false});
+      rows.push_back({samplers[i].params(), samplers[i].peek_draw(), kind_of[i]->logprobs});
+    }
+    std::vector<SampledToken> sampled;
+    const Status status = model.forward_sample(inputs, rows, sampled);
+    ASSERT_TRUE(status.is_ok()) << status.to_string();
+    ASSERT_EQ(sampled.size(), batch);
+    for (Sampler& sampler : samplers) (void)sampler.next_draw();
+    std::vector<float> device(batch * static_cast<size_t>(vocab));
+    ASSERT_EQ(cudaMemcpy(device.data(), backend.device_logits(), device.size() * sizeof(float), cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    std::vector<std::vector<float>> twin_logits;
+    ASSERT_TRUE(model.forward(twin_inputs, twin_logits).is_ok());
+    for (size_t i = 0; i < batch; ++i) {
+      const std::string where = std::string(graph ? "graph" : "eager") + " batch " + std::to_string(batch) + ", step " +
+                                std::to_string(step) + ", sequence " + std::to_string(i);
+      const std::span<const float> row(device.data() + i * vocab, static_cast<size_t>(vocab));
+      if (!expect_close(row, twin_logits[i], kTiny, where + " (sampled logits vs forward)")) ++failures;
+      if (!expect_sampled(sampled[i], rows[i], kind_of[i]->exact, row, where)) ++failures;
+    }
+  }
+  if (graph) {
+    EXPECT_GE(backend.graph_stats().replays - replays_before, 6) << "sampled passes after a replay";
+  } else {
+    EXPECT_EQ(backend.graph_stats().replays, 0);
+  }
+}
+
+TEST(CudaSampling, ForwardSampleMatchesTheRuleOnItsLogits) {
+  Pair p = make_pair_of_backends(25);
+  ASSERT_NE(p.graph, nullptr);
+  for (size_t batch : {1, 3, 17}) {
+    sampled_steps(p, /*graph=*/false, batch);
+    if (!graphs_forced_off()) sampled_steps(p, /*graph=*/true, batch);
+  }
+}
+
+// A sampled pass checks its rows; nothing advances on an error.
+TEST(CudaSampling, ForwardSampleRejectsBadRows) {
+  Pair p = make_pair_of_backends(26);
+  ASSERT_NE(p.graph, nullptr);
+  RequestState state = p.eager->new_state();
+  const std::vector<int32_t> tokens = {1, 2};
+  SequenceInput input{&state, tokens, false};
+  std::vector<SampledToken> out;
+  const SampleRequest good{{}, 0.5, false};
+  const std::vector<SampleRequest> two = {good, good};
+  EXPECT_EQ(p.eager_backend->forward_sample({&input, 1}, two, out, {}).code(), StatusCode::kInvalidArgument);
+  const std::vector<SampleRequest> bad_draw = {{{}, 1.5, false}};
+  EXPECT_EQ(p.eager_backend->forward_sample({&input, 1}, bad_draw, out, {}).code(), StatusCode::kInvalidArgument);
+  SequenceInput all{&state, tokens, true};
+  const std::vector<SampleRequest> one = {good};
+  EXPECT_EQ(p.eager_backend->forward_sample({&all, 1}, one, out, {}).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(state.num_tokens(), 0);
+  ASSERT_TRUE(p.eager_backend->forward_sample({&input, 1}, one, out, {}).is_ok());
+  EXPECT_EQ(state.num_tokens(), 2);
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_GE(out[0].token, 0);
+  EXPECT_LT(out[0].token, p.config.vocab_size);
+}
+
+// Outputs of two batchers, step by step: tokens and finish exactly; logprobs of two passes of the same computation.
+void expect_same_outputs(const std::vector<DecodeStepOutput>& got, const std::vector<DecodeStepOutput>& expected,
+                         const std::string& where, int* failures) {
+  ASSERT_EQ(got.size(), expected.size()) << where;
+  constexpr double kTwinLogprob = 1e-3;  // two passes agree to kTiny in the logits
+  for (size_t i = 0; i < got.size(); ++i) {
+    const DecodeStepOutput &a = got[i], &b = expected[i];
+    const std::string at = where + " " + b.request_id;
+    EXPECT_EQ(a.request_id, b.request_id) << at;
+    if (a.sampled.token != b.sampled.token) ++*failures;
+    EXPECT_EQ(a.sampled.token, b.sampled.token) << at;
+    EXPECT_NEAR(a.sampled.logprob, b.sampled.logprob, kTwinLogprob) << at;
+    ASSERT_EQ(a.sampled.top.size(), b.sampled.top.size()) << at;
+    for (size_t k = 0; k < a.sampled.top.size(); ++k) {
+      EXPECT_NEAR(a.sampled.top[k].logprob, b.sampled.top[k].logprob, kTwinLogprob) << at << " alternative " << k;
+      // Ids may swap only where two alternatives are that close.
+      if (a.sampled.top[k].token != b.sampled.top[k].token) {
+        EXPECT_TRUE(k + 1 < a.sampled.top.size() &&
+                    std::fabs(a.sampled.top[k].logprob - a.sampled.top[k + 1].logprob) <= kTwinLogprob)
+            << at << " alternative " << k << ": " << a.sampled.top[k].token << " vs " << b.sampled.top[k].token;
+      }
+    }
+    EXPECT_EQ(a.completion_tokens, b.completion_tokens) << at;
+    EXPECT_EQ(a.finished, b.finished) << at;
+    EXPECT_EQ(a.finish_reason, b.finish_reason) << at;
+  }
+}
+
+// A DecodeBatcher sampling on the device and one sampling on the host (forward's logits, each Sampler), on the same
+// CUDA model, 32 steps of requests with mixed params (the kinds where the GPU must pick the CPU's token), joining at
+// different steps: the same outputs. On the graph backend (sampling after replays) and the eager one.
+TEST(CudaSampling, DecodeBatcherOnTheDeviceEqualsHostSampling) {
+  if (host_sampling_forced()) GTEST_SKIP() << "DELTASERVE_HOST_SAMPLING is set";
+  Pair p = make_pair_of_backends(27);
+  ASSERT_NE(p.graph, nullptr);
+  std::vector<SampleKind> kinds = sample_kinds();
+  kinds.erase(std::remove_if(kinds.begin(), kinds.end(), [](const SampleKind& k) { return !k.exact; }), kinds.end());
+  for (bool graph : {true, false}) {
+    if (graph && graphs_forced_off()) continue;
+    const Model& model = graph ? *p.graph : *p.eager;
+    const int64_t vocab = p.config.vocab_size;
+    DecodeBatcher device(model, 16), host(model, 16, /*host_sampling=*/true);
+    ASSERT_FALSE(device.host_sampling());
+    const int64_t replays_before = (graph ? p.graph_backend : p.eager_backend)->graph_stats().replays;
+    int failures = 0, steps = 0;
+    for (int step = 0; step < 40 && failures < 3; ++step) {
+      if (step < 8) {  // one request joins at each of the first 8 steps
+        DecodeParams params;
+        params.sampling = kinds[static_cast<size_t>(step) % kinds.size()].params;
+        params.sampling.seed += 77 * static_cast<uint64_t>(step);
+        params.logprobs = kinds[static_cast<size_t>(step) % kinds.size()].logprobs;
+        params.max_tokens = 32;
+        const auto prompt = random_tokens(4 + 5 * step, vocab, 500 + static_cast<uint32_t>(step));
+        for (DecodeBatcher* batcher : {&device, &host}) {
+          RequestState state = model.new_state();
+          const auto head = std::span<const int32_t>(prompt).first(prompt.size() - 1);
+          ASSERT_TRUE(model.prefill(state, head).is_ok());
+          ASSERT_TRUE(state.sync_host().is_ok());  // the batcher checks the host containers' shapes
+          ASSERT_TRUE(batcher->add("r" + std::to_string(step), std::move(state), prompt.back(), params).is_ok());
+        }
+      }
+      if (device.active() == 0) break;
+      auto on_device = device.step();
+      auto on_host = host.step();
+      ASSERT_TRUE(on_device.is_ok()) << on_device.status().to_string();
+      ASSERT_TRUE(on_host.is_ok()) << on_host.status().to_string();
+      expect_same_outputs(*on_device, *on_host,
+                          std::string(graph ? "graph" : "eager") + " step " + std::to_string(step), &failures);
+      ++steps;
+    }
+    EXPECT_EQ(device.active(), 0);
+    EXPECT_GE(steps, 32 + 7);
+    const int64_t replays = (graph ? p.graph_backend : p.eager_backend)->graph_stats().replays - replays_before;
+    if (graph) {
+      EXPECT_GT(replays, steps) << "both batchers' steps should mostly replay graphs";
+    }
+  }
+}
+
+// The decode step at Kimi's vocabulary (163840), batch 1, 64 and 256: forward only (logits stay on the device),
+// the old path (forward copies every row's logits to the host, each Sampler samples there) and forward_sample
+// (sampled on the device, tokens back), greedy and top-p 0.95 at temperature 0.8. Host wall time per step; the GPU
+// time of the sampling phase (kernels + result copy) from the backend's profile, and the logit bytes it reads once
+// as a share of 4.26 TB/s. Asserts only correctness: the last step's tokens against SamplingRule on its logits.
+TEST(CudaSampling, DecodeStepTiming) {
+  ModelConfig config = graph_test_config(/*all_experts=*/false);
+  config.vocab_size = 163840;
+  CudaBackendOptions options = graph_test_options(/*graphs=*/true);
+  options.memory_fraction = 0.5;
+  options.max_requests = 512;
+  options.cache_pages = 16384;
+  auto made = make_cuda_backend_random(config, 9, options);
+  ASSERT_TRUE(made.is_ok()) << made.status().to_string();
+  auto* backend = dynamic_cast<CudaBackend*>(made->get());
+  const Model model(config, std::move(made).value());
+  const int64_t vocab = config.vocab_size;
+  constexpr size_t kMaxBatch = 256;
+  ASSERT_GE(backend->logit_chunk_rows(), static_cast<int64_t>(kMaxBatch));
+  // Two request sets (device sampling, host sampling) at a context of 64, zero states (the step's work is the same).
+  std::vector<RequestState> fresh;
+  for (size_t i = 0; i < kMaxBatch * 2; ++i) {
+    fresh.push_back(model.new_state());
+    ASSERT_TRUE(backend->assume_context(fresh.back(), 64).is_ok());
+  }
+  std::mt19937 rng(5);
+  struct Mix {
+    const char* name;
+    SamplingParams params;
+  };
+  const Mix mixes[] = {{"greedy", {.temperature = 0.0f}}, {"top-p 0.95 T 0.8", {.temperature = 0.8f, .top_p = 0.95f}}};
+  for (size_t batch : {size_t{1}, size_t{64}, kMaxBatch}) {
+    for (const Mix& mix : mixes) {
+      std::vector<Sampler> samplers;
+      for (size_t i = 0; i < batch; ++i) {
+        SamplingParams params = mix.params;
+        params.seed = 10 * i + 1;
+        samplers.emplace_back(params);
+      }
+      std::vector<int32_t> tokens(batch), host_tokens(batch);
+      auto next_tokens = [&] {
+        for (int32_t& t : tokens) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab));
+      };
+      auto inputs = [&](size_t offset) {
+        std::vector<SequenceInput> in;
+        for (size_t i = 0; i < batch; ++i) in.push_back({&fresh[offset + i], {&tokens[i], 1}, false});
+        return in;
+      };
+      std::vector<SampleRequest> rows(batch);
+      std::vector<SampledToken> sampled;
+      auto device_step = [&] {
+        next_tokens();
+        auto in = inputs(0);
+        for (size_t i = 0; i < batch; ++i) rows[i] = {samplers[i].params(), samplers[i].peek_draw(), false};
+        const Status status = model.forward_sample(in, rows, sampled);
+        ASSERT_TRUE(status.is_ok()) << status.to_string();
+        for (Sampler& sampler : samplers) (void)sampler.next_draw();
+      };
+      auto host_step = [&] {
+        next_tokens();
+        auto in = inputs(kMaxBatch);
+        std::vector<std::vector<float>> logits;
+        ASSERT_TRUE(model.forward(in, logits).is_ok());
+        for (size_t i = 0; i < batch; ++i) host_tokens[i] = samplers[i].sample(logits[i]).token;
+      };
+      auto forward_only = [&] {
+        next_tokens();
+        auto in = inputs(0);
+        ASSERT_TRUE(backend->forward_on_device(in).is_ok());
+        ASSERT_TRUE(backend->synchronize().is_ok());
+      };
+      auto time_ms = [&](auto&& step, int steps) {
+        for (int i = 0; i < 3; ++i) step();  // the eager warm-up and the capture of this batch size's graph
+        const auto begin = std::chrono::steady_clock::now();
+        for (int i = 0; i < steps; ++i) step();
+        return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - begin).count() / steps;
+      };
+      const int steps = batch >= 256 ? 5 : 20;  // the host path samples 256 rows of 163840 logits per step
+      const double forward_ms = time_ms(forward_only, steps);
+      const double host_ms = time_ms(host_step, steps);
+      const double device_ms = time_ms(device_step, steps);
+      backend->reset_profile();
+      backend->enable_profile(true);
+      for (int i = 0; i < steps; ++i) device_step();
+      backend->enable_profile(false);
+      double sampling_ms = 0.0;
+      for (const auto& [phase, ms] : backend->profile()) {
+        if (phase == "sampling") sampling_ms = ms / steps;
+      }
+      backend->reset_profile();
+      // Correctness of the last step: every row against SamplingRule on the logits it sampled from.
+      std::vector<float> device(batch * static_cast<size_t>(vocab));
+      ASSERT_EQ(
+          cudaMemcpy(device.data(), backend->device_logits(), device.size() * sizeof(float), cudaMemcpyDeviceToHost),
+          cudaSuccess);
+      const bool exact = mix.params.top_p == 1.0f;
+      for (size_t i = 0; i < batch && (exact || i < 64); ++i) {  // (the nucleus check sorts a row on the host)
+        const std::span<const float> row(device.data() + i * vocab, static_cast<size_t>(vocab));
+        expect_sampled(sampled[i], rows[i], exact, row,
+                       std::string(mix.name) + " batch " + std::to_string(batch) + " row " + std::to_string(i));
+      }
+      const double logit_mb = static_cast<double>(batch) * vocab * 4 / 1e6;
+      const double read_share = sampling_ms > 0 ? logit_mb * 1e6 / (sampling_ms * 1e-3) / 4.26e12 : 0.0;
+      std::printf(
+          "[ timing ] decode step, vocab %lld, batch %zu, %s: forward only %.3f ms | old: forward + %.1f MB of logits "
+          "to the host + CPU Sampler %.3f ms | new: forward_sample %.3f ms, GPU sampling phase %.3f ms (one read of "
+          "the logits = %.1f%% of 4.26 TB/s)\n",
+          static_cast<long long>(vocab), batch, mix.name, forward_ms, logit_mb, host_ms, device_ms, sampling_ms,
+          100.0 * read_share);
+    }
+  }
 }
 
 }  // namespace

@@ -212,7 +212,8 @@ size_t append(std::vector<char>& buffer, const T* values, size_t count) {
 
 }  // namespace
 
-Status CudaBackend::Impl::build_tables(std::span<SequenceInput> batch, PassTables& t, const DecodeGraphKey* graph) {
+Status CudaBackend::Impl::build_tables(std::span<SequenceInput> batch, PassTables& t, const DecodeGraphKey* graph,
+                                       const PassSampling* sampling) {
   const auto N = static_cast<int64_t>(batch.size());
   const int64_t page_tokens = pools->page_tokens();
   t.num_seqs = N;
@@ -276,6 +277,26 @@ Status CudaBackend::Impl::build_tables(std::span<SequenceInput> batch, PassTable
   const size_t o_blocks = append(host_tables, block_tables.data(), block_tables.size());
   const size_t o_logits = append(host_tables, t.logit_rows.data(), t.logit_rows.size());
   const size_t o_mapping = append(host_tables, slot_mapping.data(), slot_mapping.size());
+  // Sampling parameters last: the offsets of everything a graph reads stay those of an unsampled pass.
+  std::vector<float> temperature, top_p;
+  std::vector<int32_t> top_k, top_logprobs;
+  std::vector<double> draws;
+  t.sample_top_logprobs = 0;
+  if (sampling != nullptr) {
+    for (const SampleRequest& row : sampling->rows) {
+      temperature.push_back(row.params.temperature);
+      top_p.push_back(row.params.top_p);
+      top_k.push_back(row.params.top_k);
+      top_logprobs.push_back(row.logprobs ? row.params.top_logprobs : 0);
+      draws.push_back(row.draw);
+      t.sample_top_logprobs = std::max<int>(t.sample_top_logprobs, top_logprobs.back());
+    }
+  }
+  const size_t o_temperature = append(host_tables, temperature.data(), temperature.size());
+  const size_t o_top_p = append(host_tables, top_p.data(), top_p.size());
+  const size_t o_top_k = append(host_tables, top_k.data(), top_k.size());
+  const size_t o_top_logprobs = append(host_tables, top_logprobs.data(), top_logprobs.size());
+  const size_t o_draws = append(host_tables, draws.data(), draws.size());
   const char* base = nullptr;
   if (graph == nullptr) {
     if (host_tables.size() > table_memory.bytes()) {
@@ -313,6 +334,11 @@ Status CudaBackend::Impl::build_tables(std::span<SequenceInput> batch, PassTable
   t.d_block_tables = reinterpret_cast<const int32_t*>(base + o_blocks);
   t.d_logit_rows = reinterpret_cast<const int32_t*>(base + o_logits);
   t.d_slot_mapping = reinterpret_cast<const int64_t*>(base + o_mapping);
+  t.d_temperature = reinterpret_cast<const float*>(base + o_temperature);
+  t.d_top_p = reinterpret_cast<const float*>(base + o_top_p);
+  t.d_top_k = reinterpret_cast<const int32_t*>(base + o_top_k);
+  t.d_top_logprobs = reinterpret_cast<const int32_t*>(base + o_top_logprobs);
+  t.d_draw = reinterpret_cast<const double*>(base + o_draws);
   return Status::ok();
 }
 
@@ -436,8 +462,7 @@ Status CudaBackend::Impl::copy_logits(const PassTables& t, int64_t begin, int64_
 }
 
 Status CudaBackend::Impl::lm_head(const float* final_hidden, const PassTables& t, std::span<SequenceInput> batch,
-                                  std::vector<std::vector<float>>* out) {
-  profiler.mark(Phase::kLmHead, stream());
+                                  std::vector<std::vector<float>>* out, const PassSampling* sampling) {
   const auto W = static_cast<int64_t>(t.logit_rows.size());
   std::vector<int64_t> filled;
   if (out != nullptr) {
@@ -446,15 +471,32 @@ Status CudaBackend::Impl::lm_head(const float* final_hidden, const PassTables& t
   }
   for (int64_t begin = 0; begin < W; begin += logit_chunk) {
     const int64_t n = std::min(logit_chunk, W - begin);
+    profiler.mark(Phase::kLmHead, stream());
     DS_RETURN_IF_ERROR(lm_head_piece(final_hidden, t, begin, n));
     if (out != nullptr) DS_RETURN_IF_ERROR(copy_logits(t, begin, n, *out, filled));
+    // Sampled on the stream before the next piece overwrites `logits`; no host sync between pieces.
+    if (sampling != nullptr) DS_RETURN_IF_ERROR(sample_piece(t, begin, n));
   }
+  if (sampling != nullptr) DS_RETURN_IF_ERROR(fetch_samples(t, *sampling));
   profiler.idle(stream());
   return Status::ok();
 }
 
-Status CudaBackend::Impl::run(std::span<SequenceInput> batch, std::vector<std::vector<float>>* out) {
+Status CudaBackend::Impl::run(std::span<SequenceInput> batch, std::vector<std::vector<float>>* out,
+                              const PassSampling* sampling) {
   DS_RETURN_IF_ERROR(validate(batch));
+  if (sampling != nullptr) {
+    if (out != nullptr || sampling->out == nullptr) return internal_error("run: a sampled pass returns no logits");
+    if (sampling->rows.size() != batch.size()) {
+      return invalid_argument("forward_sample: " + std::to_string(sampling->rows.size()) + " sampling rows for " +
+                              std::to_string(batch.size()) + " sequences");
+    }
+    for (size_t s = 0; s < batch.size(); ++s) {
+      const std::string where = "sequence " + std::to_string(s);
+      if (batch[s].all_logits) return invalid_argument(where + ": forward_sample needs all_logits false");
+      DS_RETURN_IF_ERROR_CTX(validate_request(sampling->rows[s]), where);
+    }
+  }
   // A state resident on another backend: bring its host copy up to date and let it go (it is uploaded here).
   for (SequenceInput& in : batch) {
     if (in.state->residency() != nullptr && ours(*in.state, pools.get()) == nullptr) {
@@ -472,16 +514,16 @@ Status CudaBackend::Impl::run(std::span<SequenceInput> batch, std::vector<std::v
   }
   bool done = false;
   if (const std::optional<DecodeGraphKey> key = decode_graph_key(batch)) {
-    status = run_decode_graph(batch, *key, out, &done);
+    status = run_decode_graph(batch, *key, out, sampling, &done);
   }
   if (status.is_ok() && !done) {
     PassTables tables;
-    status = build_tables(batch, tables);
+    status = build_tables(batch, tables, nullptr, sampling);
     const float* final_hidden = nullptr;
     if (status.is_ok()) status = forward_layers(tables, &final_hidden);
     // Restore the AttnRes buffer rotation whatever happened (forward_layers moved `residual`).
     if (config.attn_res_block_size) residual = spare_blocks.front();
-    if (status.is_ok()) status = lm_head(final_hidden, tables, batch, out);
+    if (status.is_ok()) status = lm_head(final_hidden, tables, batch, out, sampling);
   }
   if (status.is_ok()) status = cuda_status(cudaGetLastError(), "forward pass", __FILE__, __LINE__);
   const Status collected = profiler.collect();  // (no-op unless profiling)

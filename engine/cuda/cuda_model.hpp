@@ -51,6 +51,7 @@ struct PassTables {
   int max_pages = 0;                // block-table row length
   std::vector<int32_t> logit_rows;  // [W] rows whose logits are wanted
   std::vector<int32_t> logit_seq;   // [W] sequence of each
+  int sample_top_logprobs = 0;      // sampled passes: the most alternatives a row reports (the results' row stride)
   // Device copies.
   const int32_t* d_tokens = nullptr;
   const int32_t* d_slots = nullptr;
@@ -59,6 +60,19 @@ struct PassTables {
   const int32_t* d_block_tables = nullptr;
   const int32_t* d_logit_rows = nullptr;
   const int64_t* d_slot_mapping = nullptr;
+  // Sampled passes (forward_sample), [N] each: the rows' parameters, appended to the tables (one upload).
+  const float* d_temperature = nullptr;
+  const float* d_top_p = nullptr;
+  const int32_t* d_top_k = nullptr;
+  const int32_t* d_top_logprobs = nullptr;  // 0 for rows that want no logprobs
+  const double* d_draw = nullptr;
+};
+
+// A sampled pass (CudaBackend::forward_sample): rows[i] is sampled from sequence i's last logits on the device;
+// only the results come back, into *out.
+struct PassSampling {
+  std::span<const SampleRequest> rows;
+  std::vector<SampledToken>* out = nullptr;
 };
 
 // Page-locked host memory (cudaMallocHost), freed on destruction.
@@ -123,43 +137,53 @@ struct CudaBackend::Impl {
   float* mixed = nullptr;            // [R, hidden] fp32: AttnRes mix output
   float* normed_f32 = nullptr;       // [R, hidden] fp32: normed input of the router
   __nv_bfloat16* normed = nullptr;   // [R, hidden] bf16: normed input of every projection
-  DeviceMemory arena_memory;
-  ScratchArena arena;             // per-layer temporaries
-  DeviceMemory kda_workspace;     // kda_chunk_prefill workspace
-  DeviceMemory kda_dense_states;  // [kKdaPrefillGroup, H, d, d] fp32 (head size 128 only)
-  DeviceMemory mla_workspace;     // MLA attention workspace (grown on demand)
-  int64_t logit_chunk = 0;        // LM-head rows per piece
-  DeviceMemory head_memory;       // gathered final rows (fp32 + bf16) and logits [logit_chunk, vocab]
+  DeviceMemory arena_memory;         // also the sampling workspace: sampling runs after the layers, when it is idle
+  ScratchArena arena;                // per-layer temporaries
+  DeviceMemory kda_workspace;        // kda_chunk_prefill workspace
+  DeviceMemory kda_dense_states;     // [kKdaPrefillGroup, H, d, d] fp32 (head size 128 only)
+  DeviceMemory mla_workspace;        // MLA attention workspace (grown on demand)
+  int64_t logit_chunk = 0;           // LM-head rows per piece
+  DeviceMemory head_memory;          // gathered final rows (fp32 + bf16) and logits [logit_chunk, vocab]
   float* head_rows = nullptr;
   __nv_bfloat16* head_normed = nullptr;
   float* logits = nullptr;
-  DeviceMemory table_memory;  // per-pass tables (grown on demand)
+  int64_t sample_launch_rows = 0;  // rows per sampling launch (the arena holds that launch's workspace)
+  DeviceMemory sample_memory;      // sampled results of a pass: tokens, logprobs, top ids, top values (max_rows rows)
+  PinnedMemory sample_host;        // their host copy
+  DeviceMemory table_memory;       // per-pass tables (grown on demand)
   std::vector<char> host_tables;
   DecodeGraphs decode_graphs;
   Profiler profiler;
 
-  // The pass: resolve residencies (taking slots and pages), upload tables, run, copy logits (when `out`), advance.
-  [[nodiscard]] Status run(std::span<SequenceInput> batch, std::vector<std::vector<float>>* out);
+  // The pass: resolve residencies (taking slots and pages), upload tables, run, copy logits (when `out`) or sample
+  // (when `sampling`; then `out` is null), advance.
+  [[nodiscard]] Status run(std::span<SequenceInput> batch, std::vector<std::vector<float>>* out,
+                           const PassSampling* sampling = nullptr);
 
  private:
   [[nodiscard]] Status validate(std::span<SequenceInput> batch) const;
   [[nodiscard]] Status claim_residencies(std::span<SequenceInput> batch);
   // graph == nullptr: tables into table_memory (eager). Otherwise into the fixed graph tables with graph's layout.
+  // With `sampling`, the rows' sampling parameters follow the tables (after everything a graph reads).
   [[nodiscard]] Status build_tables(std::span<SequenceInput> batch, PassTables& tables,
-                                    const DecodeGraphKey* graph = nullptr);
+                                    const DecodeGraphKey* graph = nullptr, const PassSampling* sampling = nullptr);
   [[nodiscard]] Status forward_layers(const PassTables& tables, const float** final_hidden);
   [[nodiscard]] Status lm_head(const float* final_hidden, const PassTables& tables, std::span<SequenceInput> batch,
-                               std::vector<std::vector<float>>* out);
+                               std::vector<std::vector<float>>* out, const PassSampling* sampling);
   // LM head pieces: logits of logit rows [begin, begin + n) into `logits`; their copy into `out`.
   [[nodiscard]] Status lm_head_piece(const float* final_hidden, const PassTables& tables, int64_t begin, int64_t n);
   void size_logits(std::span<SequenceInput> batch, std::vector<std::vector<float>>& out) const;
   [[nodiscard]] Status copy_logits(const PassTables& tables, int64_t begin, int64_t n,
                                    std::vector<std::vector<float>>& out, std::vector<int64_t>& filled);
+  // Sampling (cuda_sample.cpp): the rows of logit rows [begin, begin + n), whose logits are in `logits`, into
+  // sample_memory (asynchronous); then the results of the whole pass to the host (synchronises).
+  [[nodiscard]] Status sample_piece(const PassTables& tables, int64_t begin, int64_t n);
+  [[nodiscard]] Status fetch_samples(const PassTables& tables, const PassSampling& sampling);
   // CUDA graphs (cuda_graph.cpp): the key of a batch that may replay a graph (nullopt: eager), and the pass by
   // replay. *ran false: nothing was computed (the key's eager warm-up pass, or a capture that failed); run eagerly.
   std::optional<DecodeGraphKey> decode_graph_key(std::span<SequenceInput> batch) const;
   [[nodiscard]] Status run_decode_graph(std::span<SequenceInput> batch, const DecodeGraphKey& key,
-                                        std::vector<std::vector<float>>* out, bool* ran);
+                                        std::vector<std::vector<float>>* out, const PassSampling* sampling, bool* ran);
   [[nodiscard]] Status capture_decode_graph(const PassTables& tables, cudaGraphExec_t* exec);
   [[nodiscard]] Status run_kda(const DeviceLayer& layer, const PassTables& tables);
   [[nodiscard]] Status run_kda_prefill_128(const DeviceLayer& layer, const PassTables& tables, const __nv_bfloat16* q,

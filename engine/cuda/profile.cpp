@@ -42,6 +42,8 @@ const char* phase_name(Phase phase) {
       return "dense FFN";
     case Phase::kLmHead:
       return "LM head";
+    case Phase::kSampling:
+      return "sampling";
     case Phase::kDecodeGraph:
       return "decode graph (whole step)";
     case Phase::kCount:

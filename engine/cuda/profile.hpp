@@ -32,6 +32,7 @@ enum class Phase : int {
   kSharedExperts,
   kDenseFfn,
   kLmHead,
+  kSampling,     // forward_sample: the sampling kernels and the copy of the results (after a graph replay too)
   kDecodeGraph,  // a whole pure-decode step replayed from a CUDA graph (not split into phases)
   kCount
 };
