@@ -114,14 +114,15 @@ struct MlaAttentionParams {
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   // false (default): scores and P·V on tensor cores (q̃ and the softmax weights rounded to bf16, fp32 accumulate);
-  // true: the fp32 CUDA-core kernel (exact up to fp32 rounding, several times slower; a reference and debug path).
-  // Absorbed form only (mla_decode, and mla_prefill when it runs the absorbed form).
+  // true: the fp32 CUDA-core kernel for that step (exact up to fp32 rounding, several times slower; a reference and
+  // debug path). Absorbed form only (mla_decode, and mla_prefill when it runs the absorbed form).
   bool fp32_attention = false;
-  // true: the original attention kernels as a bypass of the default ones: the tensor-core kernel with per-thread
-  // page lookups (int64 divisions per 16-byte vector), two mma chains in the scores and one softmax head at a time,
-  // and the combine with one CTA per (token, head). The environment variable DELTASERVE_MLA_TC=legacy does the same
-  // for every call and also restores the split heuristic's 256 rows per split (default 128). Results agree up to
-  // rounding (accumulation order).
+  // true: the original absorbed kernels as a bypass of the default ones (absorb with one CTA per (8 tokens, head),
+  // the tensor-core attention with 64-row tiles and per-thread page lookups, the combine with one CTA per
+  // (token, head); plain launches). The environment variable DELTASERVE_MLA_TC=legacy does the same for every call
+  // and also restores the original split heuristic (>= 256 rows per split, about two waves of CTAs). Results agree
+  // up to rounding (accumulation order). The default kernels launch with programmatic dependent launch;
+  // DELTASERVE_MLA_PDL=0 turns that off.
   bool legacy_tc_attention = false;
 
   // mla_prefill only: which form it runs (see MlaPrefillForm) and what the naive form needs. The naive form plans
@@ -141,7 +142,7 @@ struct MlaAttentionParams {
 // 0 for non-positive dims.
 size_t mla_attention_workspace_bytes(int num_heads, int kv_lora_rank, int qk_rope, int64_t max_tokens, int max_context);
 // Both launchers are asynchronous on `stream` and need, beyond the shapes above: kv_lora_rank and qk_rope multiples
-// of 8 (16-byte row loads), pool.width == kv_lora_rank + qk_rope, workspace_bytes >=
+// of 8 (16-byte row loads), pool.width == kv_lora_rank + qk_rope, kv_b 16-byte aligned, workspace_bytes >=
 // mla_attention_workspace_bytes(H, kv_lora, rope, num_tokens, max_context). Page ids read from the block tables
 // outside [0, num_pages) are not dereferenced (their rows count as zeros).
 // Decode-shaped batches (every q_len <= 1): absorbed form, graph-capturable (no host sync, no allocation).
@@ -164,10 +165,15 @@ bool mla_prefill_naive_supported(int qk_nope, int qk_rope, int v_head);
 size_t mla_prefill_workspace_bytes(int num_heads, int kv_lora_rank, int qk_nope, int qk_rope, int v_head,
                                    int64_t max_tokens, int block_rows);
 
-// Context splits the attention kernels use for a batch of num_tokens query tokens with contexts up to max_context
-// (1 for short contexts; enough (token, split) CTAs for about two waves of 132 SMs on long ones; at most
-// kMlaMaxSplits). Exposed for tests and benchmarks; mla_attention_workspace_bytes accounts for it.
+// Context splits the attention kernels use for a batch of num_tokens query tokens with contexts up to max_context:
+// at least 128 rows per split, and about one wave of (token, split) CTAs on the 132 SMs (1 at 132 tokens and
+// more; Kimi-48B ctx 4096: 32 at T <= 4, 16 at T = 8, 2 at T = 64); at most kMlaMaxSplits. Exposed for tests and
+// benchmarks; mla_attention_workspace_bytes accounts for it.
 constexpr int kMlaMaxSplits = 64;
 int mla_num_splits(int64_t num_tokens, int max_context);
+// Heads per CTA of the default tensor-core attention kernel: 32, or 16 or 8 where num_tokens x splits x head groups
+// would leave most SMs idle (Kimi-48B ctx 4096: 8 at T = 1, 16 at T = 2, 32 from T = 4), capped at num_heads.
+// Exposed for tests and benchmarks.
+int mla_decode_head_group(int64_t num_tokens, int num_heads, int max_context);
 
 }  // namespace deltaserve::kernels::cuda

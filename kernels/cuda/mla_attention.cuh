@@ -1,6 +1,10 @@
-// Internal to the MLA kernels: the shared attention launch behind mla_decode and mla_prefill (mla_decode.cu).
+// Internal to the MLA kernels: the absorbed attention launch behind mla_decode and mla_prefill (mla_decode.cu), the
+// arguments its attention kernels share, and the kernels kept beside the default ones (mla_decode_reference.cu).
 #pragma once
 
+#include <cstdint>
+
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include "common/status.hpp"
@@ -14,5 +18,64 @@ Status mla_attention_launch(const MlaAttentionParams& params, bool decode, const
 
 // Shared check of a page pool (`who`: launcher name for messages).
 Status validate_mla_pool(const MlaPagePool& pool, int layer, const char* who);
+
+// What every split-attention kernel reads: one CTA per (query token, context split, group of head_group heads).
+struct MlaAttentionArgs {
+  const __nv_bfloat16* pages;
+  int64_t num_pages;
+  int num_layers, page_size, layer;
+  int64_t row_stride;
+  int num_heads, kv_lora, rope, head_group, splits, num_seqs;
+  const int32_t* cu_q;
+  const int32_t* context_lens;
+  const int32_t* block_tables;
+  int max_pages_per_seq;
+  const float* q_tilde;  // [T, H, kv_lora + rope], pre-scaled by scale * log2(e)
+  float* partial_o;      // [T, splits, H, kv_lora]: unnormalised Σ p_j c_j of the split's rows
+  float2* partial_ml;    // [T, splits, H]: (running max in log2 units, sum of exp2); (-inf, 0) for an empty split
+};
+
+__device__ __forceinline__ int64_t mla_i64_min(int64_t a, int64_t b) {
+  return a < b ? a : b;
+}
+__device__ __forceinline__ int64_t mla_i64_max(int64_t a, int64_t b) {
+  return a > b ? a : b;
+}
+
+__device__ __forceinline__ float mla_warp_sum(float x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+__device__ __forceinline__ float mla_warp_max(float x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  return x;
+}
+
+// Programmatic dependent launch: wait for the previous grid on the stream (its writes visible), and let the next
+// one start launching. Each kernel here allows the next only after its own wait, so a kernel that starts early
+// still runs after everything before the previous one: reads before the wait see all earlier work of the stream
+// except the previous kernel's.
+__device__ __forceinline__ void mla_wait_for_previous_grid() {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+__device__ __forceinline__ void mla_allow_next_grid() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
+// The fp32 CUDA-core attention kernel (MlaAttentionParams::fp32_attention): grid (T, splits, ceil(H / group)) with
+// group = mla_fp32_head_group(H, kv_lora); writes the same partials as the default kernel.
+int mla_fp32_head_group(int num_heads, int kv_lora);
+Status launch_mla_fp32_attention(const MlaAttentionArgs& args, int64_t num_tokens, cudaStream_t stream,
+                                 const char* who);
+
+// The original absorbed pipeline (MlaAttentionParams::legacy_tc_attention, DELTASERVE_MLA_TC=legacy): absorb with
+// one CTA per (8 tokens, head), the tensor-core attention with per-thread page lookups, the combine with one CTA per
+// (token, head). `args` carries the partials' workspace sections and args.splits (head_group and q_tilde are set
+// here); q_tilde: the workspace section for q̃; scale = softmax_scale * log2(e).
+Status launch_mla_legacy(const MlaAttentionParams& params, MlaAttentionArgs args, float* q_tilde, float scale,
+                         cudaStream_t stream, const char* who);
 
 }  // namespace deltaserve::kernels::cuda::detail

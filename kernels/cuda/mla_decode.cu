@@ -1,55 +1,63 @@
 // MLA attention over a paged cache in the absorbed form (model.md §4), shared by mla_decode and mla_prefill.
 //
-// Three kernels on the stream:
-//   1. absorb:    q̃[t, h] = [W_UK_hᵀ q_nope (kv_lora) ‖ q_rot (rope)] · scale · log2(e)   (fp32, workspace)
-//   2. attention: one CTA per (query token, context split, group of up to 32 heads). It walks its slice of the
-//                 token's visible rows in tiles; each tile is read from the pages once and used by every head of
-//                 the group, so a decode step reads each cache row from HBM once per head group (once for
-//                 H <= 32). Online softmax in base 2 with max subtraction, fp32; the slice's (max, sum,
-//                 unnormalised latent sum Σ p_j c_j) go to the workspace. Two kernels:
-//                   tensor cores (default): mma.sync bf16 for scores and P·rows, q̃ and P rounded to bf16, rows
-//                     double-buffered by cp.async in tiles of 64;
-//                   fp32 CUDA cores (MlaAttentionParams::fp32_attention): everything fp32, tiles of 32 rows; the
-//                     exact reference path the tests hold the tensor-core kernel against, several times slower.
-//   3. combine:   per (token, head) the splits are merged exactly (log-sum-exp weights), normalised, and
-//                 out = W_UV_h o_lat (fp32); by default 8 tokens per CTA share each W_UV row read.
-// Default vs legacy (MlaAttentionParams::legacy_tc_attention or DELTASERVE_MLA_TC=legacy): the default
-// tensor-core kernel loads a tile with one page-table lookup per row and warp (the legacy one: a lookup and two
-// int64 divisions per 16-byte vector and thread, the largest per-tile cost at Kimi-48B dims), keeps four mma chains
-// in the scores and interleaves its warp's four softmax heads; the default combine is mla_combine_tokens_kernel.
-// The legacy kernels are unchanged and stay as the bypass.
+// Three kernels on the stream, each launched with programmatic dependent launch (PDL): a kernel's CTAs may start
+// while the previous kernel finishes, do the work that needs only what existed before this call (weights, page
+// tables, cache rows), then wait for the previous grid (griddepcontrol.wait) before reading its output.
+//   1. absorb:    q̃[t, h] = [W_UK_hᵀ q_nope (kv_lora) ‖ q_rot (rope)] · scale · log2(e), fp32 in the workspace.
+//                 One CTA per (64 tokens, head, 64 latent columns): 256 CTAs at Kimi-48B dims for any T <= 64 (the
+//                 4 MB of W_UK spread over every SM, 16 KB per CTA by cp.async before the wait); mma.sync bf16
+//                 with fp32 accumulate (the products of bf16 values are exact, so this is the fp32 result up to
+//                 summation order).
+//   2. attention: one CTA per (query token, context split, group of 8, 16 or 32 heads). It streams its slice of the
+//                 token's visible rows through a ring of 4 tiles of 32 rows (cp.async, 3 tiles in flight while one
+//                 is computed; each warp looks up the page of one row per lane, a tile ahead, and shares the row
+//                 addresses by shuffles). Each tile is read once per head group: once for 32 heads, and at small
+//                 batches the groups shrink so that about one wave of CTAs streams the cache (Kimi-48B ctx 4096:
+//                 T = 1 runs 32 splits x 4 groups of 8 heads, T = 2 32 x 2 x 16, T >= 4 32-head groups).
+//                   scores:  S = q̃ · rowsᵀ on tensor cores; q̃ (rounded to bf16) stays in registers, the warps split
+//                            the 576 columns (4 warps per 16 heads with 2 m tiles, 8 with one) and add their
+//                            partial scores through shared memory in a fixed order;
+//                   softmax: online, base 2, fp32, lane = row, each warp its heads; P rounded to bf16;
+//                   P·rows:  O [heads x kv_lora] = O · rescale + P · rows[:, :kv_lora], each warp 64 columns.
+//                 The slice's (max, sum, unnormalised latent sum Σ p_j c_j) go to the workspace. At small batches the
+//                 CTAs of token 0 also prefetch W_UV into L2 for step 3.
+//   3. combine:   per (32 tokens, head) the splits are merged exactly (log-sum-exp weights, normalised) into fp32
+//                 latent rows, then out = o_lat · W_UVᵀ on tensor cores with the latent split into two bf16 terms
+//                 (hi + lo, about 16 mantissa bits: the fp32 result up to summation order). W_UV fragments are read
+//                 into registers before the wait.
+// MlaAttentionParams::fp32_attention replaces step 2 by the fp32 CUDA-core kernel; legacy_tc_attention (or
+// DELTASERVE_MLA_TC=legacy) runs the original three kernels instead (both in mla_decode_reference.cu).
+// DELTASERVE_MLA_PDL=0 launches without the PDL attribute (griddepcontrol.wait then returns at once: plain stream
+// order).
 // The split count is fixed on the host from (num_tokens, max_context); each CTA reads the real context length
 // on the device and may find its slice empty, so a graph captured with a bound stays valid as lengths grow.
 // Prefill runs the same kernels with one CTA per query token: every token re-reads its visible rows (from L2 when
 // a chunk's tokens run together) and spends 2 H (kv_lora + rope + kv_lora) FLOPs per visible row (absorbed form,
-// about 3.4x the naive form's 2 H (qk_nope + qk_rope + v_head)); a naive-form prefill over query tiles is future
-// work.
+// about 3.4x the naive form's 2 H (qk_nope + qk_rope + v_head)).
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <string>
 
+#include "kernels/cuda/launch_status.hpp"
 #include "kernels/cuda/mla.hpp"
 #include "kernels/cuda/mla_attention.cuh"
+#include "kernels/cuda/mla_decode_attention.cuh"
 #include "kernels/cuda/mma_sm80.cuh"
 
 namespace deltaserve::kernels::cuda {
 namespace {
 
-constexpr int kAttnThreads = 512;
-constexpr int kAttnWarps = kAttnThreads / 32;
-constexpr int kTileRows = 32;      // rows per tile; == warp size (the softmax maps lane -> row)
-constexpr int kMaxHeadGroup = 32;  // heads per attention CTA
-constexpr int kAccPerThread = 32;  // latent accumulators per thread: head_group * kv_lora <= 512 * 32
-constexpr int kAbsorbTokens = 8;   // query tokens per absorb CTA (W_UK reuse)
-constexpr int kAbsorbThreads = 256;
-constexpr int kCombineThreads = 256;
-constexpr int kTargetCtas = 2 * 132;  // about two waves of H200 SMs
-constexpr float kLog2e = 1.4426950408889634f;
+using detail::attn_layout;
+using detail::kAttnThreads;
+using detail::mla_split_attention_mma_kernel;
+using detail::MlaAttentionArgs;
 
-int head_group_size(int num_heads, int kv_lora_rank) {
-  return std::min({num_heads, kMaxHeadGroup, kAttnThreads * kAccPerThread / kv_lora_rank});
-}
+constexpr int kSms = 132;                   // H200
+constexpr int kFullWaveCtas = 119;          // about 90% of one wave: enough attention CTAs (one fits an SM)
+constexpr int kMinSplitRows = 128;          // rows per context split at least (4 tiles)
+constexpr int kLegacyTargetCtas = 2 * 132;  // the legacy split heuristic (DELTASERVE_MLA_TC=legacy)
+constexpr float kLog2e = 1.4426950408889634f;
 
 size_t align256(size_t bytes) {
   return (bytes + 255) / 256 * 256;
@@ -73,697 +81,173 @@ WorkspaceLayout workspace_layout(int num_heads, int kv_lora_rank, int qk_rope, i
   return layout;
 }
 
-__device__ __forceinline__ int64_t i64_min(int64_t a, int64_t b) {
-  return a < b ? a : b;
-}
-__device__ __forceinline__ int64_t i64_max(int64_t a, int64_t b) {
-  return a > b ? a : b;
-}
-
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
-  return x;
-}
-
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
-  return x;
-}
-
 // ---- 1. absorb ----------------------------------------------------------------------------------------------
-// grid (ceil(T / kAbsorbTokens), H), block kAbsorbThreads.
+// q̃[t0 .. t0 + 64, h, c0 .. c0 + 64] = q_nope[t, h] · W_UK_h[:, c0 .. c0 + 64] on tensor cores: A = q_nope tile
+// [64 tokens][nope padded to 16] bf16, B = the W_UK slice [nope][64] bf16, both in shared memory; warp w computes
+// tokens 16 w .. 16 w + 16 (skipped past the batch). CTAs with blockIdx.z == 0 also copy the scaled q_rot.
+constexpr int kAbsorbThreads = 128;
+constexpr int kAbsorbTokens = 64;  // 4 warps x one m16 tile
+constexpr int kAbsorbCols = 64;    // latent columns per CTA: 4 n pairs of 16
+constexpr int kAbsorbLdW = kAbsorbCols + 8;
+
+size_t absorb_smem_bytes(int nope) {
+  const size_t k16 = static_cast<size_t>((nope + 15) / 16 * 16);
+  return sizeof(__nv_bfloat16) * (k16 * kAbsorbLdW + kAbsorbTokens * (k16 + 8));
+}
+
+// grid (ceil(T / 64), H, ceil(kv_lora / 64)), block kAbsorbThreads, dynamic smem absorb_smem_bytes(nope).
 __global__ void __launch_bounds__(kAbsorbThreads)
     mla_absorb_kernel(const __nv_bfloat16* __restrict__ q, int64_t q_stride, const __nv_bfloat16* __restrict__ kv_b,
                       int64_t num_tokens, int num_heads, int kv_lora, int nope, int rope, int v_head, float scale,
                       float* __restrict__ q_tilde) {
-  __shared__ float q_nope[kAbsorbTokens][kMlaMaxNope];
+  extern __shared__ __align__(16) unsigned char absorb_smem[];
+  const int k16 = (nope + 15) / 16 * 16, ld_q = k16 + 8;
+  __nv_bfloat16* s_w = reinterpret_cast<__nv_bfloat16*>(absorb_smem);  // [k16][kAbsorbLdW]
+  __nv_bfloat16* s_q = s_w + k16 * kAbsorbLdW;                         // [kAbsorbTokens][ld_q]
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kAbsorbTokens;
-  const int h = blockIdx.y;
-  const int count = static_cast<int>(i64_min(kAbsorbTokens, num_tokens - t0));
-  const int q_width = nope + rope;
-  const int width = kv_lora + rope;
-  for (int i = threadIdx.x; i < kAbsorbTokens * nope; i += blockDim.x) {
-    const int tt = i / nope, d = i - tt * nope;
-    q_nope[tt][d] =
-        tt < count ? __bfloat162float(q[(t0 + tt) * q_stride + static_cast<int64_t>(h) * q_width + d]) : 0.0f;
-  }
-  __syncthreads();
+  const int h = blockIdx.y, c0 = blockIdx.z * kAbsorbCols;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int q_width = nope + rope, width = kv_lora + rope;
+
+  // The weights do not depend on the previous kernel: copy them before waiting for it. Rows past nope and
+  // columns past kv_lora are zero-filled (16-byte vectors: kv_lora is a multiple of 8).
   const __nv_bfloat16* w_uk = kv_b + static_cast<int64_t>(h) * (nope + v_head) * kv_lora;  // [nope, kv_lora]
-  for (int c = threadIdx.x; c < kv_lora; c += blockDim.x) {
-    float acc[kAbsorbTokens];
-#pragma unroll
-    for (int tt = 0; tt < kAbsorbTokens; ++tt) acc[tt] = 0.0f;
-#pragma unroll 8
-    for (int d = 0; d < nope; ++d) {
-      const float w = __bfloat162float(w_uk[static_cast<int64_t>(d) * kv_lora + c]);
-#pragma unroll
-      for (int tt = 0; tt < kAbsorbTokens; ++tt) acc[tt] = fmaf(q_nope[tt][d], w, acc[tt]);
-    }
-#pragma unroll
-    for (int tt = 0; tt < kAbsorbTokens; ++tt) {
-      if (tt < count) q_tilde[((t0 + tt) * num_heads + h) * width + c] = acc[tt] * scale;
-    }
-  }
-  for (int i = threadIdx.x; i < count * rope; i += blockDim.x) {
-    const int tt = i / rope, j = i - tt * rope;
-    const float x = __bfloat162float(q[(t0 + tt) * q_stride + static_cast<int64_t>(h) * q_width + nope + j]);
-    q_tilde[((t0 + tt) * num_heads + h) * width + kv_lora + j] = x * scale;
-  }
-}
-
-// ---- 2. split attention -------------------------------------------------------------------------------------
-struct AttentionArgs {
-  const __nv_bfloat16* pages;
-  int64_t num_pages;
-  int num_layers, page_size, layer;
-  int64_t row_stride;
-  int num_heads, kv_lora, rope, head_group, splits, num_seqs;
-  const int32_t* cu_q;
-  const int32_t* context_lens;
-  const int32_t* block_tables;
-  int max_pages_per_seq;
-  const float* q_tilde;  // [T, H, kv_lora + rope], pre-scaled by scale * log2(e)
-  float* partial_o;      // [T, splits, H, kv_lora]
-  float2* partial_ml;    // [T, splits, H]: (running max in log2 units, sum of exp2)
-};
-
-size_t attention_smem_bytes(int head_group, int width) {
-  return sizeof(float) * (static_cast<size_t>(head_group) * width + static_cast<size_t>(kTileRows) * width +
-                          static_cast<size_t>(head_group) * kTileRows + 3 * static_cast<size_t>(head_group));
-}
-
-// grid (T, splits, ceil(H / head_group)), block kAttnThreads, dynamic smem attention_smem_bytes.
-__global__ void __launch_bounds__(kAttnThreads, 1) mla_split_attention_kernel(AttentionArgs a) {
-  extern __shared__ float smem[];
-  const int width = a.kv_lora + a.rope;
-  const int group = a.head_group;
-  float* s_q = smem;                         // [group][width]
-  float* s_rows = s_q + group * width;       // [kTileRows][width]
-  float* s_p = s_rows + kTileRows * width;   // [group][kTileRows]: scores, then probabilities
-  float* s_scale = s_p + group * kTileRows;  // [group]
-  float* s_m = s_scale + group;              // [group]
-  float* s_l = s_m + group;                  // [group]
-
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int64_t t = blockIdx.x;
-  const int split = blockIdx.y;
-  const int h0 = blockIdx.z * group;
-  const int heads = min(group, a.num_heads - h0);
-
-  // Sequence of token t: the largest n with cu_q[n] <= t (zero-length sequences share their start).
-  int lo = 0, hi = a.num_seqs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (a.cu_q[mid] <= t) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  const int n = lo;
-  const int64_t q_begin = a.cu_q[n];
-  const int64_t q_len = static_cast<int64_t>(a.cu_q[n + 1]) - q_begin;
-  const int64_t context = a.context_lens[n];
-  int64_t visible = context - q_len + (t - q_begin) + 1;  // rows 0 .. position
-  visible = i64_max(0, i64_min(visible, static_cast<int64_t>(a.max_pages_per_seq) * a.page_size));
-  const int64_t per_split = (visible + a.splits - 1) / a.splits;
-  const int64_t row_begin = i64_min(visible, per_split * split);
-  const int64_t row_end = i64_min(visible, row_begin + per_split);
-
-  const float* q_src = a.q_tilde + (t * a.num_heads + h0) * width;
-  for (int i = tid; i < heads * width; i += kAttnThreads) s_q[i] = q_src[i];
-  if (tid < group) {
-    s_m[tid] = -INFINITY;
-    s_l[tid] = 0.0f;
-  }
-  const int32_t* table = a.block_tables + static_cast<int64_t>(n) * a.max_pages_per_seq;
-  const int vecs_per_row = width / 8;
-  const int elements = heads * a.kv_lora;
-
-  float o[kAccPerThread];
-#pragma unroll
-  for (int k = 0; k < kAccPerThread; ++k) o[k] = 0.0f;
-
-  for (int64_t tile = row_begin; tile < row_end; tile += kTileRows) {
-    const int rows = static_cast<int>(i64_min(kTileRows, row_end - tile));
-    __syncthreads();  // s_q / s_m ready (first tile); the previous tile's s_rows and s_p are consumed
-    for (int v = tid; v < kTileRows * vecs_per_row; v += kAttnThreads) {
-      const int r = v / vecs_per_row, cv = v - r * vecs_per_row;
-      float4* dst = reinterpret_cast<float4*>(s_rows + r * width + cv * 8);
-      float4 lo4 = make_float4(0.f, 0.f, 0.f, 0.f), hi4 = lo4;
-      if (r < rows) {
-        const int64_t position = tile + r;
-        const int32_t page = table[position / a.page_size];
-        if (page >= 0 && page < a.num_pages) {
-          const int64_t slot = position % a.page_size;
-          const __nv_bfloat16* src =
-              a.pages + ((static_cast<int64_t>(page) * a.num_layers + a.layer) * a.page_size + slot) * a.row_stride +
-              cv * 8;
-          const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src));
-          const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
-          const float2 f0 = __bfloat1622float2(pairs[0]), f1 = __bfloat1622float2(pairs[1]);
-          const float2 f2 = __bfloat1622float2(pairs[2]), f3 = __bfloat1622float2(pairs[3]);
-          lo4 = make_float4(f0.x, f0.y, f1.x, f1.y);
-          hi4 = make_float4(f2.x, f2.y, f3.x, f3.y);
-        }
-      }
-      dst[0] = lo4;
-      dst[1] = hi4;
-    }
-    __syncthreads();
-    // Scores (log2 units): one warp per (head, row), lanes split the row.
-    for (int pair = warp; pair < heads * kTileRows; pair += kAttnWarps) {
-      const int h = pair / kTileRows, r = pair - h * kTileRows;
-      float acc = 0.0f;
-      if (r < rows) {
-        const float* qh = s_q + h * width;
-        const float* row = s_rows + r * width;
-        for (int c = lane; c < width; c += 32) acc = fmaf(qh[c], row[c], acc);
-      }
-      acc = warp_sum(acc);
-      if (lane == 0) s_p[h * kTileRows + r] = r < rows ? acc : -INFINITY;
-    }
-    __syncthreads();
-    // Online softmax: one warp per head, lane = row.
-    for (int h = warp; h < heads; h += kAttnWarps) {
-      const float s = s_p[h * kTileRows + lane];
-      const float m_old = s_m[h];
-      const float m_new = fmaxf(m_old, warp_max(s));  // finite: the tile has >= 1 row
-      const float p = lane < rows ? exp2f(s - m_new) : 0.0f;
-      const float sum = warp_sum(p);
-      s_p[h * kTileRows + lane] = p;
-      if (lane == 0) {
-        const float rescale = exp2f(m_old - m_new);  // 0 when m_old = -inf
-        s_scale[h] = rescale;
-        s_m[h] = m_new;
-        s_l[h] = s_l[h] * rescale + sum;
-      }
-    }
-    __syncthreads();
-    // Latent sum: thread owns elements tid + k * kAttnThreads of the [heads, kv_lora] block.
-#pragma unroll
-    for (int k = 0; k < kAccPerThread; ++k) {
-      const int e = tid + k * kAttnThreads;
-      if (e < elements) {
-        const int h = e / a.kv_lora, c = e - h * a.kv_lora;
-        const float* p = s_p + h * kTileRows;
-        const float* col = s_rows + c;
-        float acc = o[k] * s_scale[h];
-        for (int r = 0; r < rows; ++r) acc = fmaf(p[r], col[r * width], acc);
-        o[k] = acc;
-      }
-    }
-  }
-  __syncthreads();
-  const int64_t part = (t * a.splits + split) * a.num_heads + h0;
-  float* out_o = a.partial_o + part * a.kv_lora;
-#pragma unroll
-  for (int k = 0; k < kAccPerThread; ++k) {
-    const int e = tid + k * kAttnThreads;
-    if (e < elements) out_o[e] = o[k];
-  }
-  if (tid < heads) a.partial_ml[part + tid] = make_float2(s_m[tid], s_l[tid]);
-}
-
-// ---- 2b. split attention on tensor cores -------------------------------------------------------------------
-// Same grid, partials and contract as mla_split_attention_kernel, for head groups of up to 32 heads (two m16
-// tiles). q̃ is rounded to bf16 in shared memory; rows arrive by cp.async into two buffers of 64 rows (the next
-// tile loads while this one computes; rows past the slice or on bad page ids are zero-filled, never read).
-//   scores S [heads x 64] = q̃ · rowsᵀ   (mma m16n8k16, fp32 accumulate; warp = (m tile, 16-row pair))
-//   online softmax per head in fp32 (warp per head, S and P through shared memory, P rounded to bf16)
-//   O [heads x kv_lora] = O · rescale + P · rows[:, :kv_lora]   (warp = up to 4 column pairs of 16, registers)
-constexpr int kTcThreads = 256;
-constexpr int kTcWarps = kTcThreads / 32;
-constexpr int kTcRows = 64;               // rows per tile
-constexpr int kTcGroup = 32;              // heads per CTA (2 m tiles)
-constexpr int kTcMaxPairs = 4;            // 16-column pairs of the latent per warp: kv_lora <= 16 * 4 * 8 = 512
-constexpr int kTcPad = 8;                 // bf16 elements of padding per smem row (ldmatrix bank spread)
-constexpr int kTcLdScores = kTcRows + 8;  // floats per score row in smem (default kernel; legacy uses kTcRows)
-static_assert(kTcGroup % kTcWarps == 0 && kTcRows % kTcWarps == 0, "heads and rows spread evenly over warps");
-
-struct TcLayout {
-  int width16, ld_rows, ld_p;
-  size_t q, rows0, rows1, scores, p, stats, total;
-};
-
-__host__ __device__ inline size_t tc_align(size_t x) {
-  return (x + 127) / 128 * 128;
-}
-
-__host__ __device__ inline TcLayout tc_layout(int width) {
-  TcLayout l;
-  l.width16 = (width + 15) / 16 * 16;
-  l.ld_rows = l.width16 + kTcPad;
-  l.ld_p = kTcRows + kTcPad;
-  size_t off = 0;
-  l.q = off;
-  off += tc_align(sizeof(__nv_bfloat16) * kTcGroup * l.ld_rows);
-  l.rows0 = off;
-  off += tc_align(sizeof(__nv_bfloat16) * kTcRows * l.ld_rows);
-  l.rows1 = off;
-  off += tc_align(sizeof(__nv_bfloat16) * kTcRows * l.ld_rows);
-  l.scores = off;
-  off += tc_align(sizeof(float) * kTcGroup * kTcLdScores);
-  l.p = off;
-  off += tc_align(sizeof(__nv_bfloat16) * kTcGroup * l.ld_p);
-  l.stats = off;
-  off += tc_align(sizeof(float) * 3 * kTcGroup);
-  l.total = off;
-  return l;
-}
-
-// Issues the cp.async copies of rows [tile, tile + count) of the sequence into `dst` (zero-filled past count).
-__device__ __forceinline__ void tc_load_rows(const AttentionArgs& a, const int32_t* table, int64_t tile, int count,
-                                             __nv_bfloat16* dst, int ld, int vecs_per_row) {
-  for (int v = threadIdx.x; v < kTcRows * vecs_per_row; v += kTcThreads) {
-    const int r = v / vecs_per_row, cv = v - r * vecs_per_row;
-    const __nv_bfloat16* src = a.pages;
-    bool valid = false;
-    if (r < count) {
-      const int64_t position = tile + r;
-      const int32_t page = table[position / a.page_size];
-      if (page >= 0 && page < a.num_pages) {
-        src = a.pages +
-              ((static_cast<int64_t>(page) * a.num_layers + a.layer) * a.page_size + position % a.page_size) *
-                  a.row_stride +
-              cv * 8;
-        valid = true;
-      }
-    }
-    detail::cp_async16_zfill(dst + r * ld + cv * 8, src, valid);
-  }
-}
-
-// The faster loader (kFast kernels): warp w copies rows w, w + 8, ... of the tile, one page-table lookup and one
-// 32-bit division per row and warp (the lanes split the row's 16-byte vectors), instead of a page-table load and
-// two int64 divisions per 16-byte vector and thread. Same shared-memory contents as tc_load_rows.
-__device__ __forceinline__ void tc_load_rows_by_warp(const AttentionArgs& a, const int32_t* table, int64_t tile,
-                                                     int count, __nv_bfloat16* dst, int ld, int vecs_per_row) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int first = static_cast<int>(tile);  // positions < context_lens[n] <= INT32_MAX
-#pragma unroll
-  for (int i = 0; i < kTcRows / kTcWarps; ++i) {
-    const int r = warp + i * kTcWarps;
-    const __nv_bfloat16* row = nullptr;
-    if (r < count) {
-      const int position = first + r;
-      const int32_t page = table[position / a.page_size];
-      if (page >= 0 && page < a.num_pages) {
-        row = a.pages + ((static_cast<int64_t>(page) * a.num_layers + a.layer) * a.page_size + position % a.page_size) *
-                            a.row_stride;
-      }
-    }
-    for (int cv = lane; cv < vecs_per_row; cv += 32) {
-      detail::cp_async16_zfill(dst + r * ld + cv * 8, row != nullptr ? row + cv * 8 : a.pages, row != nullptr);
-    }
-  }
-}
-
-// kFast = false: the original kernel (MlaAttentionParams::legacy_tc_attention or DELTASERVE_MLA_TC=legacy).
-// kFast = true (default): tc_load_rows_by_warp, and the scores' k loop keeps four accumulator chains instead of two
-// (the mma.sync latency chain over the 36 k steps at width 576 halves).
-template <bool kFast>
-__global__ void __launch_bounds__(kTcThreads, 1) mla_split_attention_tc_kernel(AttentionArgs a) {
-  extern __shared__ __align__(128) unsigned char tc_smem[];
-  const int width = a.kv_lora + a.rope;
-  const TcLayout L = tc_layout(width);
-  __nv_bfloat16* s_q = reinterpret_cast<__nv_bfloat16*>(tc_smem + L.q);          // [32][ld_rows]
-  __nv_bfloat16* s_rows0 = reinterpret_cast<__nv_bfloat16*>(tc_smem + L.rows0);  // [64][ld_rows], even tiles
-  __nv_bfloat16* s_rows1 = reinterpret_cast<__nv_bfloat16*>(tc_smem + L.rows1);  // odd tiles
-  float* s_s = reinterpret_cast<float*>(tc_smem + L.scores);                     // [32][64]
-  __nv_bfloat16* s_p = reinterpret_cast<__nv_bfloat16*>(tc_smem + L.p);          // [32][ld_p]
-  float* s_scale = reinterpret_cast<float*>(tc_smem + L.stats);                  // [32]
-  float* s_m = s_scale + kTcGroup;
-  float* s_l = s_m + kTcGroup;
-
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, tq = lane & 3;
-  const int64_t t = blockIdx.x;
-  const int split = blockIdx.y;
-  const int h0 = blockIdx.z * kTcGroup;
-  const int heads = min(kTcGroup, a.num_heads - h0);
-  const int m_tiles = (heads + 15) / 16;
-
-  int lo = 0, hi = a.num_seqs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (a.cu_q[mid] <= t) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  const int n = lo;
-  const int64_t q_begin = a.cu_q[n];
-  const int64_t q_len = static_cast<int64_t>(a.cu_q[n + 1]) - q_begin;
-  const int64_t context = a.context_lens[n];
-  int64_t visible = context - q_len + (t - q_begin) + 1;
-  visible = i64_max(0, i64_min(visible, static_cast<int64_t>(a.max_pages_per_seq) * a.page_size));
-  const int64_t per_split = (visible + a.splits - 1) / a.splits;
-  const int64_t row_begin = i64_min(visible, per_split * split);
-  const int64_t row_end = i64_min(visible, row_begin + per_split);
-  const int32_t* table = a.block_tables + static_cast<int64_t>(n) * a.max_pages_per_seq;
-  const int vecs_per_row = width / 8;
-  const int num_tiles = static_cast<int>((row_end - row_begin + kTcRows - 1) / kTcRows);
-
-  if (num_tiles > 0) {
-    const int count = static_cast<int>(i64_min(kTcRows, row_end - row_begin));
-    if constexpr (kFast) {
-      tc_load_rows_by_warp(a, table, row_begin, count, s_rows0, L.ld_rows, vecs_per_row);
-    } else {
-      tc_load_rows(a, table, row_begin, count, s_rows0, L.ld_rows, vecs_per_row);
-    }
+  for (int v = tid; v < k16 * (kAbsorbCols / 8); v += kAbsorbThreads) {
+    const int d = v / (kAbsorbCols / 8), cv = v % (kAbsorbCols / 8), c = c0 + cv * 8;
+    const bool valid = d < nope && c < kv_lora;
+    detail::cp_async16_zfill(s_w + d * kAbsorbLdW + cv * 8, valid ? w_uk + static_cast<int64_t>(d) * kv_lora + c : w_uk,
+                             valid);
   }
   detail::cp_async_commit();
+  detail::mla_wait_for_previous_grid();
+  detail::mla_allow_next_grid();
 
-  // q̃ (bf16, zero for padding heads and columns), zero column padding of both row buffers, zero P, stats.
-  const float* q_src = a.q_tilde + (t * a.num_heads + h0) * width;
-  for (int i = tid; i < kTcGroup * L.width16; i += kTcThreads) {
-    const int h = i / L.width16, c = i - h * L.width16;
-    const float x = (h < heads && c < width) ? q_src[h * width + c] : 0.0f;
-    s_q[h * L.ld_rows + c] = __float2bfloat16(x);
+  const int count = static_cast<int>(min(static_cast<int64_t>(kAbsorbTokens), num_tokens - t0));
+  const int rows16 = (count + 15) / 16 * 16;
+  const __nv_bfloat16 zero = __float2bfloat16(0.0f);
+  for (int i = tid; i < rows16 * k16; i += kAbsorbThreads) {
+    const int tt = i / k16, d = i - tt * k16;
+    s_q[tt * ld_q + d] =
+        tt < count && d < nope ? q[(t0 + tt) * q_stride + static_cast<int64_t>(h) * q_width + d] : zero;
   }
-  const int pad_cols = L.width16 - width;
-  for (int i = tid; i < 2 * kTcRows * pad_cols; i += kTcThreads) {
-    const int b = i / (kTcRows * pad_cols), rem = i - b * kTcRows * pad_cols;
-    const int r = rem / pad_cols, c = width + rem % pad_cols;
-    (b == 0 ? s_rows0 : s_rows1)[r * L.ld_rows + c] = __float2bfloat16(0.0f);
+  if (blockIdx.z == 0) {
+    for (int i = tid; i < count * rope; i += kAbsorbThreads) {
+      const int tt = i / rope, j = i - tt * rope;
+      const float x = __bfloat162float(q[(t0 + tt) * q_stride + static_cast<int64_t>(h) * q_width + nope + j]);
+      q_tilde[((t0 + tt) * num_heads + h) * width + kv_lora + j] = x * scale;
+    }
   }
-  for (int i = tid; i < kTcGroup * L.ld_p; i += kTcThreads) s_p[i] = __float2bfloat16(0.0f);
-  if (tid < kTcGroup) {
-    s_m[tid] = -INFINITY;
-    s_l[tid] = 0.0f;
-    s_scale[tid] = 1.0f;
-  }
-
-  const int pairs = (a.kv_lora + 15) / 16;  // 16-column pairs of the latent
-  float acc[kTcMaxPairs][2][2][4];          // [pair slot][m tile][n tile of the pair][fragment]
-#pragma unroll
-  for (int j = 0; j < kTcMaxPairs; ++j)
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][mt][nt][e] = 0.0f;
-
-  for (int it = 0; it < num_tiles; ++it) {
-    const int64_t tile = row_begin + static_cast<int64_t>(it) * kTcRows;
-    const int rows = static_cast<int>(i64_min(kTcRows, row_end - tile));
-    if (it + 1 < num_tiles) {
-      const int64_t next = tile + kTcRows;
-      const int count = static_cast<int>(i64_min(kTcRows, row_end - next));
-      __nv_bfloat16* dst = (it & 1) ? s_rows0 : s_rows1;
-      if constexpr (kFast) {
-        tc_load_rows_by_warp(a, table, next, count, dst, L.ld_rows, vecs_per_row);
-      } else {
-        tc_load_rows(a, table, next, count, dst, L.ld_rows, vecs_per_row);
-      }
-      detail::cp_async_commit();
-      detail::cp_async_wait<1>();
-    } else {
-      detail::cp_async_wait<0>();
-    }
-    __syncthreads();
-    const __nv_bfloat16* rows_buf = (it & 1) ? s_rows1 : s_rows0;
-
-    // Scores: warp -> (m tile warp / 4, rows 16 * (warp % 4) .. + 16).
-    if (warp < 4 * m_tiles) {
-      const int mt = warp >> 2, n0 = (warp & 3) * 16;
-      float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
-      if constexpr (kFast) {
-        // Even k steps into c0/c1, odd ones into d0/d1: two independent mma chains per n tile.
-        float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
-        for (int k0 = 0; k0 < L.width16; k0 += 32) {
-          uint32_t af[4], bf[4];
-          detail::load_a(af, s_q, L.ld_rows, mt * 16, k0);
-          detail::load_b_nk(bf, rows_buf, L.ld_rows, n0, k0);
-          detail::mma_bf16_16816(c0, af, bf[0], bf[1]);
-          detail::mma_bf16_16816(c1, af, bf[2], bf[3]);
-          if (k0 + 16 < L.width16) {
-            uint32_t af2[4], bf2[4];
-            detail::load_a(af2, s_q, L.ld_rows, mt * 16, k0 + 16);
-            detail::load_b_nk(bf2, rows_buf, L.ld_rows, n0, k0 + 16);
-            detail::mma_bf16_16816(d0, af2, bf2[0], bf2[1]);
-            detail::mma_bf16_16816(d1, af2, bf2[2], bf2[3]);
-          }
-        }
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          c0[e] += d0[e];
-          c1[e] += d1[e];
-        }
-      } else {
-        for (int k0 = 0; k0 < L.width16; k0 += 16) {
-          uint32_t af[4], bf[4];
-          detail::load_a(af, s_q, L.ld_rows, mt * 16, k0);
-          detail::load_b_nk(bf, rows_buf, L.ld_rows, n0, k0);
-          detail::mma_bf16_16816(c0, af, bf[0], bf[1]);
-          detail::mma_bf16_16816(c1, af, bf[2], bf[3]);
-        }
-      }
-      const int m = mt * 16 + g;
-      if constexpr (kFast) {  // float2 stores into rows of kTcLdScores floats: no bank conflicts
-        *reinterpret_cast<float2*>(&s_s[m * kTcLdScores + n0 + 2 * tq]) = make_float2(c0[0], c0[1]);
-        *reinterpret_cast<float2*>(&s_s[(m + 8) * kTcLdScores + n0 + 2 * tq]) = make_float2(c0[2], c0[3]);
-        *reinterpret_cast<float2*>(&s_s[m * kTcLdScores + n0 + 8 + 2 * tq]) = make_float2(c1[0], c1[1]);
-        *reinterpret_cast<float2*>(&s_s[(m + 8) * kTcLdScores + n0 + 8 + 2 * tq]) = make_float2(c1[2], c1[3]);
-      } else {
-        s_s[m * kTcRows + n0 + 2 * tq] = c0[0];
-        s_s[m * kTcRows + n0 + 2 * tq + 1] = c0[1];
-        s_s[(m + 8) * kTcRows + n0 + 2 * tq] = c0[2];
-        s_s[(m + 8) * kTcRows + n0 + 2 * tq + 1] = c0[3];
-        s_s[m * kTcRows + n0 + 8 + 2 * tq] = c1[0];
-        s_s[m * kTcRows + n0 + 8 + 2 * tq + 1] = c1[1];
-        s_s[(m + 8) * kTcRows + n0 + 8 + 2 * tq] = c1[2];
-        s_s[(m + 8) * kTcRows + n0 + 8 + 2 * tq + 1] = c1[3];
-      }
-    }
-    __syncthreads();
-    if constexpr (kFast) {
-      // Online softmax, the warp's kTcGroup / kTcWarps heads at once (the shuffle reductions of the heads
-      // interleave instead of running one head after another); same arithmetic per head as below.
-      constexpr int kHeadsPerWarp = kTcGroup / kTcWarps;
-      float s0[kHeadsPerWarp], s1[kHeadsPerWarp], mx[kHeadsPerWarp], sum[kHeadsPerWarp];
-#pragma unroll
-      for (int i = 0; i < kHeadsPerWarp; ++i) {
-        const int h = warp + i * kTcWarps;
-        const bool head = h < heads;
-        s0[i] = head && lane < rows ? s_s[h * kTcLdScores + lane] : -INFINITY;
-        s1[i] = head && lane + 32 < rows ? s_s[h * kTcLdScores + lane + 32] : -INFINITY;
-        mx[i] = fmaxf(s0[i], s1[i]);
-      }
-#pragma unroll
-      for (int offset = 16; offset > 0; offset >>= 1) {
-#pragma unroll
-        for (int i = 0; i < kHeadsPerWarp; ++i) mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], offset));
-      }
-#pragma unroll
-      for (int i = 0; i < kHeadsPerWarp; ++i) {
-        const int h = warp + i * kTcWarps;
-        sum[i] = 0.0f;
-        if (h < heads) {
-          const float m_new = fmaxf(s_m[h], mx[i]);  // finite: rows >= 1
-          mx[i] = m_new;
-          const float p0 = lane < rows ? exp2f(s0[i] - m_new) : 0.0f;
-          const float p1 = lane + 32 < rows ? exp2f(s1[i] - m_new) : 0.0f;
-          const __nv_bfloat16 b0 = __float2bfloat16(p0), b1 = __float2bfloat16(p1);
-          sum[i] = __bfloat162float(b0) + __bfloat162float(b1);
-          s_p[h * L.ld_p + lane] = b0;
-          s_p[h * L.ld_p + lane + 32] = b1;
-        }
-      }
-#pragma unroll
-      for (int offset = 16; offset > 0; offset >>= 1) {
-#pragma unroll
-        for (int i = 0; i < kHeadsPerWarp; ++i) sum[i] += __shfl_xor_sync(0xffffffffu, sum[i], offset);
-      }
-      if (lane == 0) {
-#pragma unroll
-        for (int i = 0; i < kHeadsPerWarp; ++i) {
-          const int h = warp + i * kTcWarps;
-          if (h < heads) {
-            const float m_old = s_m[h];
-            const float rescale = exp2f(m_old - mx[i]);
-            s_scale[h] = rescale;
-            s_m[h] = mx[i];
-            s_l[h] = s_l[h] * rescale + sum[i];
-          }
-        }
-      }
-    } else {
-      // Online softmax: warp per head, lane -> rows lane and lane + 32.
-      for (int h = warp; h < heads; h += kTcWarps) {
-        const float s0 = lane < rows ? s_s[h * kTcRows + lane] : -INFINITY;
-        const float s1 = lane + 32 < rows ? s_s[h * kTcRows + lane + 32] : -INFINITY;
-        const float m_old = s_m[h];
-        const float m_new = fmaxf(m_old, warp_max(fmaxf(s0, s1)));  // finite: rows >= 1
-        const float p0 = lane < rows ? exp2f(s0 - m_new) : 0.0f;
-        const float p1 = lane + 32 < rows ? exp2f(s1 - m_new) : 0.0f;
-        const __nv_bfloat16 b0 = __float2bfloat16(p0), b1 = __float2bfloat16(p1);
-        // The denominator sums the bf16 values the P·V product uses, so the weights stay normalised.
-        const float sum = warp_sum(__bfloat162float(b0) + __bfloat162float(b1));
-        s_p[h * L.ld_p + lane] = b0;
-        s_p[h * L.ld_p + lane + 32] = b1;
-        if (lane == 0) {
-          const float rescale = exp2f(m_old - m_new);
-          s_scale[h] = rescale;
-          s_m[h] = m_new;
-          s_l[h] = s_l[h] * rescale + sum;
-        }
-      }
-    }
-    __syncthreads();
-    // O = O * rescale + P · rows.
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-      if (mt < m_tiles) {
-        const float r_lo = s_scale[mt * 16 + g], r_hi = s_scale[mt * 16 + g + 8];
-#pragma unroll
-        for (int j = 0; j < kTcMaxPairs; ++j) {
-#pragma unroll
-          for (int nt = 0; nt < 2; ++nt) {
-            acc[j][mt][nt][0] *= r_lo;
-            acc[j][mt][nt][1] *= r_lo;
-            acc[j][mt][nt][2] *= r_hi;
-            acc[j][mt][nt][3] *= r_hi;
-          }
-        }
-      }
-    }
-    for (int k0 = 0; k0 < kTcRows; k0 += 16) {
-      uint32_t af[2][4];
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        if (mt < m_tiles) detail::load_a(af[mt], s_p, L.ld_p, mt * 16, k0);
-      }
-#pragma unroll
-      for (int j = 0; j < kTcMaxPairs; ++j) {
-        const int pair = warp + j * kTcWarps;
-        if (pair < pairs) {
-          uint32_t bf[4];
-          detail::load_b_kn(bf, rows_buf, L.ld_rows, pair * 16, k0);
-#pragma unroll
-          for (int mt = 0; mt < 2; ++mt) {
-            if (mt < m_tiles) {
-              detail::mma_bf16_16816(acc[j][mt][0], af[mt], bf[0], bf[1]);
-              detail::mma_bf16_16816(acc[j][mt][1], af[mt], bf[2], bf[3]);
-            }
-          }
-        }
-      }
-    }
-    __syncthreads();  // rows_buf, s_s and s_p are free for the next tile
-  }
+  detail::cp_async_wait<0>();
   __syncthreads();
-  const int64_t part = (t * a.splits + split) * a.num_heads + h0;
-  float* out_o = a.partial_o + part * a.kv_lora;
+  if (warp * 16 >= count) return;
+
+  float acc[kAbsorbCols / 16][2][4];
 #pragma unroll
-  for (int j = 0; j < kTcMaxPairs; ++j) {
-    const int pair = warp + j * kTcWarps;
-    if (pair >= pairs) continue;
+  for (int j = 0; j < kAbsorbCols / 16; ++j)
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
+    for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const int col = pair * 16 + nt * 8 + 2 * tq;
-        const int h_lo = mt * 16 + g, h_hi = h_lo + 8;
-        if (col < a.kv_lora) {  // kv_lora is a multiple of 8, so col + 1 < kv_lora too
-          if (h_lo < heads) {
-            out_o[h_lo * a.kv_lora + col] = acc[j][mt][nt][0];
-            out_o[h_lo * a.kv_lora + col + 1] = acc[j][mt][nt][1];
-          }
-          if (h_hi < heads) {
-            out_o[h_hi * a.kv_lora + col] = acc[j][mt][nt][2];
-            out_o[h_hi * a.kv_lora + col + 1] = acc[j][mt][nt][3];
-          }
+      for (int e = 0; e < 4; ++e) acc[j][nt][e] = 0.0f;
+  for (int k0 = 0; k0 < k16; k0 += 16) {
+    uint32_t af[4];
+    detail::load_a(af, s_q, ld_q, warp * 16, k0);
+#pragma unroll
+    for (int j = 0; j < kAbsorbCols / 16; ++j) {
+      uint32_t bf[4];
+      detail::load_b_kn(bf, s_w, kAbsorbLdW, j * 16, k0);
+      detail::mma_bf16_16816(acc[j][0], af, bf[0], bf[1]);
+      detail::mma_bf16_16816(acc[j][1], af, bf[2], bf[3]);
+    }
+  }
+  const int g = lane >> 2, tq = lane & 3;
+#pragma unroll
+  for (int j = 0; j < kAbsorbCols / 16; ++j) {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const int col = c0 + j * 16 + nt * 8 + 2 * tq;  // even, and kv_lora is a multiple of 8: col + 1 < kv_lora too
+      if (col >= kv_lora) continue;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int tt = warp * 16 + g + 8 * half;
+        if (tt < count) {
+          *reinterpret_cast<float2*>(&q_tilde[((t0 + tt) * num_heads + h) * width + col]) =
+              make_float2(acc[j][nt][2 * half] * scale, acc[j][nt][2 * half + 1] * scale);
         }
       }
     }
   }
-  if (tid < heads) a.partial_ml[part + tid] = make_float2(s_m[tid], s_l[tid]);
 }
 
 // ---- 3. combine + W_UV ----------------------------------------------------------------------------------------
-// grid (T, H), block kCombineThreads.
-__global__ void __launch_bounds__(kCombineThreads)
-    mla_combine_kernel(const float* __restrict__ partial_o, const float2* __restrict__ partial_ml,
-                       const __nv_bfloat16* __restrict__ kv_b, int num_heads, int kv_lora, int nope, int v_head,
-                       int splits, float* __restrict__ out) {
-  __shared__ float s_latent[kMlaMaxKvLora];
-  __shared__ float s_weight[kMlaMaxSplits];
-  const int64_t t = blockIdx.x;
-  const int h = blockIdx.y;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  if (warp == 0) {
-    float m[2], l[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int s = lane + 32 * i;
-      m[i] = -INFINITY;
-      l[i] = 0.0f;
-      if (s < splits) {
-        const float2 ml = partial_ml[(t * splits + s) * num_heads + h];
-        if (ml.y > 0.0f) {
-          m[i] = ml.x;
-          l[i] = ml.y;
-        }
-      }
-    }
-    const float m_max = warp_max(fmaxf(m[0], m[1]));
-    float w[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) w[i] = l[i] > 0.0f ? exp2f(m[i] - m_max) : 0.0f;
-    const float total = warp_sum(w[0] * l[0] + w[1] * l[1]);
-    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int s = lane + 32 * i;
-      if (s < splits) s_weight[s] = w[i] * inv;
-    }
-  }
-  __syncthreads();
-  for (int c = tid; c < kv_lora; c += kCombineThreads) {
-    float acc = 0.0f;
-    for (int s = 0; s < splits; ++s) {
-      const float weight = s_weight[s];
-      if (weight != 0.0f) acc = fmaf(weight, partial_o[((t * splits + s) * num_heads + h) * kv_lora + c], acc);
-    }
-    s_latent[c] = acc;
-  }
-  __syncthreads();
-  const __nv_bfloat16* w_uv = kv_b + (static_cast<int64_t>(h) * (nope + v_head) + nope) * kv_lora;  // [v, kv_lora]
-  for (int v = warp; v < v_head; v += kCombineThreads / 32) {
-    const __nv_bfloat16* w_row = w_uv + static_cast<int64_t>(v) * kv_lora;
-    float acc = 0.0f;
-#pragma unroll 4
-    for (int c = lane; c < kv_lora; c += 32) acc = fmaf(__bfloat162float(w_row[c]), s_latent[c], acc);
-    acc = warp_sum(acc);
-    if (lane == 0) out[(t * num_heads + h) * v_head + v] = acc;
-  }
+// Per (32 tokens, head): split weights (warp per token), merged latent rows o_lat [32][kv_lora] fp32 in shared
+// memory (rows past the batch and columns past kv_lora zero), then out[t, h, :] = o_lat[t] · W_UV_hᵀ by mma.sync:
+// M = tokens, N = v, K = kv_lora. Warp w takes W_UV rows 16 (w % 8) .. + 16 (and + 128 per further round when
+// v_head > 128) over half of K (w / 8); the two halves add through shared memory in a fixed order.
+// The k order inside an mma is free as long as A and B agree: lane (g, t) holds W_UV[v][c .. c + 8) for
+// c = 32 b + 8 t as one 16-byte load (b0 = columns c, c + 1 and b1 = c + 2, c + 3 in the first k step of block b,
+// c + 4 .. c + 7 in the second), and reads the latent at the same columns (one float4 per row and k step).
+// The fp32 latent x enters as two bf16 terms, hi = bf16(x) and lo = bf16(x - hi): x - hi - lo is about 2^-16 x.
+constexpr int kCombineThreads = 512;
+constexpr int kCombineWarps = kCombineThreads / 32;
+constexpr int kCombineTokens = 32;                  // two m tiles
+constexpr int kCombineLd = kMlaMaxKvLora + 4;       // floats per latent row: fragment float4 loads without conflicts
+constexpr int kCombineVBlocks = kCombineWarps / 2;  // 16-row W_UV blocks per round
+constexpr int kCombineBlocksPerHalf = kMlaMaxKvLora / 32 / 2;  // 32-column blocks of K per warp
+
+size_t combine_smem_bytes() {
+  return sizeof(float) * (static_cast<size_t>(kCombineTokens) * kCombineLd + kCombineTokens * kMlaMaxSplits +
+                          16 * kCombineVBlocks * 32);
 }
 
-// ---- 3b. combine + W_UV over several tokens per CTA (default) ------------------------------------------------
-// Same result as mla_combine_kernel up to the summation order of W_UV o_lat, for kCombineTokens query tokens per
-// CTA: each W_UV row is read once per CTA (bf16 pairs) and dotted with every token's latent, so the W_UV traffic
-// through L2 falls kCombineTokens-fold (at Kimi-48B dims and T = 256: 8192 CTAs x 128 KB = 1.07 GB -> 134 MB).
-// grid (ceil(T / kCombineTokens), H), block kCombineThreads; kv_b 4-byte aligned (the launcher checks).
-constexpr int kCombineTokens = 8;
-static_assert(kCombineTokens <= kCombineThreads / 32, "one warp per token computes the split weights");
-__global__ void __launch_bounds__(kCombineThreads)
-    mla_combine_tokens_kernel(const float* __restrict__ partial_o, const float2* __restrict__ partial_ml,
-                              const __nv_bfloat16* __restrict__ kv_b, int64_t num_tokens, int num_heads, int kv_lora,
-                              int nope, int v_head, int splits, float* __restrict__ out) {
-  __shared__ __align__(16) float s_latent[kCombineTokens][kMlaMaxKvLora];
-  __shared__ float s_weight[kCombineTokens][kMlaMaxSplits];
+__device__ __forceinline__ void split_bf16(float x, float y, uint32_t& hi, uint32_t& lo) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+  const float2 hf = __bfloat1622float2(h);
+  const __nv_bfloat162 l = __floats2bfloat162_rn(x - hf.x, y - hf.y);
+  hi = *reinterpret_cast<const uint32_t*>(&h);
+  lo = *reinterpret_cast<const uint32_t*>(&l);
+}
+
+// grid (ceil(T / kCombineTokens), H), block kCombineThreads, dynamic smem combine_smem_bytes(); kv_b 16-byte aligned.
+__global__ void __launch_bounds__(kCombineThreads, 1)
+    mla_combine_kernel(const float* __restrict__ partial_o, const float2* __restrict__ partial_ml,
+                       const __nv_bfloat16* __restrict__ kv_b, int64_t num_tokens, int num_heads, int kv_lora, int nope,
+                       int v_head, int splits, float* __restrict__ out) {
+  extern __shared__ __align__(16) float combine_smem[];
+  float* s_lat = combine_smem;                               // [kCombineTokens][kCombineLd]
+  float* s_weight = s_lat + kCombineTokens * kCombineLd;     // [kCombineTokens][kMlaMaxSplits]
+  float* s_red = s_weight + kCombineTokens * kMlaMaxSplits;  // [16 values][kCombineVBlocks][32 lanes]
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kCombineTokens;
   const int tokens = static_cast<int>(min(static_cast<int64_t>(kCombineTokens), num_tokens - t0));
+  const int rows16 = (tokens + 15) / 16 * 16, m_tiles = rows16 / 16;
   const int h = blockIdx.y;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  if (warp < tokens) {  // split weights of token t0 + warp (as in mla_combine_kernel)
-    const int64_t t = t0 + warp;
+  const int g = lane >> 2, tq = lane & 3;
+  const int vb = warp % kCombineVBlocks, k_half = warp / kCombineVBlocks;
+  const int blocks = (kv_lora + 31) / 32, first_half = (blocks + 1) / 2;
+  const int b_begin = k_half == 0 ? 0 : first_half, b_count = k_half == 0 ? first_half : blocks - first_half;
+  const int v_blocks = (v_head + 15) / 16, rounds = (v_blocks + kCombineVBlocks - 1) / kCombineVBlocks;
+  const __nv_bfloat16* w_uv = kv_b + (static_cast<int64_t>(h) * (nope + v_head) + nope) * kv_lora;  // [v, kv_lora]
+
+  uint4 wa[kCombineBlocksPerHalf], wb[kCombineBlocksPerHalf];  // rows v0 + g and v0 + 8 + g of the warp's block
+  auto load_w = [&](int round) {
+    const int v0 = (vb + kCombineVBlocks * round) * 16, ra = v0 + g, rb = v0 + 8 + g;
+#pragma unroll
+    for (int b = 0; b < kCombineBlocksPerHalf; ++b) {
+      const int c = (b_begin + b) * 32 + 8 * tq;
+      const bool in = b < b_count && c < kv_lora;
+      const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+      wa[b] = in && ra < v_head ? __ldg(reinterpret_cast<const uint4*>(w_uv + static_cast<int64_t>(ra) * kv_lora + c))
+                                : zero;
+      wb[b] = in && rb < v_head ? __ldg(reinterpret_cast<const uint4*>(w_uv + static_cast<int64_t>(rb) * kv_lora + c))
+                                : zero;
+    }
+  };
+  load_w(0);  // weights: before waiting for the attention
+  detail::mla_wait_for_previous_grid();
+  detail::mla_allow_next_grid();
+
+  for (int tt = warp; tt < tokens; tt += kCombineWarps) {  // split weights of token t0 + tt
+    const int64_t t = t0 + tt;
     float m[2], l[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -778,61 +262,163 @@ __global__ void __launch_bounds__(kCombineThreads)
         }
       }
     }
-    const float m_max = warp_max(fmaxf(m[0], m[1]));
+    const float m_max = detail::mla_warp_max(fmaxf(m[0], m[1]));
     float w[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) w[i] = l[i] > 0.0f ? exp2f(m[i] - m_max) : 0.0f;
-    const float total = warp_sum(w[0] * l[0] + w[1] * l[1]);
+    const float total = detail::mla_warp_sum(w[0] * l[0] + w[1] * l[1]);
     const float inv = total > 0.0f ? 1.0f / total : 0.0f;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int s = lane + 32 * i;
-      if (s < splits) s_weight[warp][s] = w[i] * inv;
+      if (s < splits) s_weight[tt * kMlaMaxSplits + s] = w[i] * inv;
     }
   }
   __syncthreads();
-  for (int i = tid; i < kCombineTokens * kv_lora; i += kCombineThreads) {
-    const int tt = i / kv_lora, c = i - tt * kv_lora;
-    float acc = 0.0f;
-    if (tt < tokens) {
-      const int64_t t = t0 + tt;
-      for (int s = 0; s < splits; ++s) {
-        const float weight = s_weight[tt][s];
-        if (weight != 0.0f) acc = fmaf(weight, partial_o[((t * splits + s) * num_heads + h) * kv_lora + c], acc);
+
+  // Merged latent rows: Σ_s weight_s · partial_o[t, s, h, :], zero-weight (empty) splits not read. The loads of a
+  // thread are independent (one round trip per 8 of them).
+  const int64_t split_stride = static_cast<int64_t>(num_heads) * kv_lora;
+  const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  auto fma4 = [](float w, const float4& x, float4& acc) {
+    acc.x = fmaf(w, x.x, acc.x);
+    acc.y = fmaf(w, x.y, acc.y);
+    acc.z = fmaf(w, x.z, acc.z);
+    acc.w = fmaf(w, x.w, acc.w);
+  };
+  if (tokens <= 4) {
+    // Few tokens (each with many splits): 4 adjacent lanes share a column quad and take every 4th split.
+    const int quad = tid >> 2, part = tid & 3;
+    const bool col_in = 4 * quad < kv_lora;
+    for (int tt = 0; tt < rows16; ++tt) {
+      float4 acc = zero4;
+      if (tt < tokens && col_in) {
+        const float* src = partial_o + ((t0 + tt) * splits * num_heads + h) * kv_lora + 4 * quad;
+        for (int s0 = part; s0 < splits; s0 += 32) {
+          float w[8];
+          float4 x[8];
+#pragma unroll
+          for (int u = 0; u < 8; ++u) {
+            const int s = s0 + 4 * u;
+            w[u] = s < splits ? s_weight[tt * kMlaMaxSplits + s] : 0.0f;
+            x[u] = w[u] != 0.0f ? __ldg(reinterpret_cast<const float4*>(src + s * split_stride)) : zero4;
+          }
+#pragma unroll
+          for (int u = 0; u < 8; ++u) fma4(w[u], x[u], acc);
+        }
+      }
+#pragma unroll
+      for (int offset = 1; offset < 4; offset <<= 1) {
+        acc.x += __shfl_xor_sync(0xffffffffu, acc.x, offset);
+        acc.y += __shfl_xor_sync(0xffffffffu, acc.y, offset);
+        acc.z += __shfl_xor_sync(0xffffffffu, acc.z, offset);
+        acc.w += __shfl_xor_sync(0xffffffffu, acc.w, offset);
+      }
+      if (part == 0) *reinterpret_cast<float4*>(&s_lat[tt * kCombineLd + 4 * quad]) = acc;
+    }
+  } else {
+    // More tokens (few splits each): thread (column quad, r) takes tokens r, r + 4, ..., two tokens and two splits a
+    // step (4 loads: more spill past the 128 registers of 512 threads).
+    const int quad = tid % (kCombineThreads / 4), r = tid / (kCombineThreads / 4);
+    const bool col_in = 4 * quad < kv_lora;
+    for (int tt0 = r; tt0 < rows16; tt0 += 8) {
+      float4 acc[2] = {zero4, zero4};
+      for (int s0 = 0; s0 < splits; s0 += 2) {
+        float w[2][2];
+        float4 x[2][2];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int tt = tt0 + 4 * u;
+          const float* src = partial_o + ((t0 + tt) * splits * num_heads + h) * kv_lora + 4 * quad;
+#pragma unroll
+          for (int v = 0; v < 2; ++v) {
+            const int s = s0 + v;
+            w[u][v] = tt < tokens && s < splits && col_in ? s_weight[tt * kMlaMaxSplits + s] : 0.0f;
+            x[u][v] = w[u][v] != 0.0f ? __ldg(reinterpret_cast<const float4*>(src + s * split_stride)) : zero4;
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < 2; ++u)
+#pragma unroll
+          for (int v = 0; v < 2; ++v) fma4(w[u][v], x[u][v], acc[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int tt = tt0 + 4 * u;
+        if (tt < rows16) *reinterpret_cast<float4*>(&s_lat[tt * kCombineLd + 4 * quad]) = acc[u];
       }
     }
-    s_latent[tt][c] = acc;  // zeros for tokens past the batch (never written out)
   }
   __syncthreads();
-  const __nv_bfloat16* w_uv = kv_b + (static_cast<int64_t>(h) * (nope + v_head) + nope) * kv_lora;  // [v, kv_lora]
-  for (int v = warp; v < v_head; v += kCombineThreads / 32) {
-    const __nv_bfloat16* w_row = w_uv + static_cast<int64_t>(v) * kv_lora;
-    float acc[kCombineTokens];
+
+  for (int round = 0; round < rounds; ++round) {
+    if (round > 0) load_w(round);
+    const int v_block = vb + kCombineVBlocks * round;
+    const bool active = v_block < v_blocks;
+    float acc[2][2][4];  // [m tile][n tile][fragment]
 #pragma unroll
-    for (int tt = 0; tt < kCombineTokens; ++tt) acc[tt] = 0.0f;
-    for (int c = 2 * lane; c < kv_lora; c += 64) {  // kv_lora is even
-      const float2 wf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(w_row + c));
+    for (int m2 = 0; m2 < 2; ++m2)
 #pragma unroll
-      for (int tt = 0; tt < kCombineTokens; ++tt) {
-        const float2 x = *reinterpret_cast<const float2*>(&s_latent[tt][c]);
-        acc[tt] = fmaf(wf.y, x.y, fmaf(wf.x, x.x, acc[tt]));
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[m2][nt][e] = 0.0f;
+    if (active) {
+#pragma unroll
+      for (int b = 0; b < kCombineBlocksPerHalf; ++b) {
+        if (b >= b_count) continue;
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+          const int col = (b_begin + b) * 32 + 8 * tq + 4 * s;
+          const uint32_t a0 = s == 0 ? wa[b].x : wa[b].z, a1 = s == 0 ? wa[b].y : wa[b].w;
+          const uint32_t b0 = s == 0 ? wb[b].x : wb[b].z, b1 = s == 0 ? wb[b].y : wb[b].w;
+#pragma unroll
+          for (int m2 = 0; m2 < 2; ++m2) {
+            if (m2 >= m_tiles) continue;
+            const float4 x_lo = *reinterpret_cast<const float4*>(&s_lat[(m2 * 16 + g) * kCombineLd + col]);
+            const float4 x_hi = *reinterpret_cast<const float4*>(&s_lat[(m2 * 16 + g + 8) * kCombineLd + col]);
+            uint32_t hi[4], lo[4];
+            split_bf16(x_lo.x, x_lo.y, hi[0], lo[0]);
+            split_bf16(x_hi.x, x_hi.y, hi[1], lo[1]);
+            split_bf16(x_lo.z, x_lo.w, hi[2], lo[2]);
+            split_bf16(x_hi.z, x_hi.w, hi[3], lo[3]);
+            detail::mma_bf16_16816(acc[m2][0], hi, a0, a1);
+            detail::mma_bf16_16816(acc[m2][0], lo, a0, a1);
+            detail::mma_bf16_16816(acc[m2][1], hi, b0, b1);
+            detail::mma_bf16_16816(acc[m2][1], lo, b0, b1);
+          }
+        }
       }
     }
+    if (active && k_half == 1) {
 #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-#pragma unroll
-      for (int tt = 0; tt < kCombineTokens; ++tt) acc[tt] += __shfl_xor_sync(0xffffffffu, acc[tt], offset);
+      for (int i = 0; i < 16; ++i) s_red[(i * kCombineVBlocks + vb) * 32 + lane] = acc[i / 8][(i / 4) % 2][i % 4];
     }
-    if (lane == 0) {
+    __syncthreads();
+    if (active && k_half == 0) {
 #pragma unroll
-      for (int tt = 0; tt < kCombineTokens; ++tt) {
-        if (tt < tokens) out[((t0 + tt) * num_heads + h) * v_head + v] = acc[tt];
+      for (int i = 0; i < 16; ++i) acc[i / 8][(i / 4) % 2][i % 4] += s_red[(i * kCombineVBlocks + vb) * 32 + lane];
+#pragma unroll
+      for (int m2 = 0; m2 < 2; ++m2) {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const int v = v_block * 16 + nt * 8 + 2 * tq;
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int tt = m2 * 16 + g + 8 * half;
+            if (tt >= tokens) continue;
+            float* dst = out + ((t0 + tt) * num_heads + h) * v_head;
+            if (v < v_head) dst[v] = acc[m2][nt][2 * half];
+            if (v + 1 < v_head) dst[v + 1] = acc[m2][nt][2 * half + 1];
+          }
+        }
       }
     }
+    __syncthreads();  // s_red is reused by the next round
   }
 }
 
-// DELTASERVE_MLA_TC=legacy: the original tensor-core attention kernel (a bypass without a rebuild).
+// ---- launch ---------------------------------------------------------------------------------------------------
+// DELTASERVE_MLA_TC=legacy: the original kernels and split heuristic (a bypass without a rebuild).
 bool legacy_tc_from_env() {
   static const bool legacy = [] {
     const char* e = std::getenv("DELTASERVE_MLA_TC");
@@ -841,23 +427,77 @@ bool legacy_tc_from_env() {
   return legacy;
 }
 
+// DELTASERVE_MLA_PDL=0: launch without programmatic dependent launch.
+bool pdl_from_env() {
+  static const bool pdl = [] {
+    const char* e = std::getenv("DELTASERVE_MLA_PDL");
+    return e == nullptr || std::string(e) != "0";
+  }();
+  return pdl;
+}
+
 bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
+
+// cudaLaunchKernelEx with the programmatic-stream-serialization attribute (unless DELTASERVE_MLA_PDL=0).
+template <typename... Params, typename... Args>
+Status launch_with_pdl(void (*kernel)(Params...), dim3 grid, int threads, size_t smem, cudaStream_t stream,
+                       const char* who, Args... args) {
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attribute;
+  config.numAttrs = pdl_from_env() ? 1 : 0;
+  if (cudaError_t e = cudaLaunchKernelEx(&config, kernel, args...); e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return internal_error(std::string(who) + ": launch: " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
+  }
+  return launch_status(who);
+}
+
+Status set_smem(const void* kernel, size_t bytes, const char* who) {
+  if (cudaError_t e =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+      e != cudaSuccess) {
+    return Status(StatusCode::kInternal, std::string(who) + ": cudaFuncSetAttribute: " + cudaGetErrorString(e));
+  }
+  return Status::ok();
 }
 
 }  // namespace
 
 int mla_num_splits(int64_t num_tokens, int max_context) {
-  if (num_tokens <= 0 || max_context <= 512) return 1;
-  // >= 128 rows (two 64-row tiles) per split: at few tokens a CTA's time is mostly the latency of its tiles in
-  // sequence, so shorter slices on more SMs finish sooner (ctx 4096: 32 splits at T = 1, was 16 with 256 rows; only
-  // T <= about 16 changes, larger batches are capped by kTargetCtas first).
-  // DELTASERVE_MLA_TC=legacy restores 256 (the split count is a host choice shared with the workspace size, so the
-  // per-call legacy_tc_attention flag does not change it).
-  const int64_t min_rows = legacy_tc_from_env() ? 256 : 128;
-  const int64_t by_length = (static_cast<int64_t>(max_context) + min_rows - 1) / min_rows;
-  const int64_t by_occupancy = (kTargetCtas + num_tokens - 1) / num_tokens;
+  if (num_tokens <= 0 || max_context <= 0) return 1;
+  if (legacy_tc_from_env()) {
+    // The original heuristic: >= 256 rows per split, about two waves of CTAs.
+    if (max_context <= 512) return 1;
+    const int64_t by_length = (static_cast<int64_t>(max_context) + 255) / 256;
+    const int64_t by_occupancy = (kLegacyTargetCtas + num_tokens - 1) / num_tokens;
+    return static_cast<int>(std::clamp<int64_t>(std::min(by_length, by_occupancy), 1, kMlaMaxSplits));
+  }
+  // >= kMinSplitRows rows per split, and about one wave of (token, split) CTAs (one attention CTA fits an SM; the
+  // head groups of mla_decode_head_group fill the wave further at one or two tokens). The split count is a host
+  // choice shared with the workspace size, so the per-call legacy_tc_attention flag does not change it.
+  const int64_t by_length = (static_cast<int64_t>(max_context) + kMinSplitRows - 1) / kMinSplitRows;
+  const int64_t by_occupancy = std::max<int64_t>(1, kSms / num_tokens);
   return static_cast<int>(std::clamp<int64_t>(std::min(by_length, by_occupancy), 1, kMlaMaxSplits));
+}
+
+int mla_decode_head_group(int64_t num_tokens, int num_heads, int max_context) {
+  if (num_heads <= 0) return 0;
+  const int64_t splits = mla_num_splits(num_tokens, max_context);
+  for (int group : {32, 16}) {
+    if (std::max<int64_t>(num_tokens, 1) * splits * ((num_heads + group - 1) / group) >= kFullWaveCtas) {
+      return std::min(group, num_heads);
+    }
+  }
+  return std::min(8, num_heads);
 }
 
 size_t mla_attention_workspace_bytes(int num_heads, int kv_lora_rank, int qk_rope, int64_t max_tokens,
@@ -869,8 +509,8 @@ size_t mla_attention_workspace_bytes(int num_heads, int kv_lora_rank, int qk_rop
   while (t <= max_tokens) {
     const int splits = mla_num_splits(t, max_context);
     bytes = std::max(bytes, workspace_layout(num_heads, kv_lora_rank, qk_rope, t, splits).total);
-    // Past kTargetCtas tokens splits stay 1 and the size grows with t: jump to the end.
-    t = (t > kTargetCtas) ? std::max(t + 1, max_tokens) : t + 1;
+    // Past kLegacyTargetCtas tokens splits stay 1 (both heuristics) and the size grows with t: jump to the end.
+    t = (t > kLegacyTargetCtas) ? std::max(t + 1, max_tokens) : t + 1;
   }
   return bytes;
 }
@@ -944,6 +584,7 @@ Status mla_attention_launch(const MlaAttentionParams& p, bool decode, const char
                             "is null");
   }
   if (!aligned16(p.workspace)) return invalid_argument(w + ": workspace is not 16-byte aligned");
+  if (!aligned16(p.kv_b)) return invalid_argument(w + ": kv_b is not 16-byte aligned");
   const int splits = mla_num_splits(p.num_tokens, p.max_context);
   const WorkspaceLayout layout = workspace_layout(p.num_heads, p.kv_lora_rank, p.qk_rope, p.num_tokens, splits);
   if (p.workspace_bytes < layout.total) {
@@ -953,30 +594,8 @@ Status mla_attention_launch(const MlaAttentionParams& p, bool decode, const char
 
   char* base = static_cast<char*>(p.workspace);
   float* q_tilde = reinterpret_cast<float*>(base + layout.q_tilde);
-  float* partial_o = reinterpret_cast<float*>(base + layout.partial_o);
-  float2* partial_ml = reinterpret_cast<float2*>(base + layout.partial_ml);
   const float scale = p.softmax_scale * kLog2e;
-
-  const dim3 absorb_grid(static_cast<unsigned>((p.num_tokens + kAbsorbTokens - 1) / kAbsorbTokens),
-                         static_cast<unsigned>(p.num_heads));
-  mla_absorb_kernel<<<absorb_grid, kAbsorbThreads, 0, stream>>>(p.q, p.q_stride, p.kv_b, p.num_tokens, p.num_heads,
-                                                                p.kv_lora_rank, p.qk_nope, p.qk_rope, p.v_head, scale,
-                                                                q_tilde);
-
-  const bool tensor_cores = !p.fp32_attention;
-  const int group = tensor_cores ? std::min(p.num_heads, kTcGroup) : head_group_size(p.num_heads, p.kv_lora_rank);
-  const int width = p.kv_lora_rank + p.qk_rope;
-  const size_t smem = tensor_cores ? tc_layout(width).total : attention_smem_bytes(group, width);
-  const bool legacy = p.legacy_tc_attention || legacy_tc_from_env();
-  const bool fast_tc = !legacy;
-  const void* kernel = !tensor_cores ? reinterpret_cast<const void*>(mla_split_attention_kernel)
-                       : fast_tc     ? reinterpret_cast<const void*>(mla_split_attention_tc_kernel<true>)
-                                     : reinterpret_cast<const void*>(mla_split_attention_tc_kernel<false>);
-  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-      e != cudaSuccess) {
-    return Status(StatusCode::kInternal, w + ": cudaFuncSetAttribute: " + cudaGetErrorString(e));
-  }
-  AttentionArgs args{};
+  MlaAttentionArgs args{};
   args.pages = p.pool.pages;
   args.num_pages = p.pool.num_pages;
   args.num_layers = p.pool.num_layers;
@@ -986,7 +605,6 @@ Status mla_attention_launch(const MlaAttentionParams& p, bool decode, const char
   args.num_heads = p.num_heads;
   args.kv_lora = p.kv_lora_rank;
   args.rope = p.qk_rope;
-  args.head_group = group;
   args.splits = splits;
   args.num_seqs = p.num_seqs;
   args.cu_q = p.cu_q;
@@ -994,34 +612,46 @@ Status mla_attention_launch(const MlaAttentionParams& p, bool decode, const char
   args.block_tables = p.block_tables;
   args.max_pages_per_seq = p.max_pages_per_seq;
   args.q_tilde = q_tilde;
-  args.partial_o = partial_o;
-  args.partial_ml = partial_ml;
-  const dim3 attention_grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(splits),
-                            static_cast<unsigned>((p.num_heads + group - 1) / group));
-  if (tensor_cores) {
-    if (fast_tc) {
-      mla_split_attention_tc_kernel<true><<<attention_grid, kTcThreads, smem, stream>>>(args);
-    } else {
-      mla_split_attention_tc_kernel<false><<<attention_grid, kTcThreads, smem, stream>>>(args);
-    }
-  } else {
-    mla_split_attention_kernel<<<attention_grid, kAttnThreads, smem, stream>>>(args);
+  args.partial_o = reinterpret_cast<float*>(base + layout.partial_o);
+  args.partial_ml = reinterpret_cast<float2*>(base + layout.partial_ml);
+  if (p.legacy_tc_attention || legacy_tc_from_env()) return launch_mla_legacy(p, args, q_tilde, scale, stream, who);
+
+  const int64_t T = p.num_tokens;
+  const size_t absorb_smem = absorb_smem_bytes(p.qk_nope);
+  if (Status s = set_smem(reinterpret_cast<const void*>(mla_absorb_kernel), absorb_smem, who); !s.is_ok()) return s;
+  const dim3 absorb_grid(static_cast<unsigned>((T + kAbsorbTokens - 1) / kAbsorbTokens),
+                         static_cast<unsigned>(p.num_heads),
+                         static_cast<unsigned>((p.kv_lora_rank + kAbsorbCols - 1) / kAbsorbCols));
+  if (Status s =
+          launch_with_pdl(mla_absorb_kernel, absorb_grid, kAbsorbThreads, absorb_smem, stream, who, p.q, p.q_stride,
+                          p.kv_b, T, p.num_heads, p.kv_lora_rank, p.qk_nope, p.qk_rope, p.v_head, scale, q_tilde);
+      !s.is_ok()) {
+    return s;
   }
 
-  if (legacy || (reinterpret_cast<uintptr_t>(p.kv_b) & 3u) != 0) {
-    const dim3 combine_grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(p.num_heads));
-    mla_combine_kernel<<<combine_grid, kCombineThreads, 0, stream>>>(
-        partial_o, partial_ml, p.kv_b, p.num_heads, p.kv_lora_rank, p.qk_nope, p.v_head, splits, p.out);
+  if (p.fp32_attention) {
+    args.head_group = mla_fp32_head_group(p.num_heads, p.kv_lora_rank);
+    if (Status s = launch_mla_fp32_attention(args, T, stream, who); !s.is_ok()) return s;
   } else {
-    const dim3 combine_grid(static_cast<unsigned>((p.num_tokens + kCombineTokens - 1) / kCombineTokens),
-                            static_cast<unsigned>(p.num_heads));
-    mla_combine_tokens_kernel<<<combine_grid, kCombineThreads, 0, stream>>>(
-        partial_o, partial_ml, p.kv_b, p.num_tokens, p.num_heads, p.kv_lora_rank, p.qk_nope, p.v_head, splits, p.out);
+    args.head_group = mla_decode_head_group(T, p.num_heads, p.max_context);
+    const detail::WUvPrefetch w_uv{T <= 16 ? p.kv_b : nullptr, p.qk_nope, p.v_head};
+    const size_t smem = attn_layout(p.kv_lora_rank + p.qk_rope).total;
+    const bool two_m_tiles = args.head_group > 16;
+    void (*kernel)(MlaAttentionArgs, detail::WUvPrefetch) =
+        two_m_tiles ? mla_split_attention_mma_kernel<2> : mla_split_attention_mma_kernel<1>;
+    if (Status s = set_smem(reinterpret_cast<const void*>(kernel), smem, who); !s.is_ok()) return s;
+    const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>(splits),
+                    static_cast<unsigned>((p.num_heads + args.head_group - 1) / args.head_group));
+    if (Status s = launch_with_pdl(kernel, grid, kAttnThreads, smem, stream, who, args, w_uv); !s.is_ok()) return s;
   }
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
-    return Status(StatusCode::kInternal, w + ": launch failed: " + cudaGetErrorString(e));
-  }
-  return Status::ok();
+
+  const size_t combine_smem = combine_smem_bytes();
+  if (Status s = set_smem(reinterpret_cast<const void*>(mla_combine_kernel), combine_smem, who); !s.is_ok()) return s;
+  const dim3 combine_grid(static_cast<unsigned>((T + kCombineTokens - 1) / kCombineTokens),
+                          static_cast<unsigned>(p.num_heads));
+  return launch_with_pdl(mla_combine_kernel, combine_grid, kCombineThreads, combine_smem, stream, who,
+                         static_cast<const float*>(args.partial_o), static_cast<const float2*>(args.partial_ml), p.kv_b,
+                         T, p.num_heads, p.kv_lora_rank, p.qk_nope, p.v_head, splits, p.out);
 }
 
 }  // namespace detail

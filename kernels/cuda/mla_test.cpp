@@ -343,8 +343,9 @@ void check_attention(const MlaShape& shape, const Batch& batch, uint32_t seed) {
          << batch.contexts[n] - batch.q_lens[n] + (t - cu_q[n]) << ") head " << h << " col " << c;
       return os.str();
     });
-    std::printf("  [%s] T=%lld splits=%d workspace=%zu bytes\n", name.c_str(), static_cast<long long>(T),
-                mla_num_splits(T, max_context), static_cast<size_t>(p.workspace_bytes));
+    std::printf("  [%s] T=%lld splits=%d heads per CTA=%d workspace=%zu bytes\n", name.c_str(),
+                static_cast<long long>(T), mla_num_splits(T, max_context), mla_decode_head_group(T, H, max_context),
+                static_cast<size_t>(p.workspace_bytes));
     for (size_t i = out_size; i < out_size + out_pad; ++i) {
       ASSERT_TRUE(std::isnan(out[i])) << "output padding written at " << i - out_size << " past the end";
     }
@@ -429,12 +430,49 @@ TEST(MlaDecode, LargeBatchOneSplit) {
 }
 
 TEST(MlaDecode, Kimi48BBatchOf37SeveralSplitsPartialCombineBlock) {
-  // 37 tokens: several splits whose slices start off page and tile boundaries, and a last combine CTA of 5 tokens
-  // (the default combine takes 8 tokens per CTA); page size 16 so a 64-row tile spans four pages.
+  // 37 tokens: several splits whose slices start off page boundaries, and a last combine CTA of 5 tokens (the
+  // default combine takes 32 tokens per CTA); page size 16 so a 32-row tile spans two pages (three off alignment).
   std::vector<int> contexts(37);
   for (size_t n = 0; n < contexts.size(); ++n) contexts[n] = 1 + static_cast<int>(n * 131 % 1500);
   ASSERT_GT(mla_num_splits(37, 1500), 1);
   check_attention(kKimi48B, Batch{ones(contexts.size()), contexts, 16}, 13);
+}
+
+// One or two query tokens: the default kernel's small head groups (8 heads per CTA at one token, 16 at two) and
+// the combine's split-parallel merge; contexts around the 32-row tile and 64-row page edges and past several
+// splits.
+TEST(MlaDecode, Kimi48BSingleTokenEightHeadGroups) {
+  for (int context : {1, 31, 32, 33, 63, 64, 65, 2049}) {
+    ASSERT_EQ(mla_decode_head_group(1, kKimi48B.heads, context), 8);
+    check_attention(kKimi48B, Batch{{1}, {context}}, 20 + context);
+  }
+}
+
+TEST(MlaDecode, Kimi48BTwoTokensSixteenHeadGroups) {
+  ASSERT_EQ(mla_decode_head_group(2, kKimi48B.heads, 4097), 16);
+  ASSERT_EQ(mla_num_splits(2, 4097), 33);
+  check_attention(kKimi48B, Batch{{1, 1}, {4097, 65}}, 21);
+  // Page size 16 (every tile spans two pages) and one zero-length sequence beside the two tokens.
+  check_attention(kKimi48B, Batch{{1, 0, 1}, {700, 9, 1}, 16}, 22);
+}
+
+TEST(MlaDecode, SingleTokenUnderLargeContextBound) {
+  // A graph captured for contexts up to 32768 running a 65-row and a 1-row context: 64 splits, nearly all empty
+  // (check_attention captures and replays every decode case).
+  ASSERT_EQ(mla_num_splits(1, 32768), 64);
+  ASSERT_EQ(mla_decode_head_group(1, kKimi48B.heads, 32768), 16);
+  check_attention(kKimi48B, Batch{{1}, {65}, 64, 32768}, 23);
+  check_attention(kKimi48B, Batch{{1}, {1}, 64, 4096}, 24);
+}
+
+TEST(MlaDecode, SmallHeadGroupsOfK3AndOddShapes) {
+  // K3 (96 heads): 6 groups of 16 at one token; 40 heads with 96-wide latent, no rope: groups 8 x 5; tiny: 2 heads.
+  ASSERT_EQ(mla_decode_head_group(1, kK3.heads, 4096), 16);
+  check_attention(kK3, Batch{{1}, {333}, 64, 4096}, 25);
+  ASSERT_EQ(mla_decode_head_group(1, kOdd.heads, 1500), 8);
+  check_attention(kOdd, Batch{{1}, {1500}}, 26);
+  check_attention(kTiny, Batch{{1}, {4097}}, 27);
+  check_attention(kTiny, Batch{{1, 1, 1}, {65, 1, 640}, 16}, 28);
 }
 
 // ---- prefill ---------------------------------------------------------------------------------------------------
@@ -812,6 +850,7 @@ TEST(MlaAttentionValidation, RejectsBadHostInputs) {
       {"out null", [](MlaAttentionParams& p) { p.out = nullptr; }},
       {"workspace small", [](MlaAttentionParams& p) { p.workspace_bytes -= 1; }},
       {"workspace misaligned", [](MlaAttentionParams& p) { p.workspace = fake_device<void>(4100); }},
+      {"kv_b misaligned", [](MlaAttentionParams& p) { p.kv_b = fake_device<__nv_bfloat16>(4104); }},
   };
   for (const Bad& bad : cases) {
     MlaAttentionParams p = valid_attention_params();
@@ -897,12 +936,23 @@ TEST(MlaAttentionValidation, WorkspaceCoversEverySmallerBatch) {
   }
   EXPECT_EQ(mla_num_splits(1, 100), 1);
   EXPECT_GT(mla_num_splits(1, 100000), 1);
-  if (std::getenv("DELTASERVE_MLA_TC") == nullptr) {  // the default heuristic: >= 128 rows per split, ~264 CTAs
+  if (std::getenv("DELTASERVE_MLA_TC") == nullptr) {  // the default heuristic: >= 128 rows per split, ~132 CTAs
     EXPECT_EQ(mla_num_splits(1, 4096), 32);
-    EXPECT_EQ(mla_num_splits(8, 4096), 32);
-    EXPECT_EQ(mla_num_splits(32, 4096), 9);
-    EXPECT_EQ(mla_num_splits(256, 4096), 2);
-    EXPECT_EQ(mla_num_splits(1, 512), 1);
+    EXPECT_EQ(mla_num_splits(8, 4096), 16);
+    EXPECT_EQ(mla_num_splits(32, 4096), 4);
+    EXPECT_EQ(mla_num_splits(64, 4096), 2);
+    EXPECT_EQ(mla_num_splits(256, 4096), 1);
+    EXPECT_EQ(mla_num_splits(1, 512), 4);
+    EXPECT_EQ(mla_num_splits(1, 32768), 64);
+    EXPECT_EQ(mla_num_splits(8, 32768), 16);
+    // Heads per CTA of the default attention kernel: smaller groups only where the CTAs would not fill the SMs.
+    EXPECT_EQ(mla_decode_head_group(1, 32, 4096), 8);
+    EXPECT_EQ(mla_decode_head_group(2, 32, 4096), 16);
+    EXPECT_EQ(mla_decode_head_group(4, 32, 4096), 32);
+    EXPECT_EQ(mla_decode_head_group(256, 32, 4096), 32);
+    EXPECT_EQ(mla_decode_head_group(1, 32, 32768), 16);
+    EXPECT_EQ(mla_decode_head_group(1, 2, 4096), 2);
+    EXPECT_EQ(mla_decode_head_group(1, 96, 4096), 16);
   }
 }
 
