@@ -43,6 +43,8 @@ struct MoeRoutingConfig {
 // with groups > 1, k <= top_k_groups * (E / groups).
 Status moe_route(const MoeRoutingConfig& config, const float* logits, const float* correction_bias, int64_t T,
                  int32_t* expert_ids, float* weights, cudaStream_t stream);
+// The configuration checks of moe_route (ok, or kInvalidArgument naming `who` and the rule broken).
+Status moe_routing_check(const MoeRoutingConfig& config, const char* who);
 
 // ---- permutation ---------------------------------------------------------------------------------------------
 // Permutation of the T*k (token, choice) assignments, a = t * k + j, grouped by expert (stable in a).
