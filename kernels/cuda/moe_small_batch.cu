@@ -136,7 +136,8 @@ struct LayerArgs {
   __nv_bfloat16* shared_activated;
   float* residual;
   int64_t residual_stride;
-  int32_t* active;      // [min(E, R)] active experts in id order
+  int32_t* active;  // [active_capacity = min(E, R)] active experts in id order
+  int active_capacity;
   int32_t* num_active;  // [1]
   unsigned int* counter;
 };
@@ -405,8 +406,9 @@ __global__ void __launch_bounds__(kThreads, 2) small_batch_gate_up_kernel(const 
   const int warp = threadIdx.x >> 5;
   const int column_blocks = a.inter / kWarps;
   const int slot = blockIdx.x / column_blocks;
-  if (slot >= __ldg(a.num_active)) return;
-  const int e = __ldg(a.active + slot);
+  // Both loads in flight together (active[] has min(E, R) entries, set up to the count): one L2 round trip.
+  const int num_active = __ldg(a.num_active), e = __ldg(a.active + slot);
+  if (slot >= num_active) return;
   const int j = (blockIdx.x - slot * column_blocks) * kWarps + warp;
   const __nv_bfloat16* w = a.gate_up + static_cast<int64_t>(e) * 2 * a.inter * a.hidden;
   const int first = __ldg(a.offsets + e), end = __ldg(a.offsets + e + 1);
@@ -439,10 +441,12 @@ __global__ void __launch_bounds__(kThreads, 2) small_batch_down_kernel(const __g
     for (int i0 = 0; i0 < items; i0 += U) {
       if ((i0 & 31) == 0) {
         const int slot = i0 + lane;
+        // active[] holds min(E, R) entries; those past the count are never used (nor their offsets read).
+        const int expert = slot < a.active_capacity ? __ldg(a.active + slot) : 0;
         if (slot < num_active) {
-          lane_expert = __ldg(a.active + slot);
-          lane_first = __ldg(a.offsets + lane_expert);
-          lane_end = __ldg(a.offsets + lane_expert + 1);
+          lane_expert = expert;
+          lane_first = __ldg(a.offsets + expert);
+          lane_end = __ldg(a.offsets + expert + 1);
         }
       }
       // Where each of the U items' weights, input rows and outputs are.
@@ -686,7 +690,8 @@ LayerArgs make_args(const MoeSmallBatchParams& p) {
   char* ws = static_cast<char*>(p.workspace);
   const size_t partial_bytes = round16(static_cast<size_t>(a.router_slices) * a.T * a.E * sizeof(float));
   a.active = reinterpret_cast<int32_t*>(ws + partial_bytes);
-  a.num_active = a.active + std::min(a.E, a.R);
+  a.active_capacity = std::min(a.E, a.R);
+  a.num_active = a.active + a.active_capacity;
   a.counter = p.counter;
   return a;
 }
