@@ -357,6 +357,84 @@ Status CudaBackend::Impl::run_moe(const DeviceMoe& moe, int64_t T) {
   const int64_t hidden = config.hidden_size, E = mc.num_experts, k = mc.num_experts_per_token;
   const int64_t width = moe.width, I = moe.intermediate, R = T * k;
   const bool latent = mc.routed_expert_hidden_size.has_value();
+  const int64_t shared_I = moe.shared.gate_up != nullptr ? moe.shared.intermediate : 0;
+
+  // Decode batches (<= 16 tokens, no LatentMoE): the whole layer in three launches (kernels/cuda/moe.hpp,
+  // moe_small_batch_*). Its temporaries are fewer than the chain's below (no x_sorted / y_sorted), so whatever the
+  // arena was planned for fits; checked anyway, since the router's partial sums grow with E.
+  if (!latent && width == hidden && kc::moe_small_batch_enabled() &&
+      kc::moe_small_batch_fits(T, static_cast<int>(k), static_cast<int>(E), hidden, I, shared_I)) {
+    const size_t workspace_bytes =
+        kc::moe_small_batch_workspace_bytes(T, static_cast<int>(k), static_cast<int>(E), hidden);
+    size_t small_bytes = 0, chain_bytes = 0;
+    for (const int64_t bytes : {T * E * 4, R * 4, R * 4, (E + 1) * 4, R * 4, R * 4, R * I * 2, T * shared_I * 2,
+                                static_cast<int64_t>(workspace_bytes)}) {
+      small_bytes += align_up(static_cast<size_t>(bytes));
+    }
+    for (const int64_t bytes :
+         {T * E * 4, R * 4, R * 4, (E + 1) * 4, R * 4, R * 4,
+          static_cast<int64_t>(kc::moe_plan_workspace_bytes(T, static_cast<int>(k), static_cast<int>(E))),
+          R * width * 2, R * I * 2, R * width * 4, T * 2 * shared_I * 4, T * shared_I * 2}) {
+      chain_bytes += align_up(static_cast<size_t>(bytes));
+    }
+    // The launch's grid counter must be zero before its first use: allocated and cleared once, outside a capture
+    // (the first pass of each decode batch size runs eagerly before its graph is captured).
+    if (moe_small_batch_counter.data() == nullptr) {
+      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+      DS_CUDA_RETURN(cudaStreamIsCapturing(stream(), &capture));
+      if (capture == cudaStreamCaptureStatusNone &&
+          moe_small_batch_counter.allocate(sizeof(unsigned int), "MoE small-batch grid counter").is_ok()) {
+        DS_CUDA_RETURN(cudaMemsetAsync(moe_small_batch_counter.data(), 0, sizeof(unsigned int), stream()));
+      }
+    }
+    if (small_bytes <= chain_bytes && moe_small_batch_counter.data() != nullptr) {
+      kc::MoeSmallBatchParams p;
+      p.routing.num_experts = static_cast<int>(E);
+      p.routing.top_k = static_cast<int>(k);
+      p.routing.num_groups = static_cast<int>(mc.num_expert_groups);
+      p.routing.top_k_groups = static_cast<int>(mc.top_k_groups);
+      p.routing.renormalize = mc.renormalize;
+      p.routing.routed_scaling_factor = mc.routed_scaling_factor;
+      p.tokens = T;
+      p.hidden = hidden;
+      p.x_f32 = normed_f32;
+      p.x_f32_stride = hidden;
+      p.router = moe.router;
+      p.correction_bias = moe.correction_bias;
+      p.x = normed;
+      p.x_stride = hidden;
+      p.experts.gate_up = moe.experts_gate_up;
+      p.experts.down = moe.experts_down;
+      p.experts.num_experts = static_cast<int>(E);
+      p.experts.width = width;
+      p.experts.intermediate = I;
+      p.shared_gate_up = moe.shared.gate_up;
+      p.shared_down = moe.shared.down;
+      p.shared_intermediate = shared_I;
+      p.glu = glu_kind(config);
+      p.situ_beta = config.situ_beta;
+      p.situ_linear_beta = config.situ_linear_beta;
+      p.logits = arena.take<float>(T * E);
+      p.expert_ids = arena.take<int32_t>(R);
+      p.weights = arena.take<float>(R);
+      p.plan.expert_offsets = arena.take<int32_t>(E + 1);
+      p.plan.sorted_assignments = arena.take<int32_t>(R);
+      p.plan.assignment_pos = arena.take<int32_t>(R);
+      p.activated = arena.take<__nv_bfloat16>(R * I);
+      p.shared_activated = arena.take<__nv_bfloat16>(T * shared_I);
+      p.workspace = arena.take<char>(static_cast<int64_t>(workspace_bytes));
+      p.workspace_bytes = workspace_bytes;
+      p.residual = residual;
+      p.residual_stride = hidden;
+      p.counter = static_cast<unsigned int*>(moe_small_batch_counter.data());
+      DS_RETURN_IF_ERROR(arena_check("MoE small batch"));
+      profiler.mark(Phase::kMoeRouter, stream());
+      DS_RETURN_IF_ERROR_CTX(kc::moe_small_batch_route(p, stream()), "moe_small_batch_route");
+      profiler.mark(Phase::kMoeExpertFfn, stream());
+      DS_RETURN_IF_ERROR_CTX(kc::moe_small_batch_experts(p, stream()), "moe_small_batch_experts");
+      return Status::ok();
+    }
+  }
 
   // Router: fp32 input, fp32 weights, fp32 GEMM.
   auto* router_logits = arena.take<float>(T * E);

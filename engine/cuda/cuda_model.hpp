@@ -153,6 +153,9 @@ struct CudaBackend::Impl {
   DeviceMemory table_memory;       // per-pass tables (grown on demand)
   std::vector<char> host_tables;
   DecodeGraphs decode_graphs;
+  // Grid counter of kernels::cuda::moe_small_batch_route: allocated and zeroed at the first small-batch MoE layer,
+  // left 0 by every launch.
+  DeviceMemory moe_small_batch_counter;
   Profiler profiler;
 
   // The pass: resolve residencies (taking slots and pages), upload tables, run, copy logits (when `out`) or sample

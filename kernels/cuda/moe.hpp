@@ -3,7 +3,8 @@
 // Math: shared/spec/model.md §1-2; CPU references: kernels/cpu/moe.hpp (cpu::moe_route) and engine/model.cpp
 // (Model::run_moe / run_dense_ffn). The tests compare against them.
 // Flow of one MoE layer:
-//   moe_route → moe_plan → moe_gather_rows → moe_expert_ffn_decode | moe_expert_ffn_prefill → moe_combine.
+//   moe_route → moe_plan → moe_gather_rows → moe_expert_ffn_decode | moe_expert_ffn_prefill → moe_combine,
+// or, for at most 16 tokens, moe_small_batch_route → moe_small_batch_experts (three launches, shared expert included).
 // An assignment is one (token t, choice j) pair, a = t * k + j; the plan sorts the T * k assignments by expert.
 // Every launcher validates its host-visible inputs and returns a Status before anything is launched; device
 // pointers are checked for null only (their contents cannot be read here). Everything is asynchronous on `stream`;
@@ -43,6 +44,8 @@ struct MoeRoutingConfig {
 // with groups > 1, k <= top_k_groups * (E / groups).
 Status moe_route(const MoeRoutingConfig& config, const float* logits, const float* correction_bias, int64_t T,
                  int32_t* expert_ids, float* weights, cudaStream_t stream);
+// The configuration checks of moe_route (ok, or kInvalidArgument naming `who` and the rule broken).
+Status moe_routing_check(const MoeRoutingConfig& config, const char* who);
 
 // ---- permutation ---------------------------------------------------------------------------------------------
 // Permutation of the T*k (token, choice) assignments, a = t * k + j, grouped by expert (stable in a).
@@ -185,5 +188,77 @@ constexpr int64_t kMoeCublasGroupedMinRowsPerExpert = 16;
 // order: deterministic). out fp32 rows with stride out_stride. An assignment with assignment_pos < 0 adds nothing.
 Status moe_combine(const float* y_sorted, const MoePlan& plan, const float* weights, int64_t T, int top_k,
                    int64_t width, bool accumulate, float* out, int64_t out_stride, cudaStream_t stream);
+
+// ---- small-batch decode layer --------------------------------------------------------------------------------
+// The whole MoE layer (router GEMM to the residual add, shared expert included) for at most
+// kMoeSmallBatchMaxTokens tokens in three launches. At decode batches the layer is bound by the weight bytes of the
+// active experts and by launch latency, so each launch streams its weights with 16-byte loads over every SM:
+//   1. moe_small_batch_route: router GEMM (fp32, the hidden dimension split into up to 4 slices whose partial sums
+//      are added in slice order), then the last router CTA to finish (a grid counter) adds the partials into the
+//      logits, routes every token (the selection of moe_route, moe_route.cuh), builds the plan (the MoePlan
+//      contract of moe_plan, bit for bit) and the list of active experts, and gathers x_sorted when asked. The other
+//      CTAs of the launch run the shared expert's gate/up + GLU meanwhile (it does not depend on the routing).
+//   2. moe_small_batch_experts, launch 1: gate/up + GLU of the routed experts, one warp per (active expert,
+//      intermediate column), x read by token (no gather needed).
+//   3. launch 2: down of every active expert and of the shared expert, one warp per two output columns, then the
+//      combine in the same warp: residual[t, d] = (residual[t, d] + Σ_j w[t, j] · y_j[t, d]) + y_shared[t, d], j in
+//      order 0..k-1 — deterministic, no atomics; the additions of moe_combine (accumulate) and then of the shared
+//      FFN's accumulating down GEMM.
+// Expert math as the other paths: bf16 weights and inputs, fp32 accumulation, the GLU in fp32 rounded once to bf16
+// (activated rows), fp32 expert outputs. No LatentMoE (the expert width must be the hidden width).
+// Nothing allocates or synchronises with the host: graph-capturable. T == 0 launches nothing.
+constexpr int64_t kMoeSmallBatchMaxTokens = 16;
+constexpr int64_t kMoeSmallBatchMaxAssignments = 256;  // T * top_k
+
+struct MoeSmallBatchParams {
+  MoeRoutingConfig routing;                       // as moe_route's (checked the same way)
+  int64_t tokens = 0;                             // T in [0, kMoeSmallBatchMaxTokens], T * top_k <= 256
+  int64_t hidden = 0;                             // width of x, of the router and of the experts; a multiple of 8
+  const float* x_f32 = nullptr;                   // [T, hidden] router input
+  int64_t x_f32_stride = 0;                       // >= hidden, a multiple of 4
+  const float* router = nullptr;                  // [E, hidden] fp32
+  const float* correction_bias = nullptr;         // [E] fp32 or nullptr
+  const __nv_bfloat16* x = nullptr;               // [T, hidden] expert input
+  int64_t x_stride = 0;                           // >= hidden, a multiple of 8
+  MoeExpertWeights experts;                       // width == hidden; intermediate a multiple of 8
+  const __nv_bfloat16* shared_gate_up = nullptr;  // [2 I_s, hidden] (gate rows, then up rows), nullptr: no shared
+  const __nv_bfloat16* shared_down = nullptr;     // [hidden, I_s]
+  int64_t shared_intermediate = 0;                // I_s, a multiple of 8 (all shared experts stacked)
+  GluKind glu = GluKind::kSwiGlu;
+  float situ_beta = 4.0f, situ_linear_beta = 25.0f;
+  // Outputs (device, caller-owned). The intermediates keep the contracts of moe_route, moe_plan and moe_gather_rows.
+  float* logits = nullptr;                    // [T, E] fp32
+  int32_t* expert_ids = nullptr;              // [T, k]
+  float* weights = nullptr;                   // [T, k]
+  MoePlan plan;                               // offsets [E + 1], sorted_assignments and assignment_pos [T k]
+  __nv_bfloat16* x_sorted = nullptr;          // [T k, hidden], written only when non-null (the FFN reads x by token)
+  __nv_bfloat16* activated = nullptr;         // [T k, I]: glu(gate, up) per row of the plan
+  __nv_bfloat16* shared_activated = nullptr;  // [T, I_s] (with a shared expert)
+  float* residual = nullptr;                  // [T, hidden] row stride residual_stride: += routed + shared
+  int64_t residual_stride = 0;
+  // Scratch of >= moe_small_batch_workspace_bytes bytes, 16-byte aligned (router partial sums, active experts);
+  // written by moe_small_batch_route and read by moe_small_batch_experts.
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  // Grid counter of the route launch: device memory that must be 0 before the first launch; every launch leaves it
+  // 0 again. Launches that may run concurrently (other streams) need counters of their own.
+  unsigned int* counter = nullptr;
+};
+
+// Whether the small-batch path takes these shapes (the engine's choice; the launchers check the rest).
+bool moe_small_batch_fits(int64_t tokens, int top_k, int num_experts, int64_t hidden, int64_t intermediate,
+                          int64_t shared_intermediate);
+size_t moe_small_batch_workspace_bytes(int64_t tokens, int top_k, int num_experts, int64_t hidden);
+// Launch 1 (router, route, plan, optional gather, shared expert gate/up + GLU).
+Status moe_small_batch_route(const MoeSmallBatchParams& params, cudaStream_t stream);
+// Launches 2 and 3 (routed gate/up + GLU; down, combine and the residual add), after moe_small_batch_route with the
+// same params on the same stream.
+Status moe_small_batch_experts(const MoeSmallBatchParams& params, cudaStream_t stream);
+// Both, in order.
+Status moe_small_batch_layer(const MoeSmallBatchParams& params, cudaStream_t stream);
+// Whether the engine takes the small-batch path at all: false if DELTASERVE_MOE_SMALL_BATCH is set to "0" or "off"
+// (read once per process); the previous chain (router GEMM, moe_route, moe_plan, gather, moe_expert_ffn_decode,
+// moe_combine, shared FFN) then runs at every batch size.
+bool moe_small_batch_enabled();
 
 }  // namespace deltaserve::kernels::cuda
