@@ -149,7 +149,15 @@ void bench_prefill(const std::string& name, int H, const std::vector<int32_t>& l
   }
 }
 
-void bench_decode(int H, int B, int layers) {
+// kernel: which decode kernel (kDefault: what kda_decode_step picks on its own; its case keeps the plain name that
+// kda_report.py pairs with fla, the others get ",kernel=NAME,early=0|1"). early: KdaDecodeParams::early_state_loads
+// (valid here: each layer's predecessor in the graph is another layer's step).
+void bench_decode(int H, int B, int layers, KdaDecodeKernel kernel = KdaDecodeKernel::kDefault, bool early = false) {
+  const std::string name =
+      "H=" + std::to_string(H) + ",d=128,B=" + std::to_string(B) +
+      (kernel == KdaDecodeKernel::kDefault
+           ? std::string()
+           : std::string(",kernel=") + kda_decode_kernel_name(kernel) + ",early=" + (early ? "1" : "0"));
   const int64_t C = int64_t{H} * 128;
   const int K = 4;
   std::vector<void*> owned;
@@ -196,6 +204,8 @@ void bench_decode(int H, int B, int layers) {
     p.conv_state = conv;
     p.state = state;
     p.out = out;
+    p.kernel = kernel;
+    p.early_state_loads = early;
   }
   CHECK_CUDA(cudaGetLastError());
   cudaStream_t stream;
@@ -225,9 +235,13 @@ void bench_decode(int H, int B, int layers) {
   // Fewest bytes per layer: state and conv tails read + written, activations in, output out.
   const double bytes =
       2.0 * B * H * 128 * 128 * 4 + 2.0 * B * 3 * C * (K - 1) * 4 + B * (5.0 * C + H) * 2 + B * C * 2.0;
+  // Ratios to a nominal 4.26 TB/s copy (kda_report.py redoes them with the copy bandwidth measured in the run).
+  const double state_bytes = 2.0 * B * H * 128 * 128 * 4;
   std::printf(
-      "{\"kind\": \"decode\", \"case\": \"H=%d,d=128,B=%d\", \"H\": %d, \"B\": %d, \"us\": %.3f, \"bytes\": %.6e}\n", H,
-      B, H, B, us, bytes);
+      "{\"kind\": \"decode\", \"case\": \"%s\", \"kernel\": \"%s\", \"early\": %d, \"H\": %d, \"B\": %d, "
+      "\"us\": %.3f, \"bytes\": %.6e, \"ratio_4.26\": %.4f, \"state_ratio_4.26\": %.4f}\n",
+      name.c_str(), kda_decode_kernel_name(kernel), early ? 1 : 0, H, B, us, bytes, bytes / (us * 1e-6) / 4.26e12,
+      state_bytes / (us * 1e-6) / 4.26e12);
   std::fflush(stdout);
   CHECK_CUDA(cudaGraphExecDestroy(exec));
   CHECK_CUDA(cudaGraphDestroy(graph));
@@ -251,7 +265,15 @@ int main(int argc, char** argv) {
   if (what == "prefill16k") bench_prefill("H=32,d=128,T=16384,B=1,lb=-5", 32, {16384});
   if (what == "decode64") bench_decode(32, 64, 20);
   if (what == "all" || what == "decode") {
-    for (int B : {1, 8, 64, 256}) bench_decode(32, B, 20);
+    // Every decode kernel side by side (KdaDecodeKernel), then what kda_decode_step picks by default.
+    const KdaDecodeKernel cols[] = {KdaDecodeKernel::kCols1, KdaDecodeKernel::kCols2, KdaDecodeKernel::kCols4};
+    for (int B : {1, 8, 64, 256}) {
+      bench_decode(32, B, 20);
+      bench_decode(32, B, 20, KdaDecodeKernel::kV1);
+      for (const bool early : {false, true}) {
+        for (const KdaDecodeKernel kernel : cols) bench_decode(32, B, 20, kernel, early);
+      }
+    }
   }
   return 0;
 }

@@ -81,6 +81,18 @@ int64_t kda_prefill_checkpoint_count(const std::vector<int32_t>& cu_seqlens, int
                                          int num_heads, cudaStream_t stream);
 
 // ---- fused decode step ------------------------------------------------------------------------------------
+// Which kernel kda_decode_step runs. A measurement switch: the H200 times them side by side (kda_gpu_bench decode,
+// KdaDecodeGpu.VariantsTiming) and the slower ones are then removed.
+//   kV1:    one CTA of 512 threads per (row, head), plain launch (the kernel of bench/gpu/NOTES.md).
+//   kCols1, kCols2, kCols4: the head's 128 value columns split over 1, 2 or 4 CTAs of 512, 256 or 128 threads
+//           (a thread block cluster of 2 or 4 that exchanges the output norm's partial sums), so 2, 4 or 8
+//           CTAs per SM load, compute and store out of phase; launched with programmatic dependent launch.
+//   kDefault: DELTASERVE_KDA_DECODE=v1|cols1|cols2|cols4 when set (read once per process), else kV1.
+enum class KdaDecodeKernel { kDefault, kV1, kCols1, kCols2, kCols4 };
+
+// "v1", "cols1", "cols2", "cols4" ("default" for kDefault).
+const char* kda_decode_kernel_name(KdaDecodeKernel kernel);
+
 // One token per batch row; each row's recurrent state and conv tails live in a slot pool and are updated in
 // place. Fuses: short conv + SiLU (q, k, v), L2 norm (q scaled by d^-0.5), gate, beta = sigmoid, the
 // recurrent update, o = S^T q, and the gated RMSNorm of o. No allocation, no host sync: CUDA-graph capturable.
@@ -114,6 +126,16 @@ struct KdaDecodeParams {
   float* state = nullptr;       // [num_slots, H, d_k, d_v] fp32 in/out
 
   __nv_bfloat16* out = nullptr;  // [B, H*d] gated, normalised output (input of o_proj)
+
+  KdaDecodeKernel kernel = KdaDecodeKernel::kDefault;
+  // The cols kernels are launched with programmatic dependent launch: they may become resident while the kernel
+  // before them on the stream drains, and wait for it to finish (and its writes to be visible) before they read
+  // or write anything. With early_state_loads they read `slots` and issue the state's loads before that wait, so
+  // the state streams in during the previous kernel's tail. Set it only when the kernel enqueued just before this
+  // one on the stream writes neither `state` nor `slots` (e.g. the previous layer's decode step or the layer's
+  // projections) and does not start its own dependents before its predecessors finished. Ignored by kV1 (the spec
+  // verify/commit kernels, which share these params, ignore both fields).
+  bool early_state_loads = false;
 };
 
 [[nodiscard]] Status kda_decode_step(const KdaDecodeParams& params, cudaStream_t stream);

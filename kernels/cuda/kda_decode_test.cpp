@@ -1,7 +1,10 @@
 // GPU fused decode step vs the CPU chain the engine runs per token (short_conv_silu, l2_normalize_heads,
 // kda_gate, sigmoid, kda_recurrent, kda_gated_output_norm), ctest label gpu. Inputs are bf16-representable.
 // Tolerances: state and conv tails are fp32 on both sides (relative L2 <= 1e-5); the bf16 output <= 1e-2.
-// Slots not in the batch must stay bit-identical; skipped rows (slot < 0) output zeros.
+// Slots not in the batch must stay bit-identical; skipped rows (slot < 0) output zeros (the output starts as NaN).
+// Every case runs every kernel (KdaDecodeKernel: v1, cols1, cols2, cols4); cases with several layers launch them
+// back to back per step (each its own state, tails and output), which is where early state loads may overlap.
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <optional>
@@ -26,9 +29,15 @@ struct DecodeCase {
   int steps = 1;
   bool graph = false;
   uint32_t seed = 1;
+  int layers = 1;                  // launched in order each step, each with its own state, tails and output
+  bool early_state_loads = false;  // valid with layers >= 2: the kernel before a layer's is another layer's
 };
 
-void run_decode_case(const DecodeCase& c) {
+constexpr KdaDecodeKernel kAllKernels[] = {KdaDecodeKernel::kV1, KdaDecodeKernel::kCols1, KdaDecodeKernel::kCols2,
+                                           KdaDecodeKernel::kCols4};
+
+void run_decode_case_once(const DecodeCase& c, KdaDecodeKernel kernel) {
+  const char* name = kda_decode_kernel_name(kernel);
   std::mt19937 rng(c.seed);
   const int H = c.heads, K = c.conv_kernel, B = static_cast<int>(c.slots.size());
   const int64_t C = static_cast<int64_t>(H) * kD;
@@ -45,20 +54,22 @@ void run_decode_case(const DecodeCase& c) {
   std::vector<float> v_w = normal_vector(rng, C * K, 0.0f, 0.5f);
   std::vector<float> a_log = normal_vector(rng, H, 0.0f, 0.5f), dt_bias = normal_vector(rng, C, 0.0f, 0.5f);
   std::vector<float> norm_w = normal_vector(rng, kD, 1.0f, 0.1f);
-  std::vector<float> conv_state = normal_vector(rng, c.num_slots * tail_size);
-  std::vector<float> state = normal_vector(rng, c.num_slots * state_size, 0.0f, 0.05f);
+  const int L = c.layers;
+  std::vector<float> conv_state = normal_vector(rng, L * c.num_slots * tail_size);
+  std::vector<float> state = normal_vector(rng, L * c.num_slots * state_size, 0.0f, 0.05f);
+  const size_t layer_tails = c.num_slots * tail_size, layer_states = c.num_slots * state_size;
   const float eps = 1e-5f;
 
   // Device.
   DeviceBuffer<__nv_bfloat16> q_d(B * C), k_d(B * C), v_d(B * C), gate_d(B * C), beta_d(B * H), og_d(B * C);
-  DeviceBuffer<__nv_bfloat16> out_d(B * C);
+  DeviceBuffer<__nv_bfloat16> out_d(L * B * C);
   q_d.upload(to_bf16(q_in));
   k_d.upload(to_bf16(k_in));
   v_d.upload(to_bf16(v_in));
   gate_d.upload(to_bf16(gate_raw));
   beta_d.upload(to_bf16(beta_raw));
   og_d.upload(to_bf16(out_gate));
-  out_d.upload(std::vector<__nv_bfloat16>(B * C, bf16_nan()));
+  out_d.upload(std::vector<__nv_bfloat16>(L * B * C, bf16_nan()));
   DeviceBuffer<float> qw_d(C * K), kw_d(C * K), vw_d(C * K), a_d(H), dt_d(C), nw_d(kD);
   DeviceBuffer<float> conv_d(conv_state.size()), state_d(state.size());
   DeviceBuffer<int32_t> slots_d(B);
@@ -72,29 +83,41 @@ void run_decode_case(const DecodeCase& c) {
   state_d.upload(state);
   slots_d.upload(c.slots);
 
-  KdaDecodeParams p;
-  p.batch = B;
-  p.num_heads = H;
-  p.conv_kernel = K;
-  p.num_slots = c.num_slots;
-  p.slots = slots_d.get();
-  p.q_in = q_d.get();
-  p.k_in = k_d.get();
-  p.v_in = v_d.get();
-  p.gate_raw = gate_d.get();
-  p.beta_raw = beta_d.get();
-  p.out_gate = og_d.get();
-  p.q_conv_weight = qw_d.get();
-  p.k_conv_weight = kw_d.get();
-  p.v_conv_weight = vw_d.get();
-  p.a_log = a_d.get();
-  p.dt_bias = dt_d.get();
-  p.lower_bound = c.lower_bound;
-  p.o_norm_weight = nw_d.get();
-  p.rms_eps = eps;
-  p.conv_state = conv_d.get();
-  p.state = state_d.get();
-  p.out = out_d.get();
+  std::vector<KdaDecodeParams> params(L);
+  for (int l = 0; l < L; ++l) {
+    KdaDecodeParams& p = params[l];
+    p.batch = B;
+    p.num_heads = H;
+    p.conv_kernel = K;
+    p.num_slots = c.num_slots;
+    p.slots = slots_d.get();
+    p.q_in = q_d.get();
+    p.k_in = k_d.get();
+    p.v_in = v_d.get();
+    p.gate_raw = gate_d.get();
+    p.beta_raw = beta_d.get();
+    p.out_gate = og_d.get();
+    p.q_conv_weight = qw_d.get();
+    p.k_conv_weight = kw_d.get();
+    p.v_conv_weight = vw_d.get();
+    p.a_log = a_d.get();
+    p.dt_bias = dt_d.get();
+    p.lower_bound = c.lower_bound;
+    p.o_norm_weight = nw_d.get();
+    p.rms_eps = eps;
+    p.conv_state = conv_d.get() + l * layer_tails;
+    p.state = state_d.get() + l * layer_states;
+    p.out = out_d.get() + static_cast<size_t>(l) * B * C;
+    p.kernel = kernel;
+    p.early_state_loads = c.early_state_loads;
+  }
+  auto launch_step = [&](cudaStream_t stream) {
+    for (const KdaDecodeParams& p : params) {
+      const Status status = kda_decode_step(p, stream);
+      if (!status.is_ok()) return status;
+    }
+    return Status::ok();
+  };
 
   cudaStream_t stream;
   DS_CUDA_OK(cudaStreamCreate(&stream));
@@ -102,7 +125,7 @@ void run_decode_case(const DecodeCase& c) {
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     DS_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    const Status status = kda_decode_step(p, stream);
+    const Status status = launch_step(stream);
     DS_CUDA_OK(cudaStreamEndCapture(stream, &graph));
     ASSERT_TRUE(status.is_ok()) << status.to_string();
     DS_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
@@ -112,59 +135,76 @@ void run_decode_case(const DecodeCase& c) {
     DS_CUDA_OK(cudaGraphDestroy(graph));
   } else {
     for (int step = 0; step < c.steps; ++step) {
-      const Status status = kda_decode_step(p, stream);
+      const Status status = launch_step(stream);
       ASSERT_TRUE(status.is_ok()) << status.to_string();
     }
     DS_CUDA_OK(cudaStreamSynchronize(stream));
   }
   DS_CUDA_OK(cudaStreamDestroy(stream));
 
-  // CPU reference: the same inputs `steps` times.
-  std::vector<float> out_ref(B * C, 0.0f);
+  // CPU reference: the same inputs `steps` times, every layer.
+  std::vector<float> out_ref(L * B * C, 0.0f);
   std::vector<float> conv_ref(conv_state), state_ref(state);
   for (int step = 0; step < c.steps; ++step) {
-    for (int b = 0; b < B; ++b) {
-      const int slot = c.slots[b];
-      if (slot < 0) continue;
-      std::vector<float> q(C), k(C), v(C), g(C), o(C);
-      float* tails = conv_ref.data() + slot * tail_size;
-      cpu::short_conv_silu(&q_in[b * C], q_w.data(), tails, q.data(), 1, C, K);
-      cpu::short_conv_silu(&k_in[b * C], k_w.data(), tails + C * (K - 1), k.data(), 1, C, K);
-      cpu::short_conv_silu(&v_in[b * C], v_w.data(), tails + 2 * C * (K - 1), v.data(), 1, C, K);
-      cpu::l2_normalize_heads(q.data(), 1, H, kD, 1e-6f, 1.0f / std::sqrt(static_cast<float>(kD)));
-      cpu::l2_normalize_heads(k.data(), 1, H, kD, 1e-6f, 1.0f);
-      cpu::kda_gate(&gate_raw[b * C], a_log.data(), dt_bias.data(), g.data(), 1, H, kD, c.lower_bound);
-      std::vector<float> beta(&beta_raw[b * H], &beta_raw[b * H] + H);
-      cpu::sigmoid_inplace(beta.data(), H);
-      const cpu::KdaInputs inputs{q.data(), k.data(), v.data(), g.data(), beta.data(), 1, H, kD, kD};
-      cpu::kda_recurrent(inputs, state_ref.data() + slot * state_size, o.data());
-      cpu::kda_gated_output_norm(o.data(), &out_gate[b * C], norm_w.data(), &out_ref[b * C], 1, H, kD, eps);
+    for (int l = 0; l < L; ++l) {
+      for (int b = 0; b < B; ++b) {
+        const int slot = c.slots[b];
+        if (slot < 0) continue;
+        std::vector<float> q(C), k(C), v(C), g(C), o(C);
+        float* tails = conv_ref.data() + l * layer_tails + slot * tail_size;
+        cpu::short_conv_silu(&q_in[b * C], q_w.data(), tails, q.data(), 1, C, K);
+        cpu::short_conv_silu(&k_in[b * C], k_w.data(), tails + C * (K - 1), k.data(), 1, C, K);
+        cpu::short_conv_silu(&v_in[b * C], v_w.data(), tails + 2 * C * (K - 1), v.data(), 1, C, K);
+        cpu::l2_normalize_heads(q.data(), 1, H, kD, 1e-6f, 1.0f / std::sqrt(static_cast<float>(kD)));
+        cpu::l2_normalize_heads(k.data(), 1, H, kD, 1e-6f, 1.0f);
+        cpu::kda_gate(&gate_raw[b * C], a_log.data(), dt_bias.data(), g.data(), 1, H, kD, c.lower_bound);
+        std::vector<float> beta(&beta_raw[b * H], &beta_raw[b * H] + H);
+        cpu::sigmoid_inplace(beta.data(), H);
+        const cpu::KdaInputs inputs{q.data(), k.data(), v.data(), g.data(), beta.data(), 1, H, kD, kD};
+        cpu::kda_recurrent(inputs, state_ref.data() + l * layer_states + slot * state_size, o.data());
+        cpu::kda_gated_output_norm(o.data(), &out_gate[b * C], norm_w.data(), &out_ref[(l * B + b) * C], 1, H, kD, eps);
+      }
     }
   }
 
-  const std::vector<float> out = to_float(out_d.download(), B * C);
+  const std::vector<float> out = to_float(out_d.download(), L * B * C);
   const std::vector<float> state_got = state_d.download(), conv_got = conv_d.download();
   const double out_error = relative_error(out.data(), out_ref.data(), out.size());
   const double state_error = relative_error(state_got.data(), state_ref.data(), state_got.size());
   const double conv_error = relative_error(conv_got.data(), conv_ref.data(), conv_got.size());
-  std::printf("[ kda decode ] B=%d H=%d K=%d steps=%d graph=%d lb=%d: out %.2e, state %.2e, conv tails %.2e\n", B, H, K,
-              c.steps, c.graph ? 1 : 0, c.lower_bound ? 1 : 0, out_error, state_error, conv_error);
-  if (state_error > 1e-5 || out_error > 1e-2) {
-    // First wrong (slot, head, key row, value column) and output element, to tell a misplaced item from bad math.
+  std::printf(
+      "[ kda decode %s ] B=%d H=%d K=%d layers=%d steps=%d graph=%d early=%d lb=%d: out %.2e, state %.2e, conv tails "
+      "%.2e\n",
+      name, B, H, K, L, c.steps, c.graph ? 1 : 0, c.early_state_loads ? 1 : 0, c.lower_bound ? 1 : 0, out_error,
+      state_error, conv_error);
+  if (state_error > 1e-5 || out_error > 1e-2 || conv_error > 1e-6) {
+    // First wrong (layer, slot, head, key row, value column), tail and output element, to tell a misplaced item
+    // from bad math.
     for (size_t i = 0; i < state_got.size(); ++i) {
       const float want = state_ref[i], got = state_got[i];
-      if (std::abs(got - want) > 1e-4f * (1.0f + std::abs(want))) {
-        const size_t per_head = static_cast<size_t>(kD) * kD;
-        ADD_FAILURE() << "first state mismatch at slot " << i / state_size << " head " << (i % state_size) / per_head
-                      << " key row " << (i % per_head) / kD << " column " << i % kD << ": got " << got << ", want "
-                      << want;
+      if (!(std::abs(got - want) <= 1e-4f * (1.0f + std::abs(want)))) {
+        const size_t per_head = static_cast<size_t>(kD) * kD, j = i % layer_states;
+        ADD_FAILURE() << name << ": first state mismatch at layer " << i / layer_states << " slot " << j / state_size
+                      << " head " << (j % state_size) / per_head << " key row " << (j % per_head) / kD << " column "
+                      << j % kD << ": got " << got << ", want " << want;
+        break;
+      }
+    }
+    for (size_t i = 0; i < conv_got.size(); ++i) {
+      if (!(std::abs(conv_got[i] - conv_ref[i]) <= 1e-5f * (1.0f + std::abs(conv_ref[i])))) {
+        const size_t j = i % layer_tails, per_slot = tail_size, per_which = per_slot / 3;
+        ADD_FAILURE() << name << ": first conv tail mismatch at layer " << i / layer_tails << " slot " << j / per_slot
+                      << " which " << (j % per_slot) / per_which << " channel "
+                      << (j % per_which) / static_cast<size_t>(K - 1) << ": got " << conv_got[i] << ", want "
+                      << conv_ref[i];
         break;
       }
     }
     for (size_t i = 0; i < out.size(); ++i) {
-      if (std::abs(out[i] - out_ref[i]) > 2e-2f * (1.0f + std::abs(out_ref[i]))) {
-        ADD_FAILURE() << "first output mismatch at row " << i / C << " head " << (i % C) / kD << " column " << i % kD
-                      << ": got " << out[i] << ", want " << out_ref[i];
+      if (!(std::abs(out[i] - out_ref[i]) <= 2e-2f * (1.0f + std::abs(out_ref[i])))) {
+        ADD_FAILURE() << name << ": first output mismatch at layer " << i / (B * C) << " row " << (i / C) % B
+                      << " head " << (i % C) / kD << " column " << i % kD << ": got " << out[i] << ", want "
+                      << out_ref[i];
         break;
       }
     }
@@ -172,16 +212,29 @@ void run_decode_case(const DecodeCase& c) {
   EXPECT_LE(out_error, 1e-2);
   EXPECT_LE(state_error, 1e-5);
   EXPECT_LE(conv_error, 1e-6);
-  // Untouched slots bit-identical; skipped rows zero.
-  for (int slot = 0; slot < c.num_slots; ++slot) {
-    if (std::find(c.slots.begin(), c.slots.end(), slot) != c.slots.end()) continue;
-    EXPECT_EQ(0, std::memcmp(state_got.data() + slot * state_size, state.data() + slot * state_size,
-                             state_size * sizeof(float)))
-        << "slot " << slot << " changed";
+  // Untouched slots bit-identical (state and tails); skipped rows zero.
+  for (int l = 0; l < L; ++l) {
+    for (int slot = 0; slot < c.num_slots; ++slot) {
+      if (std::find(c.slots.begin(), c.slots.end(), slot) != c.slots.end()) continue;
+      const size_t state_at = l * layer_states + slot * state_size, tail_at = l * layer_tails + slot * tail_size;
+      EXPECT_EQ(0, std::memcmp(state_got.data() + state_at, state.data() + state_at, state_size * sizeof(float)))
+          << name << ": layer " << l << " slot " << slot << " state changed";
+      EXPECT_EQ(0, std::memcmp(conv_got.data() + tail_at, conv_state.data() + tail_at, tail_size * sizeof(float)))
+          << name << ": layer " << l << " slot " << slot << " conv tails changed";
+    }
+    for (int b = 0; b < B; ++b) {
+      if (c.slots[b] >= 0) continue;
+      for (int64_t i = 0; i < C; ++i) {
+        ASSERT_EQ(out[(l * B + b) * C + i], 0.0f) << name << ": layer " << l << " skipped row " << b;
+      }
+    }
   }
-  for (int b = 0; b < B; ++b) {
-    if (c.slots[b] >= 0) continue;
-    for (int64_t i = 0; i < C; ++i) ASSERT_EQ(out[b * C + i], 0.0f) << "skipped row " << b;
+}
+
+void run_decode_case(const DecodeCase& c) {
+  for (const KdaDecodeKernel kernel : kAllKernels) {
+    SCOPED_TRACE(std::string("kernel ") + kda_decode_kernel_name(kernel));
+    run_decode_case_once(c, kernel);
   }
 }
 
@@ -229,6 +282,37 @@ TEST(KdaDecodeGpu, MostlySkippedRows) {
   run_decode_case({.heads = 32, .num_slots = 3, .slots = slots, .seed = 9});
 }
 
+// Three layers per step, so each kernel's predecessor on the stream is another layer's decode step: with early
+// state loads the cols kernels issue their state loads before that kernel has finished (programmatic dependent
+// launch). Odd batch with skipped rows; eager and as a graph; short conv and softplus gate too.
+TEST(KdaDecodeGpu, EarlyStateLoadsLayersEagerAndGraph) {
+  std::vector<int32_t> slots;
+  for (int b = 0; b < 37; ++b) slots.push_back(b % 6 == 1 ? -1 : (b * 11) % 41);
+  const DecodeCase base{.heads = 32, .num_slots = 41, .slots = slots, .steps = 3, .layers = 3};
+  DecodeCase c = base;
+  c.early_state_loads = true;
+  c.seed = 10;
+  run_decode_case(c);
+  c.graph = true;
+  c.seed = 11;
+  run_decode_case(c);
+  c.conv_kernel = 2;
+  c.lower_bound = std::nullopt;
+  c.seed = 12;
+  run_decode_case(c);
+  // The same layers without early loads: every kernel waits for its predecessor before it reads anything.
+  c = base;
+  c.graph = true;
+  c.seed = 13;
+  run_decode_case(c);
+}
+
+// Five eager steps of one layer: each kernel's predecessor on the stream writes the same state (no early loads),
+// so the cols kernels, launched as programmatic dependents, must wait for it before they load anything.
+TEST(KdaDecodeGpu, SameStateBackToBackEager) {
+  run_decode_case({.heads = 32, .num_slots = 9, .slots = {8, 0, 5, -1, 2}, .steps = 5, .seed = 14});
+}
+
 TEST(KdaDecodeGpu, ValidationRejectsBadInputs) {
   KdaDecodeParams p;
   p.batch = 1;
@@ -249,6 +333,161 @@ TEST(KdaDecodeGpu, ValidationRejectsBadInputs) {
   p.batch = 0;
   p.lower_bound.reset();
   EXPECT_TRUE(kda_decode_step(p, nullptr).is_ok());  // nothing to do
+  p.kernel = static_cast<KdaDecodeKernel>(17);
+  EXPECT_EQ(kda_decode_step(p, nullptr).code(), StatusCode::kInvalidArgument);
+}
+
+// Per-layer time of every kernel at H = 32, K = 4, B in {1, 8, 64, 256}: 8-layer graphs (each layer its own
+// state and tails, as in a model), mean over 20 replays after 3 warm-up replays. One line per (B, kernel, early)
+// with the bytes it moves as a ratio to 4.26 TB/s (state bytes alone, and all bytes) and v1's time in the same
+// run. Asserts correctness only: after the same 23 steps from the same start, each kernel's states (first slots
+// of layer 0) and last-layer outputs match v1's.
+TEST(KdaDecodeGpu, VariantsTiming) {
+  constexpr int H = 32, K = 4, kLayers = 8, kWarmup = 3, kReplays = 20;
+  constexpr double kCopyBytesPerSecond = 4.26e12;
+  constexpr int64_t C = int64_t{H} * kD;
+  const size_t slot_state = static_cast<size_t>(H) * kD * kD, slot_tails = static_cast<size_t>(3 * C * (K - 1));
+  struct Variant {
+    KdaDecodeKernel kernel;
+    bool early;
+  };
+  const Variant variants[] = {{KdaDecodeKernel::kV1, false},    {KdaDecodeKernel::kCols1, false},
+                              {KdaDecodeKernel::kCols2, false}, {KdaDecodeKernel::kCols4, false},
+                              {KdaDecodeKernel::kCols1, true},  {KdaDecodeKernel::kCols2, true},
+                              {KdaDecodeKernel::kCols4, true}};
+  std::mt19937 rng(21);
+  const std::vector<float> q_w = normal_vector(rng, C * K, 0.0f, 0.5f), k_w = normal_vector(rng, C * K, 0.0f, 0.5f);
+  const std::vector<float> v_w = normal_vector(rng, C * K, 0.0f, 0.5f);
+  const std::vector<float> a_log = normal_vector(rng, H, 0.0f, 0.5f), dt_bias = normal_vector(rng, C, 0.0f, 0.5f);
+  const std::vector<float> norm_w = normal_vector(rng, kD, 1.0f, 0.1f);
+  DeviceBuffer<float> qw_d(C * K), kw_d(C * K), vw_d(C * K), a_d(H), dt_d(C), nw_d(kD);
+  qw_d.upload(q_w);
+  kw_d.upload(k_w);
+  vw_d.upload(v_w);
+  a_d.upload(a_log);
+  dt_d.upload(dt_bias);
+  nw_d.upload(norm_w);
+  // One slot's state and tails, copied into every (layer, slot) before each kernel runs.
+  DeviceBuffer<float> state_pattern(slot_state), tails_pattern(slot_tails);
+  state_pattern.upload(normal_vector(rng, slot_state, 0.0f, 0.05f));
+  tails_pattern.upload(normal_vector(rng, slot_tails));
+  cudaStream_t stream;
+  DS_CUDA_OK(cudaStreamCreate(&stream));
+  cudaEvent_t start, stop;
+  DS_CUDA_OK(cudaEventCreate(&start));
+  DS_CUDA_OK(cudaEventCreate(&stop));
+
+  for (const int B : {1, 8, 64, 256}) {
+    auto rounded = [&](size_t n) {
+      std::vector<float> x = normal_vector(rng, n);
+      for (float& value : x) value = bf16_round(value);
+      return to_bf16(x);
+    };
+    DeviceBuffer<__nv_bfloat16> q_d(B * C), k_d(B * C), v_d(B * C), gate_d(B * C), beta_d(B * H), og_d(B * C);
+    q_d.upload(rounded(B * C));
+    k_d.upload(rounded(B * C));
+    v_d.upload(rounded(B * C));
+    gate_d.upload(rounded(B * C));
+    beta_d.upload(rounded(B * H));
+    og_d.upload(rounded(B * C));
+    std::vector<int32_t> slots(B);
+    for (int b = 0; b < B; ++b) slots[b] = b;
+    DeviceBuffer<int32_t> slots_d(B);
+    slots_d.upload(slots);
+    DeviceBuffer<float> state_d(kLayers * B * slot_state), conv_d(kLayers * B * slot_tails);
+    DeviceBuffer<__nv_bfloat16> out_d(kLayers * B * C);
+    ASSERT_NE(state_d.get(), nullptr) << "B=" << B << ": state allocation failed";
+    std::vector<KdaDecodeParams> params(kLayers);
+    for (int l = 0; l < kLayers; ++l) {
+      KdaDecodeParams& p = params[l];
+      p.batch = B;
+      p.num_heads = H;
+      p.conv_kernel = K;
+      p.num_slots = B;
+      p.slots = slots_d.get();
+      p.q_in = q_d.get();
+      p.k_in = k_d.get();
+      p.v_in = v_d.get();
+      p.gate_raw = gate_d.get();
+      p.beta_raw = beta_d.get();
+      p.out_gate = og_d.get();
+      p.q_conv_weight = qw_d.get();
+      p.k_conv_weight = kw_d.get();
+      p.v_conv_weight = vw_d.get();
+      p.a_log = a_d.get();
+      p.dt_bias = dt_d.get();
+      p.lower_bound = -5.0f;
+      p.o_norm_weight = nw_d.get();
+      p.conv_state = conv_d.get() + static_cast<size_t>(l) * B * slot_tails;
+      p.state = state_d.get() + static_cast<size_t>(l) * B * slot_state;
+      p.out = out_d.get() + static_cast<size_t>(l) * B * C;
+    }
+    const double state_bytes = 2.0 * B * H * kD * kD * 4;
+    const double all_bytes = state_bytes + 2.0 * B * 3 * C * (K - 1) * 4 + B * (5.0 * C + H) * 2 + B * C * 2.0;
+    const int compared_slots = std::min(B, 8);
+    std::vector<float> v1_state, v1_out;
+    double v1_us = 0.0;
+    for (const Variant& variant : variants) {
+      const char* name = kda_decode_kernel_name(variant.kernel);
+      SCOPED_TRACE(std::string("B=") + std::to_string(B) + " kernel " + name + (variant.early ? " early" : ""));
+      for (int i = 0; i < kLayers * B; ++i) {
+        DS_CUDA_OK(cudaMemcpyAsync(state_d.get() + i * slot_state, state_pattern.get(), slot_state * sizeof(float),
+                                   cudaMemcpyDeviceToDevice, stream));
+        DS_CUDA_OK(cudaMemcpyAsync(conv_d.get() + i * slot_tails, tails_pattern.get(), slot_tails * sizeof(float),
+                                   cudaMemcpyDeviceToDevice, stream));
+      }
+      DS_CUDA_OK(cudaMemsetAsync(out_d.get(), 0xff, out_d.size() * sizeof(__nv_bfloat16), stream));  // NaN
+      for (KdaDecodeParams& p : params) {
+        p.kernel = variant.kernel;
+        p.early_state_loads = variant.early;
+      }
+      cudaGraph_t graph;
+      cudaGraphExec_t exec;
+      DS_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+      Status status = Status::ok();
+      for (const KdaDecodeParams& p : params) {
+        if (status.is_ok()) status = kda_decode_step(p, stream);
+      }
+      DS_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+      ASSERT_TRUE(status.is_ok()) << status.to_string();
+      DS_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+      for (int i = 0; i < kWarmup; ++i) DS_CUDA_OK(cudaGraphLaunch(exec, stream));
+      DS_CUDA_OK(cudaEventRecord(start, stream));
+      for (int i = 0; i < kReplays; ++i) DS_CUDA_OK(cudaGraphLaunch(exec, stream));
+      DS_CUDA_OK(cudaEventRecord(stop, stream));
+      DS_CUDA_OK(cudaEventSynchronize(stop));
+      float ms = 0.0f;
+      DS_CUDA_OK(cudaEventElapsedTime(&ms, start, stop));
+      DS_CUDA_OK(cudaGraphExecDestroy(exec));
+      DS_CUDA_OK(cudaGraphDestroy(graph));
+      const double us = 1e3 * ms / (kReplays * kLayers);
+      std::vector<float> state(compared_slots * slot_state);
+      DS_CUDA_OK(cudaMemcpy(state.data(), state_d.get(), state.size() * sizeof(float), cudaMemcpyDeviceToHost));
+      std::vector<__nv_bfloat16> out_raw(static_cast<size_t>(B) * C);
+      DS_CUDA_OK(cudaMemcpy(out_raw.data(), params.back().out, out_raw.size() * sizeof(__nv_bfloat16),
+                            cudaMemcpyDeviceToHost));
+      const std::vector<float> out = to_float(out_raw, out_raw.size());
+      if (variant.kernel == KdaDecodeKernel::kV1) {
+        v1_us = us;
+        v1_state = state;
+        v1_out = out;
+        for (const float value : out) ASSERT_TRUE(std::isfinite(value)) << "v1 output not finite";
+      } else {
+        EXPECT_LE(relative_error(state.data(), v1_state.data(), state.size()), 1e-4);
+        EXPECT_LE(relative_error(out.data(), v1_out.data(), out.size()), 1e-2);
+      }
+      std::printf(
+          "[ kda decode timing ] H=%d B=%d kernel=%s early=%d: %.2f us per layer (%d-layer graph, mean of %d); state "
+          "%.1f MB -> %.3f of 4.26 TB/s, all %.1f MB -> %.3f; v1 %.2f us in this run (%.2fx)\n",
+          H, B, name, variant.early ? 1 : 0, us, kLayers, kReplays, state_bytes / 1e6,
+          state_bytes / (us * 1e-6) / kCopyBytesPerSecond, all_bytes / 1e6,
+          all_bytes / (us * 1e-6) / kCopyBytesPerSecond, v1_us, v1_us / us);
+      std::fflush(stdout);
+    }
+  }
+  DS_CUDA_OK(cudaEventDestroy(start));
+  DS_CUDA_OK(cudaEventDestroy(stop));
+  DS_CUDA_OK(cudaStreamDestroy(stream));
 }
 
 }  // namespace
