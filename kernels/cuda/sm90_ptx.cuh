@@ -28,21 +28,35 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t
 __device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
+__device__ __forceinline__ bool mbarrier_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+  uint64_t ns;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(ns));
+  return ns;
+}
+// A pipeline wait that has not completed after this long is a bug (a lost arrival or transaction byte): the kernel
+// traps (the launch fails with an error) instead of hanging the stream. Real waits last microseconds.
+constexpr uint64_t kMbarrierTimeoutNs = 10'000'000'000ull;
 // Waits until the phase of parity `parity` has completed. A fresh barrier is in phase 0, and waiting on parity 1
 // returns at once (the phase before it counts as complete): producers start waiting on "empty" with parity 1.
 __device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n"
-        "}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (done == 0);
+  if (mbarrier_try_wait(bar, parity)) return;
+  const uint64_t start = globaltimer_ns();
+  while (!mbarrier_try_wait(bar, parity)) {
+    if (globaltimer_ns() - start > kMbarrierTimeoutNs) __trap();
+  }
 }
 
 // ---- TMA -----------------------------------------------------------------------------------------------------
