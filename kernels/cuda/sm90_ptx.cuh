@@ -1,0 +1,160 @@
+// Hopper (sm_90a) PTX helpers: mbarriers, TMA tile loads, warpgroup MMA (wgmma) with shared-memory descriptors,
+// register reallocation. Shared-memory addresses are 32-bit shared-window addresses (smem_address in mma_sm80.cuh).
+// Layout the helpers assume: a K-major bf16 tile of 64 k (128 bytes) per row, written by TMA with
+// CU_TENSOR_MAP_SWIZZLE_128B into a 1024-byte aligned buffer: row r at byte r * 128, its 16-byte chunk c stored at
+// chunk c ^ (r % 8). wgmma reads the same layout through smem_desc_k_major_sw128.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda.h>
+
+namespace deltaserve::kernels::cuda::sm90 {
+
+// ---- mbarrier ------------------------------------------------------------------------------------------------
+__device__ __forceinline__ void mbarrier_init(uint32_t bar, uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals) : "memory");
+}
+// Makes barrier initialisations visible to the other threads and to the async proxy (TMA completions); follow
+// with a block barrier.
+__device__ __forceinline__ void mbarrier_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// One arrival plus `bytes` expected transaction bytes (the TMA loads of the phase complete them).
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ bool mbarrier_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+  uint64_t ns;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(ns));
+  return ns;
+}
+// A pipeline wait that has not completed after this long is a bug (a lost arrival or transaction byte): the kernel
+// traps (the launch fails with an error) instead of hanging the stream. Real waits last microseconds.
+constexpr uint64_t kMbarrierTimeoutNs = 10'000'000'000ull;
+// Waits until the phase of parity `parity` has completed. A fresh barrier is in phase 0, and waiting on parity 1
+// returns at once (the phase before it counts as complete): producers start waiting on "empty" with parity 1.
+__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
+  if (mbarrier_try_wait(bar, parity)) return;
+  const uint64_t start = globaltimer_ns();
+  while (!mbarrier_try_wait(bar, parity)) {
+    if (globaltimer_ns() - start > kMbarrierTimeoutNs) __trap();
+  }
+}
+
+// ---- TMA -----------------------------------------------------------------------------------------------------
+// `tensor_map`: the generic address of a __grid_constant__ CUtensorMap kernel parameter.
+__device__ __forceinline__ void tma_prefetch_descriptor(const CUtensorMap* tensor_map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(tensor_map)) : "memory");
+}
+// One 2D box at element coordinates (inner, outer) into shared memory at `dst`; the box's bytes complete on `bar`.
+// Out-of-range elements are written as zeros and count towards the transaction bytes like the others.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* tensor_map, uint32_t bar, int inner,
+                                            int outer) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];\n"
+      :
+      : "r"(dst), "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(inner), "r"(outer), "r"(bar)
+      : "memory");
+}
+
+// ---- register reallocation (all threads of the warpgroup execute it) -------------------------------------------
+template <int kRegisters>
+__device__ __forceinline__ void warpgroup_release_registers() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+}
+template <int kRegisters>
+__device__ __forceinline__ void warpgroup_claim_registers() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+}
+
+// ---- wgmma ---------------------------------------------------------------------------------------------------
+// Shared-memory matrix descriptor of a K-major bf16 operand in the 128-byte swizzle layout above, starting at
+// `address` (the tile's 1024-byte aligned base plus 32 bytes per k16 step within the 128-byte row; the swizzle is
+// applied to the absolute address bits, so the k offset needs no base-offset field). Fields (PTX ISA, "matrix
+// descriptor"): bits 0-13 start address >> 4; 16-29 leading-dimension byte offset >> 4 (unused for swizzled K-major
+// layouts whose k16 step lies within one swizzle row; 1 by convention); 32-45 stride-dimension byte offset >> 4 =
+// 1024 >> 4 (from one 8-row group to the next); 49-51 base offset 0 (1024-byte aligned tiles); 62-63 swizzle mode 1
+// = 128-byte swizzle.
+__device__ __forceinline__ uint64_t smem_desc_k_major_sw128(uint32_t address) {
+  return static_cast<uint64_t>((address & 0x3FFFFu) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
+         (uint64_t{1} << 62);
+}
+
+// Orders the register and shared-memory accesses before it against the wgmma that follow (needed before the first
+// wgmma and whenever other instructions touched the accumulators since).
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit_group() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+// Waits until at most kPending committed wgmma groups of this warpgroup are still running.
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait_group() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+// Keeps the compiler from moving accesses of an accumulator register across a wgmma wait (the asynchronous
+// wgmma writes it after the issuing instruction has retired).
+__device__ __forceinline__ void wgmma_fence_register(float& r) {
+  asm volatile("" : "+f"(r)::"memory");
+}
+
+// D[64 x 256] (+)= A[64 x 16] · B[256 x 16]^T, bf16 in, fp32 accumulators, both operands K-major in shared memory.
+// accumulate == 0: D = A · B^T (the accumulators' old values are ignored). Accumulator layout (warp w of the
+// warpgroup, lane l, register i): row 16 w + l / 4 + 8 ((i % 4) / 2), column 8 (i / 4) + 2 (l % 4) + i % 2.
+__device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
+                                                      uint32_t accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "}, %128, %129, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]),
+        "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]),
+        "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]),
+        "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]),
+        "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]),
+        "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]),
+        "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]),
+        "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]),
+        "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+}  // namespace deltaserve::kernels::cuda::sm90
