@@ -21,7 +21,8 @@
 //     Intra-warpgroup pipelining (as in FlashAttention-3): tile j's scores are issued before P V of tile j-1, so
 //       the softmax of tile j overlaps the tensor cores' P V. Optionally (DELTASERVE_MLA_PREFILL_V3_PINGPONG=1) the
 //       two warpgroups also take turns issuing their MMAs (named barriers), so one's softmax overlaps the other's
-//       MMAs; FlashAttention-3 leaves that off for head dim 192, so it is off by default (the timing test prints both).
+//       MMAs; off by default (unmeasured: with the overlap above the softmax already hides behind P V, and the
+//       turns cost two barriers per tile; the timing test prints both).
 // Key tiles are walked from the last one the CTA needs (the causal diagonal) down to the first; tiles wholly past
 // the CTA's last query are never loaded; only tiles that reach past the block or past a warpgroup's first row's
 // position are masked (-inf). Both warpgroups walk the same tiles (the ping-pong turns need equal counts), so the
