@@ -70,7 +70,8 @@ constexpr uint32_t kVBytes = kVChunks * kKChunkBytes;  // 32 KB per stage
 constexpr uint32_t kKOffset = kQBytes;
 constexpr uint32_t kVOffset = kKOffset + kStages * kKBytes;
 constexpr uint32_t kBarrierOffset = kVOffset + kStages * kVBytes;
-constexpr size_t kSmemBytes = kBarrierOffset + 4 * kStages * sizeof(uint64_t) + 1024;  // + 1024: base alignment
+constexpr uint32_t kGaveUpOffset = kBarrierOffset + 4 * kStages * sizeof(uint64_t);  // int: a wait timed out
+constexpr size_t kSmemBytes = kGaveUpOffset + 16 + 1024;                             // + 1024: base alignment
 // Named barriers (0 is __syncthreads): kTurnBarrier + w: warpgroup w's turn to issue MMAs (ping-pong);
 // kQBarrier + w: warpgroup w's Q rows written.
 constexpr int kTurnBarrier = 1;
@@ -91,6 +92,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* full_v = full_k + kStages;                                    // [kStages]: V tile landed
   uint64_t* empty_k = full_v + kStages;  // [kStages]: every consumer warp is done with the K tile
   uint64_t* empty_v = empty_k + kStages;
+  volatile int* gave_up = reinterpret_cast<volatile int*>(smem + kGaveUpOffset);  // see sm90::mbarrier_wait
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int64_t tiles = (a.q_len + kQTile - 1) / kQTile;
@@ -113,6 +115,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       sm90::mbarrier_init(&empty_v[s], kConsumerWarps);
     }
     sm90::fence_barrier_init();
+    *gave_up = 0;
   }
   __syncthreads();  // the last CTA-wide barrier: the producer warpgroup leaves early
 
@@ -126,7 +129,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // Step j holds key tile num_tiles - 1 - j in stage j % kStages (that stage's use j / kStages).
       auto load_k = [&](int j) {
         const int stage = j % kStages;
-        sm90::mbarrier_wait(&empty_k[stage], ((j / kStages) & 1) ^ 1);
+        sm90::mbarrier_wait(&empty_k[stage], ((j / kStages) & 1) ^ 1, gave_up);
         sm90::mbarrier_arrive_expect_tx(&full_k[stage], kKBytes);
         const int key0 = (num_tiles - 1 - j) * kKTile;
         unsigned char* dst = smem + kKOffset + stage * kKBytes;
@@ -138,7 +141,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       };
       auto load_v = [&](int j) {
         const int stage = j % kStages;
-        sm90::mbarrier_wait(&empty_v[stage], ((j / kStages) & 1) ^ 1);
+        sm90::mbarrier_wait(&empty_v[stage], ((j / kStages) & 1) ^ 1, gave_up);
         sm90::mbarrier_arrive_expect_tx(&full_v[stage], kVBytes);
         const int key0 = (num_tiles - 1 - j) * kKTile;
         unsigned char* dst = smem + kVOffset + stage * kVBytes;
@@ -300,7 +303,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // P V), so both barriers see as many arrivals as syncs; every conditional sits outside wgmma-in-flight code.
     if (kPingPong && wg == 1) sm90::named_barrier_arrive(kTurnBarrier, 2 * 128);
     // Step 0 (the last key tile): scores only.
-    sm90::mbarrier_wait(&full_k[0], 0);
+    sm90::mbarrier_wait(&full_k[0], 0, gave_up);
     if (kPingPong) sm90::named_barrier_sync(my_turn, 2 * 128);
     sm90::fence_registers(s);
     sm90::wgmma_fence();
@@ -317,8 +320,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     // wait between the two issues would make the compiler fence the registers again).
     for (int j = 1; j < num_tiles; ++j) {
       const int stage = j % kStages, previous = (j - 1) % kStages;
-      sm90::mbarrier_wait(&full_k[stage], (j / kStages) & 1);
-      sm90::mbarrier_wait(&full_v[previous], ((j - 1) / kStages) & 1);
+      sm90::mbarrier_wait(&full_k[stage], (j / kStages) & 1, gave_up);
+      sm90::mbarrier_wait(&full_v[previous], ((j - 1) / kStages) & 1, gave_up);
       if (kPingPong) sm90::named_barrier_sync(my_turn, 2 * 128);
       sm90::fence_registers(s);
       sm90::fence_registers(o);
@@ -342,7 +345,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     // P V of the last step's tile.
     const int last = (num_tiles - 1) % kStages;
-    sm90::mbarrier_wait(&full_v[last], ((num_tiles - 1) / kStages) & 1);
+    sm90::mbarrier_wait(&full_v[last], ((num_tiles - 1) / kStages) & 1, gave_up);
     if (kPingPong) sm90::named_barrier_sync(my_turn, 2 * 128);
     sm90::fence_registers(o);
     sm90::fence_registers(p);

@@ -53,14 +53,19 @@ __device__ __forceinline__ bool mbarrier_try_wait(uint64_t* barrier, uint32_t pa
   return done != 0;
 }
 // Waits for the completion of the phase with this parity (a fresh barrier counts its phase "before 0", parity 1,
-// as complete). Bounded: after ~10 s of SM clocks (a lost arrival, i.e. a bug) it gives up, so a broken kernel
-// finishes with wrong results (which the tests report) instead of hanging the device. Not __trap(): a trap in the
-// kernel makes ptxas ignore setmaxnreg (the consumers of mla_prefill_wgmma.cu then spill).
-__device__ __forceinline__ void mbarrier_wait(uint64_t* barrier, uint32_t parity) {
+// as complete). Bounded, so that a lost arrival (a bug) cannot hang the device: a wait past ~2 s of SM clocks gives
+// up and sets *gave_up (a flag in shared memory, 0 at the start), and every later wait of a thread that sees the
+// flag returns at once; the kernel then finishes with wrong results, which the tests report. (Not __trap(): a trap
+// in the kernel makes ptxas ignore setmaxnreg, and the consumers of mla_prefill_wgmma.cu then spill.)
+__device__ __forceinline__ void mbarrier_wait(uint64_t* barrier, uint32_t parity, volatile int* gave_up) {
   if (mbarrier_try_wait(barrier, parity)) return;
   const long long start = clock64();
   while (!mbarrier_try_wait(barrier, parity)) {
-    if (clock64() - start > 20'000'000'000ll) break;
+    if (*gave_up != 0) return;
+    if (clock64() - start > 4'000'000'000ll) {
+      *gave_up = 1;
+      return;
+    }
   }
 }
 
