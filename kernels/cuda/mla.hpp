@@ -81,9 +81,14 @@ enum class MlaPrefillForm : int { kAuto = 0, kAbsorbed = 1, kNaive = 2 };
 // an SM (the first kernel, kept as a bypass); v2 = 128-query tiles, 8 warps, 3 stages, 1 CTA an SM, heaviest query
 // tiles of every head first, warps skip key tiles wholly past their queries (exact: such a tile leaves the softmax
 // state unchanged). Per query row both run the same operations in the same order, so their outputs are meant to be
-// bitwise equal (the tests check it). kDefault: the environment variable DELTASERVE_MLA_PREFILL_KERNEL=v1|v2 if set,
-// else v2.
-enum class MlaNaiveKernel : int { kDefault = 0, kV1 = 1, kV2 = 2 };
+// bitwise equal (the tests check it). v3 (mla_prefill_wgmma.cu) = the same attention on Hopper wgmma: 128-query
+// tiles of 2 warpgroups, 128-key tiles loaded by TMA into a 2-stage mbarrier ring by a producer warp, softmax of one
+// tile overlapping P·V of the previous; its accumulation order differs from v2's, so outputs agree up to rounding.
+// v3 covers qk_nope 128, qk_rope 64, v_head 128 (Kimi Linear, K3) with q 16-byte aligned and q_stride a multiple of
+// 8; elsewhere (or off Hopper) a v3 request runs v2. kDefault: the environment variable
+// DELTASERVE_MLA_PREFILL_KERNEL=v1|v2|v3 if set, else v2 (DELTASERVE_MLA_PREFILL_V3_PINGPONG=1 makes v3's two
+// warpgroups take turns issuing their MMAs).
+enum class MlaNaiveKernel : int { kDefault = 0, kV1 = 1, kV2 = 2, kV3 = 3 };
 constexpr int kMlaNaiveMaxQk = 192;  // qk_nope + qk_rope
 constexpr int kMlaNaiveMaxV = 128;
 constexpr int kMlaNaiveBlockGranule = 64;  // context rows per block are a multiple of this

@@ -16,8 +16,9 @@
 //                  stops at its last query's position. Between blocks the unnormalised O stays in `out` and the
 //                  (max, sum) pair per (token, head) in the workspace; the last block normalises.
 //                  That is the v1 kernel; v2 (the default, section 3b) runs the same per-row arithmetic with
-//                  128-query tiles of 8 warps, a 3-stage ring and causal per-warp tile skips
-//                  (MlaAttentionParams::naive_kernel, DELTASERVE_MLA_PREFILL_KERNEL=v1|v2).
+//                  128-query tiles of 8 warps, a 3-stage ring and causal per-warp tile skips; v3
+//                  (mla_prefill_wgmma.cu, Kimi / K3 head dims) the same attention on Hopper wgmma with TMA loads
+//                  (MlaAttentionParams::naive_kernel, DELTASERVE_MLA_PREFILL_KERNEL=v1|v2|v3).
 // FLOPs: 2 H (nope + rope + v) per visible (query, key) pair plus 2 kv_lora H (nope + v) per context row per
 // chunk for the GEMM (8.4 MFLOP per row at Kimi-48B dims: under 2% of the attention of an 8192-token chunk).
 #include <algorithm>
@@ -30,6 +31,7 @@
 
 #include "kernels/cuda/mla.hpp"
 #include "kernels/cuda/mla_attention.cuh"
+#include "kernels/cuda/mla_prefill_wgmma.hpp"
 #include "kernels/cuda/mma_sm80.cuh"
 
 namespace deltaserve::kernels::cuda {
@@ -565,12 +567,15 @@ bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
 }
 
-// The flash kernel of the naive form: the call's choice, else DELTASERVE_MLA_PREFILL_KERNEL=v1|v2, else v2.
+// The flash kernel of the naive form: the call's choice, else DELTASERVE_MLA_PREFILL_KERNEL=v1|v2|v3, else v2.
 MlaNaiveKernel naive_kernel_choice(MlaNaiveKernel requested) {
-  if (requested == MlaNaiveKernel::kV1 || requested == MlaNaiveKernel::kV2) return requested;
+  if (requested == MlaNaiveKernel::kV1 || requested == MlaNaiveKernel::kV2 || requested == MlaNaiveKernel::kV3) {
+    return requested;
+  }
   if (const char* value = std::getenv("DELTASERVE_MLA_PREFILL_KERNEL"); value != nullptr) {
     if (std::strcmp(value, "v1") == 0) return MlaNaiveKernel::kV1;
     if (std::strcmp(value, "v2") == 0) return MlaNaiveKernel::kV2;
+    if (std::strcmp(value, "v3") == 0) return MlaNaiveKernel::kV3;
   }
   return MlaNaiveKernel::kV2;
 }
@@ -671,14 +676,19 @@ Status run_naive(const MlaAttentionParams& p, int64_t block_rows, cudaStream_t s
   const int width = p.kv_lora_rank + p.qk_rope;
   const int kv_cols = p.num_heads * (p.qk_nope + p.v_head);
 
-  // v1's attribute always (it is also v2's fallback); v2 where chosen and the device grants its shared memory
-  // (176 KB; otherwise v1 runs and the attribute error is cleared).
+  // v1's attribute always (it is also v2's fallback); v2 where chosen (or v3 declines) and the device grants its
+  // shared memory (176 KB; otherwise v1 runs and the attribute error is cleared); v3 where chosen and it covers the
+  // head dims and the query layout, on a Hopper device (otherwise v2).
   if (cudaError_t e = cudaFuncSetAttribute(mla_naive_flash_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(kFlashSmemBytes));
       e != cudaSuccess) {
     return Status(StatusCode::kInternal, w + ": cudaFuncSetAttribute: " + cudaGetErrorString(e));
   }
-  bool v2 = naive_kernel_choice(p.naive_kernel) == MlaNaiveKernel::kV2;
+  const MlaNaiveKernel choice = naive_kernel_choice(p.naive_kernel);
+  const bool v3 = choice == MlaNaiveKernel::kV3 &&
+                  detail::mla_wgmma_prefill_supported(p.qk_nope, p.qk_rope, p.v_head, p.q, p.q_stride) &&
+                  detail::mla_wgmma_prefill_ready();
+  bool v2 = choice == MlaNaiveKernel::kV2 || (choice == MlaNaiveKernel::kV3 && !v3);
   if (v2 && cudaFuncSetAttribute(mla_naive_flash_v2_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  static_cast<int>(kFlashSmemBytes2)) != cudaSuccess) {
     (void)cudaGetLastError();
@@ -738,8 +748,30 @@ Status run_naive(const MlaAttentionParams& p, int64_t block_rows, cudaStream_t s
       args.block_rows = count;
       args.first = b0 == 0 ? 1 : 0;
       args.last = b0 + count >= context ? 1 : 0;
-      const int64_t v2_ctas = (q_len + kQTile2 - 1) / kQTile2 * p.num_heads;
-      if (v2 && v2_ctas <= INT32_MAX) {
+      const int64_t v2_ctas = (q_len + kQTile2 - 1) / kQTile2 * p.num_heads;  // v3's tiles are v2's
+      if (v3 && v2_ctas <= INT32_MAX) {
+        detail::MlaWgmmaBlock block;
+        block.q = p.q;
+        block.q_stride = p.q_stride;
+        block.kv = kv;
+        block.rows = rows;
+        block.out = p.out;
+        block.ml = ml;
+        block.num_heads = p.num_heads;
+        block.kv_lora = p.kv_lora_rank;
+        block.nope = p.qk_nope;
+        block.rope = p.qk_rope;
+        block.v_head = p.v_head;
+        block.q_begin = q_begin;
+        block.q_len = q_len;
+        block.context = context;
+        block.block_begin = b0;
+        block.block_rows = count;
+        block.scale_log2 = args.scale_log2;
+        block.first = args.first != 0;
+        block.last = args.last != 0;
+        if (Status s = detail::mla_wgmma_prefill_launch(block, stream); !s.is_ok()) return s;
+      } else if (v2 && v2_ctas <= INT32_MAX) {
         mla_naive_flash_v2_kernel<<<static_cast<unsigned>(v2_ctas), kThreads2, kFlashSmemBytes2, stream>>>(args);
       } else {
         const dim3 grid(static_cast<unsigned>((q_len + kQTile - 1) / kQTile), static_cast<unsigned>(p.num_heads));
