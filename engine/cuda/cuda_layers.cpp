@@ -359,10 +359,14 @@ Status CudaBackend::Impl::run_moe(const DeviceMoe& moe, int64_t T) {
   const bool latent = mc.routed_expert_hidden_size.has_value();
   const int64_t shared_I = moe.shared.gate_up != nullptr ? moe.shared.intermediate : 0;
 
-  // Decode batches (<= 16 tokens, no LatentMoE): the whole layer in three launches (kernels/cuda/moe.hpp,
-  // moe_small_batch_*). Its temporaries are fewer than the chain's below (no x_sorted / y_sorted), so whatever the
-  // arena was planned for fits; checked anyway, since the router's partial sums grow with E.
-  if (!latent && width == hidden && kc::moe_small_batch_enabled() &&
+  // Decode batches (<= kSmallBatchMoeTokens tokens, no LatentMoE): the whole layer in three launches
+  // (kernels/cuda/moe.hpp, moe_small_batch_*). The kernels take up to 16 tokens, but on the H200 at Kimi-48B dims
+  // (MoeDecodeLayerGpu.Timing, 2026-12-01) they beat the chain below only up to 4 tokens: 65.6 vs 86.8 us at T=1,
+  // 102 vs 120 at 2, 160 vs 160 at 4, 282 vs 263 at 8, 503 vs 420 at 16. Its temporaries are fewer than the chain's
+  // (no x_sorted / y_sorted), so whatever the arena was planned for fits; checked anyway, since the router's partial
+  // sums grow with E.
+  constexpr int64_t kSmallBatchMoeTokens = 4;
+  if (!latent && width == hidden && T <= kSmallBatchMoeTokens && kc::moe_small_batch_enabled() &&
       kc::moe_small_batch_fits(T, static_cast<int>(k), static_cast<int>(E), hidden, I, shared_I)) {
     const size_t workspace_bytes =
         kc::moe_small_batch_workspace_bytes(T, static_cast<int>(k), static_cast<int>(E), hidden);

@@ -577,7 +577,7 @@ MlaNaiveKernel naive_kernel_choice(MlaNaiveKernel requested) {
     if (std::strcmp(value, "v2") == 0) return MlaNaiveKernel::kV2;
     if (std::strcmp(value, "v3") == 0) return MlaNaiveKernel::kV3;
   }
-  return MlaNaiveKernel::kV2;
+  return MlaNaiveKernel::kV3;
 }
 
 bool absorbed_forced_by_environment() {

@@ -174,13 +174,20 @@ Status moe_expert_ffn_cublas_grouped(const MoeFfnParams& params, const int32_t* 
 // What the cuBLAS grouped path last ran, for logs and timing lines: "gate_up C fp32|bf16|unprobed, down grouped
 // fp32|per-expert|unprobed".
 const char* moe_cublas_grouped_mode();
-// Prefill FFN selector, DELTASERVE_MOE_PREFILL (read once per process): "grouped-kernel" (default, also for unset
-// or unknown values) or "cublas-grouped". With cublas-grouped, moe_expert_ffn_grouped (so moe_expert_ffn_prefill
-// and moe_expert_ffn_decode above kMoeDecodeGemvRowsPerExpert) hands batches with automatic tiles (row_tile,
-// col_tile, k_tile 0, full_row_tiles false) and more than kMoeCublasGroupedMinRowsPerExpert rows per expert on
-// average to moe_expert_ffn_cublas_grouped, unless `stream` is capturing a graph; if that path declines
-// (kInvalidArgument / kUnimplemented) the grouped kernels run.
-bool moe_prefill_cublas_grouped_selected();
+// Prefill FFN selector, DELTASERVE_MOE_PREFILL (read once per process): "wgmma" (default, also for unset or unknown
+// values), "grouped-kernel" or "cublas-grouped". moe_expert_ffn_grouped (so moe_expert_ffn_prefill and
+// moe_expert_ffn_decode above kMoeDecodeGemvRowsPerExpert) hands batches with automatic tiles (row_tile, col_tile,
+// k_tile 0, full_row_tiles false) to
+//   wgmma:          moe_expert_ffn_wgmma (moe_wgmma.hpp: Hopper TMA + wgmma, graph-capturable) above
+//                   kMoeWgmmaMinRowsPerExpert rows per expert on average (measured on the H200 at Kimi-48B dims:
+//                   2.0x the mma.sync kernels at 256 rows per expert, 0.47-0.60 of the bf16 peak);
+//   cublas-grouped: moe_expert_ffn_cublas_grouped above kMoeCublasGroupedMinRowsPerExpert, unless `stream` is
+//                   capturing a graph.
+// If the chosen path declines (kInvalidArgument / kUnimplemented, e.g. not a Hopper GPU) the mma.sync kernels run.
+enum class MoePrefillPath { kWgmma, kGroupedKernel, kCublasGrouped };
+MoePrefillPath moe_prefill_path();
+bool moe_prefill_cublas_grouped_selected();  // moe_prefill_path() == kCublasGrouped
+constexpr int64_t kMoeWgmmaMinRowsPerExpert = 64;
 constexpr int64_t kMoeCublasGroupedMinRowsPerExpert = 16;
 
 // ---- combine -------------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@
 #include "kernels/cuda/activations.cuh"
 #include "kernels/cuda/mma_sm80.cuh"
 #include "kernels/cuda/moe.hpp"
+#include "kernels/cuda/moe_wgmma.hpp"
 
 namespace deltaserve::kernels::cuda {
 namespace {
@@ -424,10 +425,15 @@ Status moe_expert_ffn_grouped(const MoeFfnParams& params, cudaStream_t stream) {
     return invalid_argument("moe_expert_ffn_grouped: k_tile must be 0 (automatic), 32 or 64 (got " +
                             std::to_string(params.k_tile) + ")");
   }
-  // Selector (DELTASERVE_MOE_PREFILL=cublas-grouped): prefill-sized batches with automatic tiles go to the cuBLAS
-  // grouped path when the stream is not being captured; the kernels below run if it declines.
-  if (moe_prefill_cublas_grouped_selected() && params.row_tile == 0 && params.col_tile == 0 && params.k_tile == 0 &&
-      !params.full_row_tiles && R > kMoeCublasGroupedMinRowsPerExpert * w.num_experts) {
+  // Selector (moe_prefill_path, moe.hpp): prefill-sized batches with automatic tiles go to the wgmma kernels or the
+  // cuBLAS grouped path; the mma.sync kernels below run if the chosen path declines.
+  const bool automatic = params.row_tile == 0 && params.col_tile == 0 && params.k_tile == 0 && !params.full_row_tiles;
+  const MoePrefillPath path = moe_prefill_path();
+  if (automatic && path == MoePrefillPath::kWgmma && R > kMoeWgmmaMinRowsPerExpert * w.num_experts) {
+    const Status wgmma = moe_expert_ffn_wgmma(params, stream);
+    if (wgmma.code() != StatusCode::kInvalidArgument && wgmma.code() != StatusCode::kUnimplemented) return wgmma;
+  }
+  if (automatic && path == MoePrefillPath::kCublasGrouped && R > kMoeCublasGroupedMinRowsPerExpert * w.num_experts) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     if (cudaStreamIsCapturing(stream, &capture) == cudaSuccess && capture == cudaStreamCaptureStatusNone) {
       const Status cublas = moe_expert_ffn_cublas_grouped(params, nullptr, nullptr, stream);

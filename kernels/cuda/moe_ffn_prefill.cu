@@ -243,21 +243,24 @@ const char* moe_cublas_grouped_mode() {
   }
 }
 
-bool moe_prefill_cublas_grouped_selected() {
-  static const bool selected = [] {
+MoePrefillPath moe_prefill_path() {
+  static const MoePrefillPath path = [] {
     const char* value = std::getenv("DELTASERVE_MOE_PREFILL");
-    if (value == nullptr || value[0] == '\0') return false;
+    if (value == nullptr || value[0] == '\0') return MoePrefillPath::kWgmma;
     const std::string v(value);
-    if (v == "cublas-grouped") return true;
-    if (v != "grouped-kernel") {
+    if (v == "cublas-grouped") return MoePrefillPath::kCublasGrouped;
+    if (v == "grouped-kernel") return MoePrefillPath::kGroupedKernel;
+    if (v != "wgmma") {
       std::fprintf(stderr,
-                   "DELTASERVE_MOE_PREFILL=%s not recognised (grouped-kernel | cublas-grouped): grouped-kernel\n",
+                   "DELTASERVE_MOE_PREFILL=%s not recognised (wgmma | grouped-kernel | cublas-grouped): wgmma\n",
                    value);
     }
-    return false;
+    return MoePrefillPath::kWgmma;
   }();
-  return selected;
+  return path;
 }
+
+bool moe_prefill_cublas_grouped_selected() { return moe_prefill_path() == MoePrefillPath::kCublasGrouped; }
 
 Status moe_expert_ffn_cublas_grouped(const MoeFfnParams& params, const int32_t* host_offsets, cublasHandle_t handle,
                                      cudaStream_t stream) {

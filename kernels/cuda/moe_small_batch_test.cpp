@@ -489,8 +489,21 @@ TEST(MoeSmallBatch, SharedExpertGateUpInRouteLaunch) {
       got.push_back(__bfloat162float(act[t * c.shared_inter + j]));
     }
   }
-  // bf16 storage: 2^-8 relative on top of the sum-order differences.
-  expect_close(got.data(), expected.data(), got.size(), c.shared_inter, 5e-3, 2e-2, "shared activations vs CPU");
+  // bf16 storage: up to half an ulp (2^-8 relative) of each value on top of the sum-order differences, so the
+  // elementwise bound scales with the value (a mean-square bound failed on one large activation, -4.547 -> -4.5625).
+  expect_close(got.data(), expected.data(), got.size(), c.shared_inter, 5e-3, 1e30, "shared activations vs CPU");
+  double sum_sq = 0.0;
+  for (float e : expected) sum_sq += static_cast<double>(e) * e;
+  const double rms = std::sqrt(sum_sq / static_cast<double>(std::max<size_t>(expected.size(), 1)));
+  int bad = 0;
+  for (size_t i = 0; i < got.size() && bad < 5; ++i) {
+    const double bound = std::ldexp(std::fabs(expected[i]), -8) + 2e-3 * rms;
+    if (!(std::fabs(got[i] - expected[i]) <= bound)) {
+      ++bad;
+      ADD_FAILURE() << "shared activation " << i << ": " << got[i] << " vs CPU " << expected[i] << " (bound " << bound
+                    << ")";
+    }
+  }
   for (int64_t i = c.T * c.shared_inter; i < (c.T + kPadRows) * c.shared_inter; ++i) {
     ASSERT_TRUE(std::isnan(__bfloat162float(act[i]))) << "shared_activated written past row T";
   }

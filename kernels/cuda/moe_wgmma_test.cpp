@@ -297,7 +297,11 @@ void run_case(const WgmmaCase& c) {
   grouped.poison();
   const Status s_wg = moe_expert_ffn_wgmma(wg.params(w, c.glu), 0);
   ASSERT_TRUE(s_wg) << s_wg.to_string();
-  const Status s_grouped = moe_expert_ffn_grouped(grouped.params(w, c.glu), 0);
+  // Explicit tiles: the mma.sync kernels themselves (with automatic tiles the selector would hand prefill-sized
+  // batches to the wgmma path under test).
+  MoeFfnParams grouped_params = grouped.params(w, c.glu);
+  grouped_params.row_tile = moe_grouped_row_tile(grouped_params.rows, grouped_params.weights.num_experts);
+  const Status s_grouped = moe_expert_ffn_grouped(grouped_params, 0);
   ASSERT_TRUE(s_grouped) << s_grouped.to_string();
   DS_CUDA_OK(cudaDeviceSynchronize());
   const Outputs out = download(wg);
@@ -486,8 +490,11 @@ TEST(MoeWgmmaGpu, Timing) {
             return moe_expert_ffn_wgmma(p, s, MoeWgmmaStage::kGateUp);
           case 2:
             return moe_expert_ffn_wgmma(p, s, MoeWgmmaStage::kDown);
-          default:
-            return moe_expert_ffn_grouped(p, s);
+          default: {  // the mma.sync kernels (explicit tiles bypass the selector)
+            MoeFfnParams q = p;
+            q.row_tile = moe_grouped_row_tile(q.rows, q.weights.num_experts);
+            return moe_expert_ffn_grouped(q, s);
+          }
         }
       };
       if (variant == 0 || variant == 3) b.poison();
