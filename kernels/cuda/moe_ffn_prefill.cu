@@ -251,16 +251,17 @@ MoePrefillPath moe_prefill_path() {
     if (v == "cublas-grouped") return MoePrefillPath::kCublasGrouped;
     if (v == "grouped-kernel") return MoePrefillPath::kGroupedKernel;
     if (v != "wgmma") {
-      std::fprintf(stderr,
-                   "DELTASERVE_MOE_PREFILL=%s not recognised (wgmma | grouped-kernel | cublas-grouped): wgmma\n",
-                   value);
+      std::fprintf(
+          stderr, "DELTASERVE_MOE_PREFILL=%s not recognised (wgmma | grouped-kernel | cublas-grouped): wgmma\n", value);
     }
     return MoePrefillPath::kWgmma;
   }();
   return path;
 }
 
-bool moe_prefill_cublas_grouped_selected() { return moe_prefill_path() == MoePrefillPath::kCublasGrouped; }
+bool moe_prefill_cublas_grouped_selected() {
+  return moe_prefill_path() == MoePrefillPath::kCublasGrouped;
+}
 
 Status moe_expert_ffn_cublas_grouped(const MoeFfnParams& params, const int32_t* host_offsets, cublasHandle_t handle,
                                      cudaStream_t stream) {
