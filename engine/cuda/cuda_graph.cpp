@@ -40,7 +40,7 @@ namespace deltaserve::engine::cuda {
 namespace {
 
 constexpr size_t kMaxDecodeGraphs = 128;
-constexpr int kMinContextBound = 512;  // mla_num_splits is 1 up to here
+constexpr int kMinContextBound = 512;  // fewer graphs for short contexts (the split grid follows the bound)
 
 }  // namespace
 
@@ -95,12 +95,9 @@ std::optional<DecodeGraphKey> CudaBackend::Impl::decode_graph_key(std::span<Sequ
   DecodeGraphKey key;
   key.batch = B;
   if (shape.mla_layers > 0) {
-    // The limit the MLA workspace was planned for (allocate_scratch).
-    const int64_t limit = std::min<int64_t>(
-        config.max_position_embeddings > 0 ? config.max_position_embeddings : int64_t{1} << 20, int64_t{1} << 30);
-    if (longest > limit) return std::nullopt;
-    const int64_t bound =
-        std::min<int64_t>(std::bit_ceil(static_cast<uint64_t>(std::max<int64_t>(longest, kMinContextBound))), limit);
+    const std::optional<int64_t> context_bound = decode_context_bound(longest);
+    if (!context_bound) return std::nullopt;
+    const int64_t bound = *context_bound;
     key.context_bound = static_cast<int>(bound);
     key.pages_bound = static_cast<int>((bound + pools->page_tokens() - 1) / pools->page_tokens());
     // A residency may hold more pages than its context needs (pages claimed by a pass that then failed): such a
@@ -113,6 +110,14 @@ std::optional<DecodeGraphKey> CudaBackend::Impl::decode_graph_key(std::span<Sequ
     }
   }
   return key;
+}
+
+std::optional<int64_t> CudaBackend::Impl::decode_context_bound(int64_t longest) const {
+  // The limit the MLA workspace was planned for (allocate_scratch).
+  const int64_t limit = std::min<int64_t>(
+      config.max_position_embeddings > 0 ? config.max_position_embeddings : int64_t{1} << 20, int64_t{1} << 30);
+  if (longest > limit) return std::nullopt;
+  return std::min<int64_t>(std::bit_ceil(static_cast<uint64_t>(std::max<int64_t>(longest, kMinContextBound))), limit);
 }
 
 Status CudaBackend::Impl::capture_decode_graph(const PassTables& t, cudaGraphExec_t* exec) {

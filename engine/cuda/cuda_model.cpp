@@ -262,6 +262,11 @@ Status CudaBackend::Impl::build_tables(std::span<SequenceInput> batch, PassTable
     }
     t.max_pages = graph->pages_bound;
     if (shape.mla_layers > 0) t.max_context = graph->context_bound;
+  } else if (t.pure_decode && shape.mla_layers > 0) {
+    // An eager decode pass splits the MLA context as the graph of its key would (decode_context_bound).
+    if (const std::optional<int64_t> bound = decode_context_bound(t.max_context)) {
+      t.max_context = static_cast<int>(*bound);
+    }
   }
   std::vector<int32_t> block_tables(static_cast<size_t>(N * t.max_pages), -1);
   for (int64_t s = 0; s < N; ++s) {

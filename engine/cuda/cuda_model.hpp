@@ -185,6 +185,10 @@ struct CudaBackend::Impl {
   // CUDA graphs (cuda_graph.cpp): the key of a batch that may replay a graph (nullopt: eager), and the pass by
   // replay. *ran false: nothing was computed (the key's eager warm-up pass, or a capture that failed); run eagerly.
   std::optional<DecodeGraphKey> decode_graph_key(std::span<SequenceInput> batch) const;
+  // The MLA context bound of a pure-decode pass whose longest context is `longest` (a power of two >= 512, capped at
+  // the model limit; nullopt past the limit). Graphs are keyed by it and eager decode passes use it too: the MLA
+  // decode split grid follows the bound, so a step computes the same whether it replays a graph or runs eagerly.
+  std::optional<int64_t> decode_context_bound(int64_t longest) const;
   [[nodiscard]] Status run_decode_graph(std::span<SequenceInput> batch, const DecodeGraphKey& key,
                                         std::vector<std::vector<float>>* out, const PassSampling* sampling, bool* ran);
   [[nodiscard]] Status capture_decode_graph(const PassTables& tables, cudaGraphExec_t* exec);
