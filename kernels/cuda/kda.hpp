@@ -81,16 +81,15 @@ int64_t kda_prefill_checkpoint_count(const std::vector<int32_t>& cu_seqlens, int
                                          int num_heads, cudaStream_t stream);
 
 // ---- fused decode step ------------------------------------------------------------------------------------
-// Which kernel kda_decode_step runs. A measurement switch: the H200 times them side by side (kda_gpu_bench decode,
-// KdaDecodeGpu.VariantsTiming) and the slower ones are then removed.
-//   kV1:    one CTA of 512 threads per (row, head), plain launch (the kernel of bench/gpu/NOTES.md).
-//   kCols1, kCols2, kCols4: the head's 128 value columns split over 1, 2 or 4 CTAs of 512, 256 or 128 threads
-//           (a thread block cluster of 2 or 4 that exchanges the output norm's partial sums), so 2, 4 or 8
-//           CTAs per SM load, compute and store out of phase; launched with programmatic dependent launch.
-//   kDefault: DELTASERVE_KDA_DECODE=v1|cols1|cols2|cols4 when set (read once per process), else kV1.
-enum class KdaDecodeKernel { kDefault, kV1, kCols1, kCols2, kCols4 };
+// Which kernel kda_decode_step runs (both one CTA of 512 threads per (row, head); kda_decode.cu has the H200
+// figures: cols1 is 4-6 % faster at B >= 64 and 7-18 % at B <= 8, measured 2026-12-01).
+//   kCols1: the default. Norms folded into scalars, five barriers, programmatic dependent launch (see
+//           early_state_loads below).
+//   kV1:    plain launch, seven barriers; the fallback.
+//   kDefault: DELTASERVE_KDA_DECODE=v1|cols1 when set (read once per process), else kCols1.
+enum class KdaDecodeKernel { kDefault, kV1, kCols1 };
 
-// "v1", "cols1", "cols2", "cols4" ("default" for kDefault).
+// "v1", "cols1" ("default" for kDefault).
 const char* kda_decode_kernel_name(KdaDecodeKernel kernel);
 
 // One token per batch row; each row's recurrent state and conv tails live in a slot pool and are updated in
@@ -128,13 +127,14 @@ struct KdaDecodeParams {
   __nv_bfloat16* out = nullptr;  // [B, H*d] gated, normalised output (input of o_proj)
 
   KdaDecodeKernel kernel = KdaDecodeKernel::kDefault;
-  // The cols kernels are launched with programmatic dependent launch: they may become resident while the kernel
-  // before them on the stream drains, and wait for it to finish (and its writes to be visible) before they read
+  // cols1 is launched with programmatic dependent launch: its CTAs may become resident while the kernel before
+  // it on the stream drains, and wait for that kernel to finish (and its writes to be visible) before they read
   // or write anything. With early_state_loads they read `slots` and issue the state's loads before that wait, so
-  // the state streams in during the previous kernel's tail. Set it only when the kernel enqueued just before this
-  // one on the stream writes neither `state` nor `slots` (e.g. the previous layer's decode step or the layer's
-  // projections) and does not start its own dependents before its predecessors finished. Ignored by kV1 (the spec
-  // verify/commit kernels, which share these params, ignore both fields).
+  // the state streams in during the previous kernel's tail (measured: B = 64 80.73 -> 78.94 us per layer). Set it
+  // only when the kernel enqueued just before this one on the stream writes neither `state` nor `slots` (e.g. the
+  // previous layer's decode step or the layer's projections) and does not start its own dependents before its
+  // predecessors finished. Ignored by kV1 (the spec verify/commit kernels, which share these params, ignore both
+  // fields).
   bool early_state_loads = false;
 };
 
