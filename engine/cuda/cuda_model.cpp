@@ -266,6 +266,7 @@ Status CudaBackend::Impl::build_tables(std::span<SequenceInput> batch, PassTable
     // An eager decode pass splits the MLA context as the graph of its key would (decode_context_bound).
     if (const std::optional<int64_t> bound = decode_context_bound(t.max_context)) {
       t.max_context = static_cast<int>(*bound);
+      t.max_pages = std::max<int>(t.max_pages, static_cast<int>((*bound + page_tokens - 1) / page_tokens));
     }
   }
   std::vector<int32_t> block_tables(static_cast<size_t>(N * t.max_pages), -1);
