@@ -86,8 +86,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ unsigned char smem_raw[];
   // 1024-byte aligned base: the 128-byte swizzle repeats every 1024 bytes and both TMA (writing) and wgmma (reading)
   // apply it to the shared-memory address bits, so every tile chunk starts on that boundary.
-  unsigned char* smem = smem_raw + ((1024u - (sm90::smem_u32(smem_raw) & 1023u)) & 1023u);
-  const uint32_t smem_base = sm90::smem_u32(smem);
+  unsigned char* smem = smem_raw + ((1024u - (smem_address(smem_raw) & 1023u)) & 1023u);
+  const uint32_t smem_base = smem_address(smem);
   uint64_t* full_k = reinterpret_cast<uint64_t*>(smem + kBarrierOffset);  // [kStages]: K tile landed
   uint64_t* full_v = full_k + kStages;                                    // [kStages]: V tile landed
   uint64_t* empty_k = full_v + kStages;  // [kStages]: every consumer warp is done with the K tile
@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       sm90::mbarrier_init(&empty_k[s], kConsumerWarps);  // one arrival per consumer warp
       sm90::mbarrier_init(&empty_v[s], kConsumerWarps);
     }
-    sm90::fence_barrier_init();
+    sm90::fence_mbarrier_init();
     *gave_up = 0;
   }
   __syncthreads();  // the last CTA-wide barrier: the producer warpgroup leaves early
@@ -123,8 +123,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (warp >= kConsumerWarps) {
     sm90::warpgroup_registers_decrease<kProducerRegisters>();
     if (warp == kConsumerWarps && lane == 0 && num_tiles > 0) {
-      sm90::prefetch_tensor_map(&kv_map);
-      sm90::prefetch_tensor_map(&rows_map);
+      sm90::tma_prefetch_descriptor(&kv_map);
+      sm90::tma_prefetch_descriptor(&rows_map);
       const int head_column = h * (a.nope + a.v_head);
       // Step j holds key tile num_tiles - 1 - j in stage j % kStages (that stage's use j / kStages).
       auto load_k = [&](int j) {
@@ -305,13 +305,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Step 0 (the last key tile): scores only.
     sm90::mbarrier_wait(&full_k[0], 0, gave_up);
     if (kPingPong) sm90::named_barrier_sync(my_turn, 2 * 128);
-    sm90::fence_registers(s);
+    sm90::wgmma_fence_registers(s);
     sm90::wgmma_fence();
     issue_scores(s, 0);
-    sm90::wgmma_commit();
+    sm90::wgmma_commit_group();
     if (kPingPong) sm90::named_barrier_arrive(other_turn, 2 * 128);
-    sm90::wgmma_wait<0>();
-    sm90::fence_registers(s);
+    sm90::wgmma_wait_group<0>();
+    sm90::wgmma_fence_registers(s);
     release(&empty_k[0]);
     softmax(s, num_tiles - 1, correction);
     rescale(correction);
@@ -323,22 +323,22 @@ __global__ void __launch_bounds__(kThreads, 1)
       sm90::mbarrier_wait(&full_k[stage], (j / kStages) & 1, gave_up);
       sm90::mbarrier_wait(&full_v[previous], ((j - 1) / kStages) & 1, gave_up);
       if (kPingPong) sm90::named_barrier_sync(my_turn, 2 * 128);
-      sm90::fence_registers(s);
-      sm90::fence_registers(o);
-      sm90::fence_registers(p);
+      sm90::wgmma_fence_registers(s);
+      sm90::wgmma_fence_registers(o);
+      sm90::wgmma_fence_registers(p);
       sm90::wgmma_fence();
       issue_scores(s, stage);
-      sm90::wgmma_commit();
+      sm90::wgmma_commit_group();
       issue_pv(p, previous);
-      sm90::wgmma_commit();
+      sm90::wgmma_commit_group();
       if (kPingPong) sm90::named_barrier_arrive(other_turn, 2 * 128);
-      sm90::wgmma_wait<1>();  // the scores (P V may still run)
-      sm90::fence_registers(s);
+      sm90::wgmma_wait_group<1>();  // the scores (P V may still run)
+      sm90::wgmma_fence_registers(s);
       release(&empty_k[stage]);
       softmax(s, num_tiles - 1 - j, correction);
-      sm90::wgmma_wait<0>();  // P V: O and P are free again
-      sm90::fence_registers(o);
-      sm90::fence_registers(p);
+      sm90::wgmma_wait_group<0>();  // P V: O and P are free again
+      sm90::wgmma_fence_registers(o);
+      sm90::wgmma_fence_registers(p);
       release(&empty_v[previous]);
       rescale(correction);
       pack(s, p);
@@ -347,13 +347,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int last = (num_tiles - 1) % kStages;
     sm90::mbarrier_wait(&full_v[last], ((num_tiles - 1) / kStages) & 1, gave_up);
     if (kPingPong) sm90::named_barrier_sync(my_turn, 2 * 128);
-    sm90::fence_registers(o);
-    sm90::fence_registers(p);
+    sm90::wgmma_fence_registers(o);
+    sm90::wgmma_fence_registers(p);
     sm90::wgmma_fence();
     issue_pv(p, last);
-    sm90::wgmma_commit();
-    sm90::wgmma_wait<0>();
-    sm90::fence_registers(o);
+    sm90::wgmma_commit_group();
+    sm90::wgmma_wait_group<0>();
+    sm90::wgmma_fence_registers(o);
     if (kPingPong && wg == 0) sm90::named_barrier_arrive(other_turn, 2 * 128);
   }
 

@@ -1,6 +1,7 @@
-// Hopper (sm_90a) building blocks of the warpgroup attention kernels: mbarriers, TMA tile loads, named barriers,
-// shared-memory matrix descriptors and the warpgroup MMA shape (m64n128k16, bf16 in, fp32 accumulate) that
-// mla_prefill_wgmma.cu uses. PTX ISA 8.0+ (wgmma, cp.async.bulk.tensor, mbarrier expect_tx).
+// Hopper (sm_90a) building blocks of the warpgroup attention kernels on top of sm90_ptx.cuh: pointer forms of its
+// mbarrier and TMA helpers, a bounded mbarrier wait that gives up instead of trapping, named barriers, register
+// reallocation and the warpgroup MMA shapes (m64n128k16, bf16 in, fp32 accumulate) that mla_prefill_wgmma.cu uses.
+// PTX ISA 8.0+ (wgmma, cp.async.bulk.tensor, mbarrier expect_tx).
 //
 // Shared-memory operand tiles are 128-byte swizzled, as TMA writes them with CU_TENSOR_MAP_SWIZZLE_128B: a tile of
 // R rows x 64 bf16 (128 bytes a row), 1024-byte aligned, keeps 16-byte unit u of row r at r * 128 + 16 (u ^ (r % 8)).
@@ -17,50 +18,35 @@
 #include <cuda.h>
 #include <cuda_bf16.h>
 
+#include "kernels/cuda/mma_sm80.cuh"
+#include "kernels/cuda/sm90_ptx.cuh"
+
 namespace deltaserve::kernels::cuda::sm90 {
 
-__device__ __forceinline__ uint32_t smem_u32(const void* pointer) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
-}
+// The PTX helpers themselves live in sm90_ptx.cuh; these are pointer forms of them (the barriers and tiles are
+// addressed by shared-memory pointers here) and the helpers only the attention kernels use.
 
 // ---- mbarriers (shared::cta) ------------------------------------------------------------------------------------
 __device__ __forceinline__ void mbarrier_init(uint64_t* barrier, uint32_t arrivals) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(barrier)), "r"(arrivals) : "memory");
+  mbarrier_init(detail::smem_address(barrier), arrivals);
 }
-// Makes the initialisations visible to the async proxy (TMA) and the other threads (with a barrier after it).
-__device__ __forceinline__ void fence_barrier_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-// One arrival that also expects `bytes` of asynchronous transactions (the TMA loads completing on it).
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* barrier, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(barrier)), "r"(bytes)
-               : "memory");
+  mbarrier_arrive_expect_tx(detail::smem_address(barrier), bytes);
 }
 __device__ __forceinline__ void mbarrier_arrive(uint64_t* barrier) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(barrier)) : "memory");
-}
-__device__ __forceinline__ bool mbarrier_try_wait(uint64_t* barrier, uint32_t parity) {
-  uint32_t done = 0;
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-      "selp.u32 %0, 1, 0, p;\n"
-      "}\n"
-      : "=r"(done)
-      : "r"(smem_u32(barrier)), "r"(parity)
-      : "memory");
-  return done != 0;
+  mbarrier_arrive(detail::smem_address(barrier));
 }
 // Waits for the completion of the phase with this parity (a fresh barrier counts its phase "before 0", parity 1,
 // as complete). Bounded, so that a lost arrival (a bug) cannot hang the device: a wait past ~2 s of SM clocks gives
 // up and sets *gave_up (a flag in shared memory, 0 at the start), and every later wait of a thread that sees the
-// flag returns at once; the kernel then finishes with wrong results, which the tests report. (Not __trap(): a trap
-// in the kernel makes ptxas ignore setmaxnreg, and the consumers of mla_prefill_wgmma.cu then spill.)
+// flag returns at once; the kernel then finishes with wrong results, which the tests report. (Not __trap() as in
+// sm90_ptx.cuh's mbarrier_wait: a trap in the kernel makes ptxas ignore setmaxnreg, and the consumers of
+// mla_prefill_wgmma.cu then spill.)
 __device__ __forceinline__ void mbarrier_wait(uint64_t* barrier, uint32_t parity, volatile int* gave_up) {
-  if (mbarrier_try_wait(barrier, parity)) return;
+  const uint32_t bar = detail::smem_address(barrier);
+  if (mbarrier_try_wait(bar, parity)) return;
   const long long start = clock64();
-  while (!mbarrier_try_wait(barrier, parity)) {
+  while (!mbarrier_try_wait(bar, parity)) {
     if (*gave_up != 0) return;
     if (clock64() - start > 4'000'000'000ll) {
       *gave_up = 1;
@@ -70,21 +56,10 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* barrier, uint32_t parity
 }
 
 // ---- TMA ---------------------------------------------------------------------------------------------------------
-__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
-  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
-}
 // Box at element coordinates (x = column, y = row) of a 2-D tensor map -> shared memory, completing `bytes` (the
 // whole box, zero-filled where it leaves the tensor) on `barrier`.
 __device__ __forceinline__ void tma_load_2d(void* smem_dst, const CUtensorMap* map, uint64_t* barrier, int x, int y) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::"r"(
-          smem_u32(smem_dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(barrier)), "r"(x), "r"(y)
-      : "memory");
-}
-// Orders this thread's generic-proxy shared-memory writes before later async-proxy reads (wgmma operands).
-__device__ __forceinline__ void fence_proxy_async_shared() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  tma_load_2d(detail::smem_address(smem_dst), map, detail::smem_address(barrier), x, y);
 }
 
 // ---- named barriers (id 0 is __syncthreads) ------------------------------------------------------------------------
@@ -96,6 +71,8 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 }
 
 // ---- register reallocation between warpgroups (all 4 warps of the warpgroup execute it) ----------------------------
+// Unlike sm90_ptx.cuh's warpgroup_{release,claim}_registers these carry a "memory" clobber (no shared-memory access
+// moves across the hand-over); mla_prefill_wgmma.cu's register budget was measured with it, so they stay separate.
 // The warpgroup gives back registers down to kCount per thread (e.g. a TMA producer that needs few).
 template <int kCount>
 __device__ __forceinline__ void warpgroup_registers_decrease() {
@@ -107,44 +84,7 @@ __device__ __forceinline__ void warpgroup_registers_increase() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kCount) : "memory");
 }
 
-// ---- wgmma --------------------------------------------------------------------------------------------------------
-// Shared-memory matrix descriptor of a 128-byte-swizzled operand (start address, leading / stride byte offsets; all
-// in 16-byte units; bits 62-63 = 1: 128-byte swizzle; base offset 0: tiles are 1024-byte aligned).
-//   K-major (rows of 64 k-values): SBO = 1024 (next 8 rows), LBO unused (16); k-step s of 16 starts 32 s bytes in.
-//   MN-major (rows of 64 m/n-values, one row per k): LBO = bytes to the next 64 m/n-values, SBO = 1024 (next 8 k).
-__device__ __forceinline__ uint64_t smem_descriptor_sw128(uint32_t smem_address, uint32_t leading_bytes,
-                                                          uint32_t stride_bytes) {
-  return static_cast<uint64_t>((smem_address & 0x3FFFFu) >> 4) | (static_cast<uint64_t>(leading_bytes >> 4) << 16) |
-         (static_cast<uint64_t>(stride_bytes >> 4) << 32) | (1ull << 62);
-}
-
-// Orders the register accesses before it with the wgmma instructions after it (required before a wgmma reads or
-// writes registers that ordinary instructions touched).
-__device__ __forceinline__ void wgmma_fence() {
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-// Waits until at most kPending of this thread's committed wgmma groups are still running.
-template <int kPending>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
-}
-// Keeps the compiler from moving accesses of a wgmma operand register across the fence/wait instructions (which do
-// not name the registers themselves).
-__device__ __forceinline__ void fence_register(float& x) {
-  asm volatile("" : "+f"(x)::"memory");
-}
-__device__ __forceinline__ void fence_register(uint32_t& x) {
-  asm volatile("" : "+r"(x)::"memory");
-}
-template <class T, int kN>
-__device__ __forceinline__ void fence_registers(T (&x)[kN]) {
-#pragma unroll
-  for (int i = 0; i < kN; ++i) fence_register(x[i]);
-}
-
+// ---- wgmma (fences, commit and wait: sm90_ptx.cuh) ----------------------------------------------------------------
 #define DS_SM90_D64_REGS                                                             \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "           \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \

@@ -15,11 +15,19 @@ namespace deltaserve::kernels::cuda::sm90 {
 __device__ __forceinline__ void mbarrier_init(uint32_t bar, uint32_t arrivals) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals) : "memory");
 }
+// Releases the barrier initialisations before it (to the other threads, with a block barrier after it).
+__device__ __forceinline__ void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// Orders this thread's generic-proxy shared-memory accesses before later async-proxy ones (TMA, wgmma operands).
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
 // Makes barrier initialisations visible to the other threads and to the async proxy (TMA completions); follow
 // with a block barrier.
 __device__ __forceinline__ void mbarrier_init_fence() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  fence_mbarrier_init();
+  fence_proxy_async_shared();
 }
 // One arrival plus `bytes` expected transaction bytes (the TMA loads of the phase complete them).
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
@@ -87,16 +95,21 @@ __device__ __forceinline__ void warpgroup_claim_registers() {
 }
 
 // ---- wgmma ---------------------------------------------------------------------------------------------------
-// Shared-memory matrix descriptor of a K-major bf16 operand in the 128-byte swizzle layout above, starting at
-// `address` (the tile's 1024-byte aligned base plus 32 bytes per k16 step within the 128-byte row; the swizzle is
-// applied to the absolute address bits, so the k offset needs no base-offset field). Fields (PTX ISA, "matrix
-// descriptor"): bits 0-13 start address >> 4; 16-29 leading-dimension byte offset >> 4 (unused for swizzled K-major
-// layouts whose k16 step lies within one swizzle row; 1 by convention); 32-45 stride-dimension byte offset >> 4 =
-// 1024 >> 4 (from one 8-row group to the next); 49-51 base offset 0 (1024-byte aligned tiles); 62-63 swizzle mode 1
-// = 128-byte swizzle.
+// Shared-memory matrix descriptor of a 128-byte-swizzled bf16 operand starting at `address` (the tile's 1024-byte
+// aligned base plus the step's offset; the swizzle is applied to the absolute address bits, so offsets need no
+// base-offset field). Fields (PTX ISA, "matrix descriptor"): bits 0-13 start address >> 4; 16-29 leading-dimension
+// byte offset >> 4; 32-45 stride-dimension byte offset >> 4; 49-51 base offset 0 (1024-byte aligned tiles); 62-63
+// swizzle mode 1 = 128-byte swizzle.
+//   K-major (rows of 64 k, the layout above): stride 1024 (from one 8-row group to the next); leading offset unused
+//   while the k16 step lies within one swizzle row (16 by convention); k16 step s starts 32 s bytes in.
+//   MN-major (rows of 64 m/n-values, one row per k): leading = bytes to the next 64 m/n-values, stride 1024 (next 8 k).
+__device__ __forceinline__ uint64_t smem_descriptor_sw128(uint32_t address, uint32_t leading_bytes,
+                                                          uint32_t stride_bytes) {
+  return static_cast<uint64_t>((address & 0x3FFFFu) >> 4) | (static_cast<uint64_t>(leading_bytes >> 4) << 16) |
+         (static_cast<uint64_t>(stride_bytes >> 4) << 32) | (uint64_t{1} << 62);
+}
 __device__ __forceinline__ uint64_t smem_desc_k_major_sw128(uint32_t address) {
-  return static_cast<uint64_t>((address & 0x3FFFFu) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
-         (uint64_t{1} << 62);
+  return smem_descriptor_sw128(address, 16, 1024);
 }
 
 // Orders the register and shared-memory accesses before it against the wgmma that follow (needed before the first
@@ -116,6 +129,14 @@ __device__ __forceinline__ void wgmma_wait_group() {
 // wgmma writes it after the issuing instruction has retired).
 __device__ __forceinline__ void wgmma_fence_register(float& r) {
   asm volatile("" : "+f"(r)::"memory");
+}
+__device__ __forceinline__ void wgmma_fence_register(uint32_t& r) {
+  asm volatile("" : "+r"(r)::"memory");
+}
+template <class T, int kN>
+__device__ __forceinline__ void wgmma_fence_registers(T (&r)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) wgmma_fence_register(r[i]);
 }
 
 // D[64 x 256] (+)= A[64 x 16] · B[256 x 16]^T, bf16 in, fp32 accumulators, both operands K-major in shared memory.
