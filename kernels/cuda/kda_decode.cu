@@ -77,88 +77,24 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(DecodeArgs p) {
       if (j < K - 1) tail[j] = t[j];
     }
   } else {
-    // Gate: decay = e^g.
-    const float x = __bfloat162float(p.gate_raw[row + channel]) + p.dt_bias[channel];
-    const float a = __expf(p.a_log[h]);
-    const float g = p.bounded ? p.lower_bound * sigmoid(a * x) : -a * (x > 20.0f ? x : log1pf(__expf(x)));
-    decay_s[c] = __expf(g);
+    decay_s[c] = gate_decay(p, row, channel, h);  // decay = e^g
   }
   __syncthreads();
-  // L2 norms: warps 0..3 sum q^2, warps 4..7 k^2.
-  if (warp < 8) {
-    const float value = x_s[warp >> 2][c];
-    float square = value * value;
-    for (int offset = 16; offset > 0; offset >>= 1) square += __shfl_xor_sync(0xffffffffu, square, offset);
-    if (lane == 0) sums[warp] = square;
-  }
-  __syncthreads();
-  if (warp < 8) {
-    const int base = (warp >> 2) * 4;
-    const float total = sums[base] + sums[base + 1] + sums[base + 2] + sums[base + 3];
-    const float scale = warp < 4 ? rsqrtf(static_cast<float>(kD)) : 1.0f;
-    x_s[warp >> 2][c] *= scale * rsqrtf(total + kL2Eps);
-  }
+  normalize_qk(x_s, sums, warp, lane, c);
   const float beta = sigmoid(__bfloat162float(p.beta_raw[static_cast<size_t>(b) * H + h]));
   __syncthreads();
 
   // S = Diag(e^g) S and the partial S^T k of this thread's rows.
-  float4 ks = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int r = rg * 8 + i;
-    const float d = decay_s[r], kr = x_s[1][r];
-    s[i].x *= d;
-    s[i].y *= d;
-    s[i].z *= d;
-    s[i].w *= d;
-    ks.x += kr * s[i].x;
-    ks.y += kr * s[i].y;
-    ks.z += kr * s[i].z;
-    ks.w += kr * s[i].w;
-  }
+  const float4 ks = decay_rows_partial_sk(s, decay_s, x_s[1], rg);
   *reinterpret_cast<float4*>(&partial[rg][cgi * 4]) = ks;
   __syncthreads();
-  if (tid < kD) {
-    float sk = 0.0f;
-#pragma unroll
-    for (int r = 0; r < kRowGroups; ++r) sk += partial[r][tid];
-    u_s[tid] = beta * (x_s[2][tid] - sk);
-  }
+  delta_u(u_s, partial, x_s[2], beta, tid);
   __syncthreads();
   const float4 u = *reinterpret_cast<const float4*>(&u_s[cgi * 4]);
-  float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int r = rg * 8 + i;
-    const float kr = x_s[1][r], qr = x_s[0][r];
-    s[i].x += kr * u.x;
-    s[i].y += kr * u.y;
-    s[i].z += kr * u.z;
-    s[i].w += kr * u.w;
-    o.x += qr * s[i].x;
-    o.y += qr * s[i].y;
-    o.z += qr * s[i].z;
-    o.w += qr * s[i].w;
-    __stcs(reinterpret_cast<float4*>(state + r * kD), s[i]);
-  }
+  const float4 o = update_rows_partial_o<true>(s, u, x_s[1], x_s[0], rg, state);
   *reinterpret_cast<float4*>(&partial[rg][cgi * 4]) = o;
   __syncthreads();
-  // Gated RMSNorm of o (warps 0..3, one column per thread).
-  float o_col = 0.0f;
-  if (tid < kD) {
-#pragma unroll
-    for (int r = 0; r < kRowGroups; ++r) o_col += partial[r][tid];
-    float square = o_col * o_col;
-    for (int offset = 16; offset > 0; offset >>= 1) square += __shfl_xor_sync(0xffffffffu, square, offset);
-    if (lane == 0) sums[8 + warp] = square;
-  }
-  __syncthreads();
-  if (tid < kD) {
-    const float total = sums[8] + sums[9] + sums[10] + sums[11];
-    const float inverse_rms = rsqrtf(total / static_cast<float>(kD) + p.rms_eps);
-    const float gate = sigmoid(__bfloat162float(p.out_gate[row + h * kD + tid]));
-    p.out[row + h * kD + tid] = __float2bfloat16(o_col * inverse_rms * p.o_norm_weight[tid] * gate);
-  }
+  gated_rms_norm_out(p, partial, sums, row, h, tid, lane, warp);
 }
 
 // Programmatic dependent launch (sm_90): wait until the grid before this one on the stream has finished and its
@@ -231,11 +167,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_cols1_kernel(DecodeArg
   {
     const int which = tid / kD, c = tid % kD, channel = h * kD + c;
     if (which == 2) {
-      // Gate: decay = e^g.
-      const float x = __bfloat162float(p.gate_raw[row + channel]) + p.dt_bias[channel];
-      const float a = __expf(p.a_log[h]);
-      const float g = p.bounded ? p.lower_bound * sigmoid(a * x) : -a * (x > 20.0f ? x : log1pf(__expf(x)));
-      decay_s[c] = __expf(g);
+      decay_s[c] = gate_decay(p, row, channel, h);  // decay = e^g
     } else {
       const int conv = which == 3 ? 2 : which;  // q, k, v
       float* tail = p.conv_state + ((static_cast<size_t>(slot) * 3 + conv) * C + channel) * (K - 1);
@@ -260,20 +192,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_cols1_kernel(DecodeArg
   __syncthreads();
 
   // S = Diag(e^g) S and the partial S^T k with k not yet normalised.
-  float4 ks = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int r = rg * 8 + i;
-    const float d = decay_s[r], kr = x_s[1][r];
-    s[i].x *= d;
-    s[i].y *= d;
-    s[i].z *= d;
-    s[i].w *= d;
-    ks.x += kr * s[i].x;
-    ks.y += kr * s[i].y;
-    ks.z += kr * s[i].z;
-    ks.w += kr * s[i].w;
-  }
+  const float4 ks = decay_rows_partial_sk(s, decay_s, x_s[1], rg);
   *reinterpret_cast<float4*>(&partial[rg * kPartialStride + cgi * 4]) = ks;
   __syncthreads();
   // Column sums over the 16 row groups: thread (column, quarter) adds row groups quarter, quarter + 4, ..., then
@@ -293,21 +212,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_cols1_kernel(DecodeArg
   }
   __syncthreads();
   const float4 u = *reinterpret_cast<const float4*>(&u_s[cgi * 4]);
-  float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int r = rg * 8 + i;
-    const float kr = x_s[1][r], qr = x_s[0][r];
-    s[i].x += kr * u.x;
-    s[i].y += kr * u.y;
-    s[i].z += kr * u.z;
-    s[i].w += kr * u.w;
-    o.x += qr * s[i].x;
-    o.y += qr * s[i].y;
-    o.z += qr * s[i].z;
-    o.w += qr * s[i].w;
-    __stcs(reinterpret_cast<float4*>(state + r * kD), s[i]);
-  }
+  const float4 o = update_rows_partial_o<true>(s, u, x_s[1], x_s[0], rg, state);
   *reinterpret_cast<float4*>(&partial[rg * kPartialStride + cgi * 4]) = o;
   __syncthreads();
   // o = S^T q with q = q_raw d^-1/2 / |q_raw|; warp w sums the squares of columns 8 w .. 8 w + 7.

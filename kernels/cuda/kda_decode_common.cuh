@@ -69,6 +69,110 @@ __device__ __forceinline__ float conv_step(const float* weight, float (&tail)[3]
   return silu(sum);
 }
 
+// Decay e^g of channel `channel` of head h from the raw gate of the row starting at `row`: g = -e^{a_log}
+// softplus(gate + dt_bias), or lower_bound * sigmoid(e^{a_log} (gate + dt_bias)) when bounded.
+__device__ __forceinline__ float gate_decay(const DecodeArgs& p, size_t row, int channel, int h) {
+  const float x = __bfloat162float(p.gate_raw[row + channel]) + p.dt_bias[channel];
+  const float a = __expf(p.a_log[h]);
+  const float g = p.bounded ? p.lower_bound * sigmoid(a * x) : -a * (x > 20.0f ? x : log1pf(__expf(x)));
+  return __expf(g);
+}
+
+// The rest of the per-(row, head) step for 512 threads = 16 row groups (warps) x 32 column groups of 4, with
+// shared partial[kRowGroups][kD] sums (kda_decode_kernel and the speculative decode kernel).
+
+// L2-normalises q (and scales it by d^-1/2) and k in x_s[0..1]: warps 0..3 sum q^2, warps 4..7 k^2 into
+// sums[0..7]. All threads call it (one block barrier inside); x_s is updated on return without a barrier.
+__device__ __forceinline__ void normalize_qk(float (&x_s)[3][kD], float* sums, int warp, int lane, int c) {
+  if (warp < 8) {
+    const float value = x_s[warp >> 2][c];
+    float square = value * value;
+    for (int offset = 16; offset > 0; offset >>= 1) square += __shfl_xor_sync(0xffffffffu, square, offset);
+    if (lane == 0) sums[warp] = square;
+  }
+  __syncthreads();
+  if (warp < 8) {
+    const int base = (warp >> 2) * 4;
+    const float total = sums[base] + sums[base + 1] + sums[base + 2] + sums[base + 3];
+    const float scale = warp < 4 ? rsqrtf(static_cast<float>(kD)) : 1.0f;
+    x_s[warp >> 2][c] *= scale * rsqrtf(total + kL2Eps);
+  }
+}
+
+// S = Diag(decay) S on this thread's rows 8 rg .. 8 rg + 7 and their partial S^T k (also used by the cols1 kernel).
+__device__ __forceinline__ float4 decay_rows_partial_sk(float4 (&s)[8], const float* decay, const float* k, int rg) {
+  float4 ks = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int r = rg * 8 + i;
+    const float d = decay[r], kr = k[r];
+    s[i].x *= d;
+    s[i].y *= d;
+    s[i].z *= d;
+    s[i].w *= d;
+    ks.x += kr * s[i].x;
+    ks.y += kr * s[i].y;
+    ks.z += kr * s[i].z;
+    ks.w += kr * s[i].w;
+  }
+  return ks;
+}
+
+// u = beta (v - S^T k), one column per thread of threads 0..127, from the row groups' partial S^T k.
+__device__ __forceinline__ void delta_u(float* u_s, const float (&partial)[kRowGroups][kD], const float* v, float beta,
+                                        int tid) {
+  if (tid < kD) {
+    float sk = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kRowGroups; ++r) sk += partial[r][tid];
+    u_s[tid] = beta * (v[tid] - sk);
+  }
+}
+
+// S += k u^T on this thread's rows and their partial S^T q; kStoreState: each updated row goes to `state` (row
+// r at state + r * kD, streaming) right away (also used by the cols1 kernel).
+template <bool kStoreState>
+__device__ __forceinline__ float4 update_rows_partial_o(float4 (&s)[8], float4 u, const float* k, const float* q,
+                                                        int rg, float* state) {
+  float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int r = rg * 8 + i;
+    const float kr = k[r], qr = q[r];
+    s[i].x += kr * u.x;
+    s[i].y += kr * u.y;
+    s[i].z += kr * u.z;
+    s[i].w += kr * u.w;
+    o.x += qr * s[i].x;
+    o.y += qr * s[i].y;
+    o.z += qr * s[i].z;
+    o.w += qr * s[i].w;
+    if constexpr (kStoreState) __stcs(reinterpret_cast<float4*>(state + r * kD), s[i]);
+  }
+  return o;
+}
+
+// Gated RMSNorm of o (column sums of the row groups' partials; warps 0..3, one column per thread, squares in
+// sums[8..11]) into out[row + h * kD + column]. All threads call it (one block barrier inside).
+__device__ __forceinline__ void gated_rms_norm_out(const DecodeArgs& p, const float (&partial)[kRowGroups][kD],
+                                                   float* sums, size_t row, int h, int tid, int lane, int warp) {
+  float o_col = 0.0f;
+  if (tid < kD) {
+#pragma unroll
+    for (int r = 0; r < kRowGroups; ++r) o_col += partial[r][tid];
+    float square = o_col * o_col;
+    for (int offset = 16; offset > 0; offset >>= 1) square += __shfl_xor_sync(0xffffffffu, square, offset);
+    if (lane == 0) sums[8 + warp] = square;
+  }
+  __syncthreads();
+  if (tid < kD) {
+    const float total = sums[8] + sums[9] + sums[10] + sums[11];
+    const float inverse_rms = rsqrtf(total / static_cast<float>(kD) + p.rms_eps);
+    const float gate = sigmoid(__bfloat162float(p.out_gate[row + h * kD + tid]));
+    p.out[row + h * kD + tid] = __float2bfloat16(o_col * inverse_rms * p.o_norm_weight[tid] * gate);
+  }
+}
+
 inline bool aligned16(const void* pointer) {
   return (reinterpret_cast<uintptr_t>(pointer) & 15u) == 0;
 }

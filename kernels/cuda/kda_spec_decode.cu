@@ -60,25 +60,10 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (which < 3) {
       x_s[which][c] = conv_step(weight, tail, __bfloat162float(input[row + channel]), K);
     } else {
-      const float x = __bfloat162float(p.gate_raw[row + channel]) + p.dt_bias[channel];
-      const float a = __expf(p.a_log[h]);
-      const float g = p.bounded ? p.lower_bound * sigmoid(a * x) : -a * (x > 20.0f ? x : log1pf(__expf(x)));
-      decay_s[c] = __expf(g);
+      decay_s[c] = gate_decay(p, row, channel, h);
     }
     __syncthreads();
-    if (warp < 8) {
-      const float value = x_s[warp >> 2][c];
-      float square = value * value;
-      for (int offset = 16; offset > 0; offset >>= 1) square += __shfl_xor_sync(0xffffffffu, square, offset);
-      if (lane == 0) sums[warp] = square;
-    }
-    __syncthreads();
-    if (warp < 8) {
-      const int base = (warp >> 2) * 4;
-      const float total = sums[base] + sums[base + 1] + sums[base + 2] + sums[base + 3];
-      const float scale = warp < 4 ? rsqrtf(static_cast<float>(kD)) : 1.0f;
-      x_s[warp >> 2][c] *= scale * rsqrtf(total + kL2Eps);
-    }
+    normalize_qk(x_s, sums, warp, lane, c);
     const float beta = sigmoid(__bfloat162float(p.beta_raw[token * H + h]));
     __syncthreads();
     // Save the projected inputs the commit needs.
@@ -88,61 +73,16 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (which == 3) saved_token[2 * kD + c] = decay_s[c];
     if (tid == 0) saved_beta[token * H + h] = beta;
 
-    float4 ks = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int r = rg * 8 + i;
-      const float d = decay_s[r], kr = x_s[1][r];
-      s[i].x *= d;
-      s[i].y *= d;
-      s[i].z *= d;
-      s[i].w *= d;
-      ks.x += kr * s[i].x;
-      ks.y += kr * s[i].y;
-      ks.z += kr * s[i].z;
-      ks.w += kr * s[i].w;
-    }
+    const float4 ks = decay_rows_partial_sk(s, decay_s, x_s[1], rg);
     *reinterpret_cast<float4*>(&partial[rg][cgi * 4]) = ks;
     __syncthreads();
-    if (tid < kD) {
-      float sk = 0.0f;
-#pragma unroll
-      for (int r = 0; r < kRowGroups; ++r) sk += partial[r][tid];
-      u_s[tid] = beta * (x_s[2][tid] - sk);
-    }
+    delta_u(u_s, partial, x_s[2], beta, tid);
     __syncthreads();
     const float4 u = *reinterpret_cast<const float4*>(&u_s[cgi * 4]);
-    float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int r = rg * 8 + i;
-      const float kr = x_s[1][r], qr = x_s[0][r];
-      s[i].x += kr * u.x;
-      s[i].y += kr * u.y;
-      s[i].z += kr * u.z;
-      s[i].w += kr * u.w;
-      o.x += qr * s[i].x;
-      o.y += qr * s[i].y;
-      o.z += qr * s[i].z;
-      o.w += qr * s[i].w;
-    }
+    const float4 o = update_rows_partial_o<false>(s, u, x_s[1], x_s[0], rg, nullptr);
     *reinterpret_cast<float4*>(&partial[rg][cgi * 4]) = o;
     __syncthreads();
-    float o_col = 0.0f;
-    if (tid < kD) {
-#pragma unroll
-      for (int r = 0; r < kRowGroups; ++r) o_col += partial[r][tid];
-      float square = o_col * o_col;
-      for (int offset = 16; offset > 0; offset >>= 1) square += __shfl_xor_sync(0xffffffffu, square, offset);
-      if (lane == 0) sums[8 + warp] = square;
-    }
-    __syncthreads();
-    if (tid < kD) {
-      const float total = sums[8] + sums[9] + sums[10] + sums[11];
-      const float inverse_rms = rsqrtf(total / static_cast<float>(kD) + p.rms_eps);
-      const float gate = sigmoid(__bfloat162float(p.out_gate[row + h * kD + tid]));
-      p.out[row + h * kD + tid] = __float2bfloat16(o_col * inverse_rms * p.o_norm_weight[tid] * gate);
-    }
+    gated_rms_norm_out(p, partial, sums, row, h, tid, lane, warp);
     __syncthreads();  // x_s, partial and sums are reused by the next token
   }
 }
@@ -201,28 +141,10 @@ __global__ void __launch_bounds__(kThreads, 2) kda_spec_commit_kernel(DecodeArgs
     }
     const float beta = saved_beta[token * H + h];
     __syncthreads();
-    float4 ks = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int r = rg * 8 + i;
-      const float d = decay_s[r], kr = k_s[r];
-      s[i].x *= d;
-      s[i].y *= d;
-      s[i].z *= d;
-      s[i].w *= d;
-      ks.x += kr * s[i].x;
-      ks.y += kr * s[i].y;
-      ks.z += kr * s[i].z;
-      ks.w += kr * s[i].w;
-    }
+    const float4 ks = decay_rows_partial_sk(s, decay_s, k_s, rg);
     *reinterpret_cast<float4*>(&partial[rg][cgi * 4]) = ks;
     __syncthreads();
-    if (tid < kD) {
-      float sk = 0.0f;
-#pragma unroll
-      for (int r = 0; r < kRowGroups; ++r) sk += partial[r][tid];
-      u_s[tid] = beta * (v_s[tid] - sk);
-    }
+    delta_u(u_s, partial, v_s, beta, tid);
     __syncthreads();
     const float4 u = *reinterpret_cast<const float4*>(&u_s[cgi * 4]);
 #pragma unroll
