@@ -2,6 +2,7 @@
 // arguments its attention kernels share, and the kernels kept beside the default ones (mla_decode_reference.cu).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include <cuda_bf16.h>
@@ -52,6 +53,38 @@ __device__ __forceinline__ float mla_warp_max(float x) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
   return x;
+}
+
+// Combine weights of the context splits of (token t, head h), one warp (lane holds splits lane and lane + 32, up
+// to kMlaMaxSplits = 64): softmax over the splits' (running max, sum) partials in base 2; weight[s] for s < splits,
+// 0 for empty splits (sum 0) and all 0 when every split is empty.
+__device__ __forceinline__ void mla_split_weights(const float2* partial_ml, int64_t t, int h, int num_heads, int splits,
+                                                  int lane, float* weight) {
+  float m[2], l[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int s = lane + 32 * i;
+    m[i] = -INFINITY;
+    l[i] = 0.0f;
+    if (s < splits) {
+      const float2 ml = partial_ml[(t * splits + s) * num_heads + h];
+      if (ml.y > 0.0f) {
+        m[i] = ml.x;
+        l[i] = ml.y;
+      }
+    }
+  }
+  const float m_max = mla_warp_max(fmaxf(m[0], m[1]));
+  float w[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) w[i] = l[i] > 0.0f ? exp2f(m[i] - m_max) : 0.0f;
+  const float total = mla_warp_sum(w[0] * l[0] + w[1] * l[1]);
+  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int s = lane + 32 * i;
+    if (s < splits) weight[s] = w[i] * inv;
+  }
 }
 
 // Programmatic dependent launch: wait for the previous grid on the stream (its writes visible), and let the next

@@ -247,32 +247,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
   detail::mla_allow_next_grid();
 
   for (int tt = warp; tt < tokens; tt += kCombineWarps) {  // split weights of token t0 + tt
-    const int64_t t = t0 + tt;
-    float m[2], l[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int s = lane + 32 * i;
-      m[i] = -INFINITY;
-      l[i] = 0.0f;
-      if (s < splits) {
-        const float2 ml = partial_ml[(t * splits + s) * num_heads + h];
-        if (ml.y > 0.0f) {
-          m[i] = ml.x;
-          l[i] = ml.y;
-        }
-      }
-    }
-    const float m_max = detail::mla_warp_max(fmaxf(m[0], m[1]));
-    float w[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) w[i] = l[i] > 0.0f ? exp2f(m[i] - m_max) : 0.0f;
-    const float total = detail::mla_warp_sum(w[0] * l[0] + w[1] * l[1]);
-    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int s = lane + 32 * i;
-      if (s < splits) s_weight[tt * kMlaMaxSplits + s] = w[i] * inv;
-    }
+    detail::mla_split_weights(partial_ml, t0 + tt, h, num_heads, splits, lane, s_weight + tt * kMlaMaxSplits);
   }
   __syncthreads();
 

@@ -44,6 +44,34 @@ __device__ __forceinline__ float warp_max(float x) {
   return detail::mla_warp_max(x);
 }
 
+struct ReferenceSlice {
+  int n;                       // sequence of the token
+  int64_t row_begin, row_end;  // context rows of this split
+};
+
+// Rows of token t's visible context that split `split` covers (equal slices, the last may be shorter or empty);
+// the sequence is the largest n with cu_q[n] <= t (zero-length sequences share their start).
+__device__ __forceinline__ ReferenceSlice reference_slice(const AttentionArgs& a, int64_t t, int split) {
+  int lo = 0, hi = a.num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (a.cu_q[mid] <= t) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  const int n = lo;
+  const int64_t q_begin = a.cu_q[n];
+  const int64_t q_len = static_cast<int64_t>(a.cu_q[n + 1]) - q_begin;
+  const int64_t context = a.context_lens[n];
+  int64_t visible = context - q_len + (t - q_begin) + 1;  // rows 0 .. position
+  visible = i64_max(0, i64_min(visible, static_cast<int64_t>(a.max_pages_per_seq) * a.page_size));
+  const int64_t per_split = (visible + a.splits - 1) / a.splits;
+  const int64_t row_begin = i64_min(visible, per_split * split);
+  return ReferenceSlice{n, row_begin, i64_min(visible, row_begin + per_split)};
+}
+
 // ---- legacy absorb ------------------------------------------------------------------------------------------
 // grid (ceil(T / kAbsorbTokens), H), block kAbsorbThreads.
 __global__ void __launch_bounds__(kAbsorbThreads)
@@ -109,25 +137,9 @@ __global__ void __launch_bounds__(kAttnThreads, 1) mla_split_attention_kernel(At
   const int h0 = blockIdx.z * group;
   const int heads = min(group, a.num_heads - h0);
 
-  // Sequence of token t: the largest n with cu_q[n] <= t (zero-length sequences share their start).
-  int lo = 0, hi = a.num_seqs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (a.cu_q[mid] <= t) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  const int n = lo;
-  const int64_t q_begin = a.cu_q[n];
-  const int64_t q_len = static_cast<int64_t>(a.cu_q[n + 1]) - q_begin;
-  const int64_t context = a.context_lens[n];
-  int64_t visible = context - q_len + (t - q_begin) + 1;  // rows 0 .. position
-  visible = i64_max(0, i64_min(visible, static_cast<int64_t>(a.max_pages_per_seq) * a.page_size));
-  const int64_t per_split = (visible + a.splits - 1) / a.splits;
-  const int64_t row_begin = i64_min(visible, per_split * split);
-  const int64_t row_end = i64_min(visible, row_begin + per_split);
+  const ReferenceSlice slice = reference_slice(a, t, split);
+  const int n = slice.n;
+  const int64_t row_begin = slice.row_begin, row_end = slice.row_end;
 
   const float* q_src = a.q_tilde + (t * a.num_heads + h0) * width;
   for (int i = tid; i < heads * width; i += kAttnThreads) s_q[i] = q_src[i];
@@ -313,24 +325,9 @@ __global__ void __launch_bounds__(kTcThreads, 1) mla_split_attention_tc_legacy_k
   const int heads = min(kTcGroup, a.num_heads - h0);
   const int m_tiles = (heads + 15) / 16;
 
-  int lo = 0, hi = a.num_seqs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (a.cu_q[mid] <= t) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  const int n = lo;
-  const int64_t q_begin = a.cu_q[n];
-  const int64_t q_len = static_cast<int64_t>(a.cu_q[n + 1]) - q_begin;
-  const int64_t context = a.context_lens[n];
-  int64_t visible = context - q_len + (t - q_begin) + 1;
-  visible = i64_max(0, i64_min(visible, static_cast<int64_t>(a.max_pages_per_seq) * a.page_size));
-  const int64_t per_split = (visible + a.splits - 1) / a.splits;
-  const int64_t row_begin = i64_min(visible, per_split * split);
-  const int64_t row_end = i64_min(visible, row_begin + per_split);
+  const ReferenceSlice slice = reference_slice(a, t, split);
+  const int n = slice.n;
+  const int64_t row_begin = slice.row_begin, row_end = slice.row_end;
   const int32_t* table = a.block_tables + static_cast<int64_t>(n) * a.max_pages_per_seq;
   const int vecs_per_row = width / 8;
   const int num_tiles = static_cast<int>((row_end - row_begin + kTcRows - 1) / kTcRows);
@@ -515,33 +512,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int64_t t = blockIdx.x;
   const int h = blockIdx.y;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  if (warp == 0) {
-    float m[2], l[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int s = lane + 32 * i;
-      m[i] = -INFINITY;
-      l[i] = 0.0f;
-      if (s < splits) {
-        const float2 ml = partial_ml[(t * splits + s) * num_heads + h];
-        if (ml.y > 0.0f) {
-          m[i] = ml.x;
-          l[i] = ml.y;
-        }
-      }
-    }
-    const float m_max = warp_max(fmaxf(m[0], m[1]));
-    float w[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) w[i] = l[i] > 0.0f ? exp2f(m[i] - m_max) : 0.0f;
-    const float total = warp_sum(w[0] * l[0] + w[1] * l[1]);
-    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int s = lane + 32 * i;
-      if (s < splits) s_weight[s] = w[i] * inv;
-    }
-  }
+  if (warp == 0) detail::mla_split_weights(partial_ml, t, h, num_heads, splits, lane, s_weight);
   __syncthreads();
   for (int c = tid; c < kv_lora; c += kCombineThreads) {
     float acc = 0.0f;
