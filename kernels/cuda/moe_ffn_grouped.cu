@@ -386,23 +386,53 @@ int moe_grouped_row_tile(int64_t rows, int num_experts) {
   return rows <= kMoeGroupedSmallTileRowsPerExpert * e ? 64 : 128;
 }
 
-Status moe_expert_ffn_grouped(const MoeFfnParams& params, cudaStream_t stream) {
+namespace detail {
+
+Status validate_moe_ffn_sizes(const MoeFfnParams& params, const char* who) {
   const MoeExpertWeights& w = params.weights;
-  const int64_t W = w.width, I = w.intermediate, R = params.rows;
+  const int64_t W = w.width, I = w.intermediate;
   if (w.num_experts < 1 || w.num_experts > kMoeMaxExperts) {
-    return invalid_argument("moe_expert_ffn_grouped: num_experts must be in [1, 1024] (got " +
+    return invalid_argument(std::string(who) + ": num_experts must be in [1, 1024] (got " +
                             std::to_string(w.num_experts) + ")");
   }
   if (W < 8 || W % 8 != 0 || I < 8 || I % 8 != 0 || W > (1 << 30) || I > (1 << 30)) {
-    return invalid_argument("moe_expert_ffn_grouped: width and intermediate must be positive multiples of 8 (got " +
+    return invalid_argument(std::string(who) + ": width and intermediate must be positive multiples of 8 (got " +
                             std::to_string(W) + ", " + std::to_string(I) + ")");
   }
+  return Status::ok();
+}
+
+Status validate_moe_ffn_glu(const MoeFfnParams& params, const char* who) {
+  if (params.glu == GluKind::kSitu && !(params.situ_beta > 0.0f && params.situ_linear_beta > 0.0f)) {
+    return invalid_argument(std::string(who) + ": SiTU betas must be positive");
+  }
+  return Status::ok();
+}
+
+Status validate_moe_ffn_buffers(const MoeFfnParams& params, const char* who) {
+  const MoeExpertWeights& w = params.weights;
+  if (w.gate_up == nullptr || w.down == nullptr || params.x_sorted == nullptr || params.expert_offsets == nullptr ||
+      params.activated == nullptr || params.y_sorted == nullptr) {
+    return invalid_argument(std::string(who) + ": weights, x_sorted, expert_offsets, activated, y_sorted: non-null");
+  }
+  if (!aligned16(w.gate_up) || !aligned16(w.down) || !aligned16(params.x_sorted) || !aligned16(params.activated) ||
+      (reinterpret_cast<uintptr_t>(params.y_sorted) & 7u) != 0) {
+    return invalid_argument(std::string(who) +
+                            ": gate_up, down, x_sorted, activated must be 16-byte aligned, y_sorted 8-byte");
+  }
+  return Status::ok();
+}
+
+}  // namespace detail
+
+Status moe_expert_ffn_grouped(const MoeFfnParams& params, cudaStream_t stream) {
+  const MoeExpertWeights& w = params.weights;
+  const int64_t W = w.width, I = w.intermediate, R = params.rows;
+  DS_RETURN_IF_ERROR(detail::validate_moe_ffn_sizes(params, "moe_expert_ffn_grouped"));
   if (R < 0 || R > 0x7fffffff || R * W > (int64_t{1} << 62) / 4 || R * I > (int64_t{1} << 62) / 4) {
     return invalid_argument("moe_expert_ffn_grouped: rows out of range");
   }
-  if (params.glu == GluKind::kSitu && !(params.situ_beta > 0.0f && params.situ_linear_beta > 0.0f)) {
-    return invalid_argument("moe_expert_ffn_grouped: SiTU betas must be positive");
-  }
+  DS_RETURN_IF_ERROR(detail::validate_moe_ffn_glu(params, "moe_expert_ffn_grouped"));
   if (params.row_tile != 0 && params.row_tile != 32 && params.row_tile != 64 && params.row_tile != 128) {
     return invalid_argument("moe_expert_ffn_grouped: row_tile must be 0 (automatic), 32, 64 or 128 (got " +
                             std::to_string(params.row_tile) + ")");
@@ -412,15 +442,7 @@ Status moe_expert_ffn_grouped(const MoeFfnParams& params, cudaStream_t stream) {
                             std::to_string(params.col_tile) + ")");
   }
   if (R == 0) return Status::ok();
-  if (w.gate_up == nullptr || w.down == nullptr || params.x_sorted == nullptr || params.expert_offsets == nullptr ||
-      params.activated == nullptr || params.y_sorted == nullptr) {
-    return invalid_argument("moe_expert_ffn_grouped: weights, x_sorted, expert_offsets, activated, y_sorted: non-null");
-  }
-  if (!aligned16(w.gate_up) || !aligned16(w.down) || !aligned16(params.x_sorted) || !aligned16(params.activated) ||
-      (reinterpret_cast<uintptr_t>(params.y_sorted) & 7u) != 0) {
-    return invalid_argument(
-        "moe_expert_ffn_grouped: gate_up, down, x_sorted, activated must be 16-byte aligned, y_sorted 8-byte");
-  }
+  DS_RETURN_IF_ERROR(detail::validate_moe_ffn_buffers(params, "moe_expert_ffn_grouped"));
   if (params.k_tile != 0 && params.k_tile != 32 && params.k_tile != 64) {
     return invalid_argument("moe_expert_ffn_grouped: k_tile must be 0 (automatic), 32 or 64 (got " +
                             std::to_string(params.k_tile) + ")");

@@ -294,10 +294,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-bool aligned16(const void* pointer) {
-  return (reinterpret_cast<uintptr_t>(pointer) & 15u) == 0;
-}
-
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   // Through the runtime's driver entry point, so that the library does not link libcuda.
   static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
@@ -354,13 +350,7 @@ Status moe_expert_ffn_wgmma(const MoeFfnParams& params, cudaStream_t stream, Moe
   const MoeExpertWeights& w = params.weights;
   const int64_t W = w.width, I = w.intermediate, R = params.rows;
   const int E = w.num_experts;
-  if (E < 1 || E > kMoeMaxExperts) {
-    return invalid_argument("moe_expert_ffn_wgmma: num_experts must be in [1, 1024] (got " + std::to_string(E) + ")");
-  }
-  if (W < 8 || W % 8 != 0 || I < 8 || I % 8 != 0 || W > (1 << 30) || I > (1 << 30)) {
-    return invalid_argument("moe_expert_ffn_wgmma: width and intermediate must be positive multiples of 8 (got " +
-                            std::to_string(W) + ", " + std::to_string(I) + ")");
-  }
+  DS_RETURN_IF_ERROR(detail::validate_moe_ffn_sizes(params, "moe_expert_ffn_wgmma"));
   if (E * 2 * I >= (int64_t{1} << 31) || E * W >= (int64_t{1} << 31)) {
     return invalid_argument("moe_expert_ffn_wgmma: E * 2I and E * width must stay below 2^31 (TMA coordinates)");
   }
@@ -370,19 +360,9 @@ Status moe_expert_ffn_wgmma(const MoeFfnParams& params, cudaStream_t stream, Moe
       max_row_tiles * (gate_up_tiles > down_tiles ? gate_up_tiles : down_tiles) > 0x7fffffff) {
     return invalid_argument("moe_expert_ffn_wgmma: rows out of range (" + std::to_string(R) + ")");
   }
-  if (params.glu == GluKind::kSitu && !(params.situ_beta > 0.0f && params.situ_linear_beta > 0.0f)) {
-    return invalid_argument("moe_expert_ffn_wgmma: SiTU betas must be positive");
-  }
+  DS_RETURN_IF_ERROR(detail::validate_moe_ffn_glu(params, "moe_expert_ffn_wgmma"));
   if (R == 0) return Status::ok();
-  if (w.gate_up == nullptr || w.down == nullptr || params.x_sorted == nullptr || params.expert_offsets == nullptr ||
-      params.activated == nullptr || params.y_sorted == nullptr) {
-    return invalid_argument("moe_expert_ffn_wgmma: weights, x_sorted, expert_offsets, activated, y_sorted: non-null");
-  }
-  if (!aligned16(w.gate_up) || !aligned16(w.down) || !aligned16(params.x_sorted) || !aligned16(params.activated) ||
-      (reinterpret_cast<uintptr_t>(params.y_sorted) & 7u) != 0) {
-    return invalid_argument(
-        "moe_expert_ffn_wgmma: gate_up, down, x_sorted, activated must be 16-byte aligned, y_sorted 8-byte");
-  }
+  DS_RETURN_IF_ERROR(detail::validate_moe_ffn_buffers(params, "moe_expert_ffn_wgmma"));
   int device = 0, major = 0, minor = 0, sms = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||

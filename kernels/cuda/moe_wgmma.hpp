@@ -27,4 +27,15 @@ enum class MoeWgmmaStage { kBoth, kGateUp, kDown };
 Status moe_expert_ffn_wgmma(const MoeFfnParams& params, cudaStream_t stream,
                             MoeWgmmaStage stage = MoeWgmmaStage::kBoth);
 
+namespace detail {
+// Host-side checks of MoeFfnParams that moe_expert_ffn_grouped and moe_expert_ffn_wgmma share (moe_ffn_grouped.cu);
+// each returns kInvalidArgument with `who` (the launcher) at the start of the message.
+// num_experts in [1, kMoeMaxExperts]; width and intermediate positive multiples of 8, at most 2^30.
+Status validate_moe_ffn_sizes(const MoeFfnParams& params, const char* who);
+// SiTU betas positive when glu is kSitu.
+Status validate_moe_ffn_glu(const MoeFfnParams& params, const char* who);
+// Weights and row buffers non-null; gate_up, down, x_sorted, activated 16-byte aligned, y_sorted 8-byte.
+Status validate_moe_ffn_buffers(const MoeFfnParams& params, const char* who);
+}  // namespace detail
+
 }  // namespace deltaserve::kernels::cuda
