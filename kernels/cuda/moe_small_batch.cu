@@ -28,6 +28,7 @@
 #include <string>
 
 #include "kernels/cuda/activations.cuh"
+#include "kernels/cuda/bf16_stream.cuh"
 #include "kernels/cuda/launch_status.hpp"
 #include "kernels/cuda/moe.hpp"
 #include "kernels/cuda/moe_route.cuh"
@@ -49,33 +50,7 @@ constexpr size_t kSharedLimit = 48 * 1024;  // default dynamic + static limit: n
 
 // ---- small device helpers -------------------------------------------------------------------------------------
 
-__device__ __forceinline__ uint4 load_stream(const uint4* address) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(address));
-  return v;
-}
-
-__device__ __forceinline__ float bf16_low(uint32_t pair) {
-  return __uint_as_float(pair << 16);
-}
-__device__ __forceinline__ float bf16_high(uint32_t pair) {
-  return __uint_as_float(pair & 0xffff0000u);
-}
-
-// acc + dot of 8 bf16 pairs, in element order.
-__device__ __forceinline__ float dot8(const uint4& w, const uint4& x, float acc) {
-  acc = fmaf(bf16_low(w.x), bf16_low(x.x), acc);
-  acc = fmaf(bf16_high(w.x), bf16_high(x.x), acc);
-  acc = fmaf(bf16_low(w.y), bf16_low(x.y), acc);
-  acc = fmaf(bf16_high(w.y), bf16_high(x.y), acc);
-  acc = fmaf(bf16_low(w.z), bf16_low(x.z), acc);
-  acc = fmaf(bf16_high(w.z), bf16_high(x.z), acc);
-  acc = fmaf(bf16_low(w.w), bf16_low(x.w), acc);
-  acc = fmaf(bf16_high(w.w), bf16_high(x.w), acc);
-  return acc;
-}
+using detail::load_streaming;
 
 // acc + dot of 4 fp32 pairs, in element order.
 __device__ __forceinline__ float dot4(const uint4& w, const float4& x, float acc) {
@@ -171,8 +146,8 @@ __device__ __forceinline__ void gate_up_column(const LayerArgs& a, const __nv_bf
     for (int c = 0; c < CPL; ++c) {
       const int ch = base + 32 * c;
       if (ch < chunks) {
-        wg[c] = load_stream(gate + ch);
-        wu[c] = load_stream(up + ch);
+        wg[c] = load_streaming(gate + ch);
+        wu[c] = load_streaming(up + ch);
       } else {
         wg[c] = wu[c] = make_uint4(0u, 0u, 0u, 0u);
       }
@@ -189,8 +164,8 @@ __device__ __forceinline__ void gate_up_column(const LayerArgs& a, const __nv_bf
         const int ch = base + 32 * c;
         if (ch < chunks) {
           const uint4 xv = __ldg(xr + ch);
-          g = dot8(wg[c], xv, g);
-          u = dot8(wu[c], xv, u);
+          g = detail::dot8_bf16(wg[c], xv, g);
+          u = detail::dot8_bf16(wu[c], xv, u);
         }
       }
       g = warp_sum(g);
@@ -364,7 +339,7 @@ __global__ void __launch_bounds__(kThreads, 2) small_batch_front_kernel(const __
 #pragma unroll
       for (int q = 0; q < kGroup; ++q) {
         const int ch = base + 32 * q;
-        wv[q] = ch < c1 ? load_stream(w + ch) : make_uint4(0u, 0u, 0u, 0u);
+        wv[q] = ch < c1 ? load_streaming(w + ch) : make_uint4(0u, 0u, 0u, 0u);
       }
 #pragma unroll
       for (int t = 0; t < kMaxTokens; ++t) {
@@ -500,7 +475,7 @@ __global__ void __launch_bounds__(kThreads, 2) small_batch_down_kernel(const __g
 #pragma unroll
           for (int q = 0; q < CPL; ++q) {
             const int ch = seg * kSegment + lane + 32 * q;
-            wv[u][c][q] = ch < chunks[u] ? load_stream(w_rows[u][c] + ch) : make_uint4(0u, 0u, 0u, 0u);
+            wv[u][c][q] = ch < chunks[u] ? load_streaming(w_rows[u][c] + ch) : make_uint4(0u, 0u, 0u, 0u);
           }
         }
       }
@@ -517,7 +492,7 @@ __global__ void __launch_bounds__(kThreads, 2) small_batch_down_kernel(const __g
             if (ch < chunks[u]) {
               const uint4 xv = __ldg(x + ch);
 #pragma unroll
-              for (int c = 0; c < C; ++c) y[c] = dot8(wv[u][c][q], xv, y[c]);
+              for (int c = 0; c < C; ++c) y[c] = detail::dot8_bf16(wv[u][c][q], xv, y[c]);
             }
           }
 #pragma unroll

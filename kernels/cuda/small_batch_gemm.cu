@@ -11,6 +11,7 @@
 #include <cstring>
 #include <string>
 
+#include "kernels/cuda/bf16_stream.cuh"
 #include "kernels/cuda/launch_status.hpp"
 #include "kernels/cuda/small_batch.hpp"
 
@@ -27,32 +28,11 @@ struct SkinnyGemmArgs {
   int64_t group_begin[kSkinnyGemmMaxOutputs + 1];
 };
 
-__device__ __forceinline__ uint4 load_streaming(const void* address) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(address));
-  return v;
-}
-
-__device__ __forceinline__ float bf16_low(uint32_t pair) {
-  return __uint_as_float(pair << 16);
-}
-__device__ __forceinline__ float bf16_high(uint32_t pair) {
-  return __uint_as_float(pair & 0xffff0000u);
-}
+using detail::load_streaming;
 
 // acc += dot of the 16-byte vectors w and x: 8 bf16 or 4 fp32 values each.
 __device__ __forceinline__ float dot16(const uint4& w, const uint4& x, float acc, __nv_bfloat16 /*tag*/) {
-  acc = fmaf(bf16_low(w.x), bf16_low(x.x), acc);
-  acc = fmaf(bf16_high(w.x), bf16_high(x.x), acc);
-  acc = fmaf(bf16_low(w.y), bf16_low(x.y), acc);
-  acc = fmaf(bf16_high(w.y), bf16_high(x.y), acc);
-  acc = fmaf(bf16_low(w.z), bf16_low(x.z), acc);
-  acc = fmaf(bf16_high(w.z), bf16_high(x.z), acc);
-  acc = fmaf(bf16_low(w.w), bf16_low(x.w), acc);
-  acc = fmaf(bf16_high(w.w), bf16_high(x.w), acc);
-  return acc;
+  return detail::dot8_bf16(w, x, acc);
 }
 __device__ __forceinline__ float dot16(const uint4& w, const uint4& x, float acc, float /*tag*/) {
   acc = fmaf(__uint_as_float(w.x), __uint_as_float(x.x), acc);
