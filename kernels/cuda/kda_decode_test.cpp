@@ -10,9 +10,9 @@
 #include <optional>
 #include <string>
 
-#include "kernels/cpu/basic_ops.hpp"
-#include "kernels/cpu/kda.hpp"
+#include "kernels/cuda/gpu_test_graph.hpp"
 #include "kernels/cuda/kda.hpp"
+#include "kernels/cuda/kda_decode_test_util.hpp"
 #include "kernels/cuda/kda_test_util.hpp"
 
 namespace deltaserve::kernels::cuda::test {
@@ -41,18 +41,8 @@ void run_decode_case_once(const DecodeCase& c, KdaDecodeKernel kernel) {
   const int H = c.heads, K = c.conv_kernel, B = static_cast<int>(c.slots.size());
   const int64_t C = static_cast<int64_t>(H) * kD;
   const size_t state_size = static_cast<size_t>(H) * kD * kD, tail_size = static_cast<size_t>(3 * C * (K - 1));
-  auto rounded = [&](size_t n, float stddev) {
-    std::vector<float> x = normal_vector(rng, n, 0.0f, stddev);
-    for (float& value : x) value = bf16_round(value);
-    return x;
-  };
-  std::vector<float> q_in = rounded(B * C, 1.0f), k_in = rounded(B * C, 1.0f), v_in = rounded(B * C, 1.0f);
-  std::vector<float> gate_raw = rounded(B * C, 2.0f), beta_raw = rounded(B * H, 1.0f);
-  std::vector<float> out_gate = rounded(B * C, 1.0f);
-  std::vector<float> q_w = normal_vector(rng, C * K, 0.0f, 0.5f), k_w = normal_vector(rng, C * K, 0.0f, 0.5f);
-  std::vector<float> v_w = normal_vector(rng, C * K, 0.0f, 0.5f);
-  std::vector<float> a_log = normal_vector(rng, H, 0.0f, 0.5f), dt_bias = normal_vector(rng, C, 0.0f, 0.5f);
-  std::vector<float> norm_w = normal_vector(rng, kD, 1.0f, 0.1f);
+  const KdaDecodeInputs in(rng, B, H);
+  const KdaDecodeWeights w(rng, H, K);
   const int L = c.layers;
   std::vector<float> conv_state = normal_vector(rng, L * c.num_slots * tail_size);
   std::vector<float> state = normal_vector(rng, L * c.num_slots * state_size, 0.0f, 0.05f);
@@ -60,24 +50,10 @@ void run_decode_case_once(const DecodeCase& c, KdaDecodeKernel kernel) {
   const float eps = 1e-5f;
 
   // Device.
-  DeviceBuffer<__nv_bfloat16> q_d(B * C), k_d(B * C), v_d(B * C), gate_d(B * C), beta_d(B * H), og_d(B * C);
   DeviceBuffer<__nv_bfloat16> out_d(L * B * C);
-  q_d.upload(to_bf16(q_in));
-  k_d.upload(to_bf16(k_in));
-  v_d.upload(to_bf16(v_in));
-  gate_d.upload(to_bf16(gate_raw));
-  beta_d.upload(to_bf16(beta_raw));
-  og_d.upload(to_bf16(out_gate));
   out_d.upload(std::vector<__nv_bfloat16>(L * B * C, bf16_nan()));
-  DeviceBuffer<float> qw_d(C * K), kw_d(C * K), vw_d(C * K), a_d(H), dt_d(C), nw_d(kD);
   DeviceBuffer<float> conv_d(conv_state.size()), state_d(state.size());
   DeviceBuffer<int32_t> slots_d(B);
-  qw_d.upload(q_w);
-  kw_d.upload(k_w);
-  vw_d.upload(v_w);
-  a_d.upload(a_log);
-  dt_d.upload(dt_bias);
-  nw_d.upload(norm_w);
   conv_d.upload(conv_state);
   state_d.upload(state);
   slots_d.upload(c.slots);
@@ -85,25 +61,7 @@ void run_decode_case_once(const DecodeCase& c, KdaDecodeKernel kernel) {
   std::vector<KdaDecodeParams> params(L);
   for (int l = 0; l < L; ++l) {
     KdaDecodeParams& p = params[l];
-    p.batch = B;
-    p.num_heads = H;
-    p.conv_kernel = K;
-    p.num_slots = c.num_slots;
-    p.slots = slots_d.get();
-    p.q_in = q_d.get();
-    p.k_in = k_d.get();
-    p.v_in = v_d.get();
-    p.gate_raw = gate_d.get();
-    p.beta_raw = beta_d.get();
-    p.out_gate = og_d.get();
-    p.q_conv_weight = qw_d.get();
-    p.k_conv_weight = kw_d.get();
-    p.v_conv_weight = vw_d.get();
-    p.a_log = a_d.get();
-    p.dt_bias = dt_d.get();
-    p.lower_bound = c.lower_bound;
-    p.o_norm_weight = nw_d.get();
-    p.rms_eps = eps;
+    p = kda_decode_params(B, H, K, c.num_slots, slots_d.get(), in, w, c.lower_bound, eps);
     p.conv_state = conv_d.get() + l * layer_tails;
     p.state = state_d.get() + l * layer_states;
     p.out = out_d.get() + static_cast<size_t>(l) * B * C;
@@ -121,17 +79,7 @@ void run_decode_case_once(const DecodeCase& c, KdaDecodeKernel kernel) {
   cudaStream_t stream;
   DS_CUDA_OK(cudaStreamCreate(&stream));
   if (c.graph) {
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    DS_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    const Status status = launch_step(stream);
-    DS_CUDA_OK(cudaStreamEndCapture(stream, &graph));
-    ASSERT_TRUE(status.is_ok()) << status.to_string();
-    DS_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-    for (int step = 0; step < c.steps; ++step) DS_CUDA_OK(cudaGraphLaunch(exec, stream));
-    DS_CUDA_OK(cudaStreamSynchronize(stream));
-    DS_CUDA_OK(cudaGraphExecDestroy(exec));
-    DS_CUDA_OK(cudaGraphDestroy(graph));
+    ASSERT_NO_FATAL_FAILURE(replay_captured(stream, cudaStreamCaptureModeGlobal, c.steps, launch_step));
   } else {
     for (int step = 0; step < c.steps; ++step) {
       const Status status = launch_step(stream);
@@ -149,19 +97,8 @@ void run_decode_case_once(const DecodeCase& c, KdaDecodeKernel kernel) {
       for (int b = 0; b < B; ++b) {
         const int slot = c.slots[b];
         if (slot < 0) continue;
-        std::vector<float> q(C), k(C), v(C), g(C), o(C);
-        float* tails = conv_ref.data() + l * layer_tails + slot * tail_size;
-        cpu::short_conv_silu(&q_in[b * C], q_w.data(), tails, q.data(), 1, C, K);
-        cpu::short_conv_silu(&k_in[b * C], k_w.data(), tails + C * (K - 1), k.data(), 1, C, K);
-        cpu::short_conv_silu(&v_in[b * C], v_w.data(), tails + 2 * C * (K - 1), v.data(), 1, C, K);
-        cpu::l2_normalize_heads(q.data(), 1, H, kD, 1e-6f, 1.0f / std::sqrt(static_cast<float>(kD)));
-        cpu::l2_normalize_heads(k.data(), 1, H, kD, 1e-6f, 1.0f);
-        cpu::kda_gate(&gate_raw[b * C], a_log.data(), dt_bias.data(), g.data(), 1, H, kD, c.lower_bound);
-        std::vector<float> beta(&beta_raw[b * H], &beta_raw[b * H] + H);
-        cpu::sigmoid_inplace(beta.data(), H);
-        const cpu::KdaInputs inputs{q.data(), k.data(), v.data(), g.data(), beta.data(), 1, H, kD, kD};
-        cpu::kda_recurrent(inputs, state_ref.data() + l * layer_states + slot * state_size, o.data());
-        cpu::kda_gated_output_norm(o.data(), &out_gate[b * C], norm_w.data(), &out_ref[(l * B + b) * C], 1, H, kD, eps);
+        cpu_decode_token(in, w, b, H, K, c.lower_bound, eps, conv_ref.data() + l * layer_tails + slot * tail_size,
+                         state_ref.data() + l * layer_states + slot * state_size, &out_ref[(l * B + b) * C]);
       }
     }
   }
@@ -353,40 +290,16 @@ TEST(KdaDecodeGpu, VariantsTiming) {
   const Variant variants[] = {
       {KdaDecodeKernel::kV1, false}, {KdaDecodeKernel::kCols1, false}, {KdaDecodeKernel::kCols1, true}};
   std::mt19937 rng(21);
-  const std::vector<float> q_w = normal_vector(rng, C * K, 0.0f, 0.5f), k_w = normal_vector(rng, C * K, 0.0f, 0.5f);
-  const std::vector<float> v_w = normal_vector(rng, C * K, 0.0f, 0.5f);
-  const std::vector<float> a_log = normal_vector(rng, H, 0.0f, 0.5f), dt_bias = normal_vector(rng, C, 0.0f, 0.5f);
-  const std::vector<float> norm_w = normal_vector(rng, kD, 1.0f, 0.1f);
-  DeviceBuffer<float> qw_d(C * K), kw_d(C * K), vw_d(C * K), a_d(H), dt_d(C), nw_d(kD);
-  qw_d.upload(q_w);
-  kw_d.upload(k_w);
-  vw_d.upload(v_w);
-  a_d.upload(a_log);
-  dt_d.upload(dt_bias);
-  nw_d.upload(norm_w);
+  const KdaDecodeWeights w(rng, H, K);
   // One slot's state and tails, copied into every (layer, slot) before each kernel runs.
   DeviceBuffer<float> state_pattern(slot_state), tails_pattern(slot_tails);
   state_pattern.upload(normal_vector(rng, slot_state, 0.0f, 0.05f));
   tails_pattern.upload(normal_vector(rng, slot_tails));
   cudaStream_t stream;
   DS_CUDA_OK(cudaStreamCreate(&stream));
-  cudaEvent_t start, stop;
-  DS_CUDA_OK(cudaEventCreate(&start));
-  DS_CUDA_OK(cudaEventCreate(&stop));
 
   for (const int B : {1, 8, 64, 256}) {
-    auto rounded = [&](size_t n) {
-      std::vector<float> x = normal_vector(rng, n);
-      for (float& value : x) value = bf16_round(value);
-      return to_bf16(x);
-    };
-    DeviceBuffer<__nv_bfloat16> q_d(B * C), k_d(B * C), v_d(B * C), gate_d(B * C), beta_d(B * H), og_d(B * C);
-    q_d.upload(rounded(B * C));
-    k_d.upload(rounded(B * C));
-    v_d.upload(rounded(B * C));
-    gate_d.upload(rounded(B * C));
-    beta_d.upload(rounded(B * H));
-    og_d.upload(rounded(B * C));
+    const KdaDecodeInputs in(rng, B, H, 1.0f);
     std::vector<int32_t> slots(B);
     for (int b = 0; b < B; ++b) slots[b] = b;
     DeviceBuffer<int32_t> slots_d(B);
@@ -397,24 +310,7 @@ TEST(KdaDecodeGpu, VariantsTiming) {
     std::vector<KdaDecodeParams> params(kLayers);
     for (int l = 0; l < kLayers; ++l) {
       KdaDecodeParams& p = params[l];
-      p.batch = B;
-      p.num_heads = H;
-      p.conv_kernel = K;
-      p.num_slots = B;
-      p.slots = slots_d.get();
-      p.q_in = q_d.get();
-      p.k_in = k_d.get();
-      p.v_in = v_d.get();
-      p.gate_raw = gate_d.get();
-      p.beta_raw = beta_d.get();
-      p.out_gate = og_d.get();
-      p.q_conv_weight = qw_d.get();
-      p.k_conv_weight = kw_d.get();
-      p.v_conv_weight = vw_d.get();
-      p.a_log = a_d.get();
-      p.dt_bias = dt_d.get();
-      p.lower_bound = -5.0f;
-      p.o_norm_weight = nw_d.get();
+      p = kda_decode_params(B, H, K, B, slots_d.get(), in, w, -5.0f, 1e-5f);
       p.conv_state = conv_d.get() + static_cast<size_t>(l) * B * slot_tails;
       p.state = state_d.get() + static_cast<size_t>(l) * B * slot_state;
       p.out = out_d.get() + static_cast<size_t>(l) * B * C;
@@ -438,26 +334,16 @@ TEST(KdaDecodeGpu, VariantsTiming) {
         p.kernel = variant.kernel;
         p.early_state_loads = variant.early;
       }
-      cudaGraph_t graph;
-      cudaGraphExec_t exec;
-      DS_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-      Status status = Status::ok();
-      for (const KdaDecodeParams& p : params) {
-        if (status.is_ok()) status = kda_decode_step(p, stream);
-      }
-      DS_CUDA_OK(cudaStreamEndCapture(stream, &graph));
-      ASSERT_TRUE(status.is_ok()) << status.to_string();
-      DS_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-      for (int i = 0; i < kWarmup; ++i) DS_CUDA_OK(cudaGraphLaunch(exec, stream));
-      DS_CUDA_OK(cudaEventRecord(start, stream));
-      for (int i = 0; i < kReplays; ++i) DS_CUDA_OK(cudaGraphLaunch(exec, stream));
-      DS_CUDA_OK(cudaEventRecord(stop, stream));
-      DS_CUDA_OK(cudaEventSynchronize(stop));
-      float ms = 0.0f;
-      DS_CUDA_OK(cudaEventElapsedTime(&ms, start, stop));
-      DS_CUDA_OK(cudaGraphExecDestroy(exec));
-      DS_CUDA_OK(cudaGraphDestroy(graph));
-      const double us = 1e3 * ms / (kReplays * kLayers);
+      const auto step = [&](cudaStream_t s) {
+        Status status = Status::ok();
+        for (const KdaDecodeParams& p : params) {
+          if (status.is_ok()) status = kda_decode_step(p, s);
+        }
+        return status;
+      };
+      double ms = 0.0;
+      ASSERT_NO_FATAL_FAILURE(time_graph_replays(stream, cudaStreamCaptureModeGlobal, kWarmup, kReplays, step, &ms));
+      const double us = 1e3 * ms / kLayers;
       std::vector<float> state(compared_slots * slot_state);
       DS_CUDA_OK(cudaMemcpy(state.data(), state_d.get(), state.size() * sizeof(float), cudaMemcpyDeviceToHost));
       std::vector<__nv_bfloat16> out_raw(static_cast<size_t>(B) * C);
@@ -482,8 +368,6 @@ TEST(KdaDecodeGpu, VariantsTiming) {
       std::fflush(stdout);
     }
   }
-  DS_CUDA_OK(cudaEventDestroy(start));
-  DS_CUDA_OK(cudaEventDestroy(stop));
   DS_CUDA_OK(cudaStreamDestroy(stream));
 }
 

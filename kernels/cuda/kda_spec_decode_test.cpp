@@ -5,9 +5,9 @@
 #include <optional>
 #include <string>
 
-#include "kernels/cpu/basic_ops.hpp"
-#include "kernels/cpu/kda.hpp"
+#include "kernels/cuda/gpu_test_graph.hpp"
 #include "kernels/cuda/kda.hpp"
+#include "kernels/cuda/kda_decode_test_util.hpp"
 #include "kernels/cuda/kda_test_util.hpp"
 
 namespace deltaserve::kernels::cuda::test {
@@ -31,68 +31,25 @@ void run_spec_case(const SpecCase& c) {
   const int H = c.heads, K = c.conv_kernel, B = static_cast<int>(c.slots.size()), k = c.draft;
   const int64_t C = static_cast<int64_t>(H) * kD;
   const size_t state_size = static_cast<size_t>(H) * kD * kD, tail_size = static_cast<size_t>(3 * C * (K - 1));
-  auto rounded = [&](size_t n, float stddev) {
-    std::vector<float> x = normal_vector(rng, n, 0.0f, stddev);
-    for (float& value : x) value = bf16_round(value);
-    return x;
-  };
   const size_t tokens = static_cast<size_t>(B) * k;
-  std::vector<float> q_in = rounded(tokens * C, 1.0f), k_in = rounded(tokens * C, 1.0f);
-  std::vector<float> v_in = rounded(tokens * C, 1.0f), gate_raw = rounded(tokens * C, 2.0f);
-  std::vector<float> beta_raw = rounded(tokens * H, 1.0f), out_gate = rounded(tokens * C, 1.0f);
-  std::vector<float> q_w = normal_vector(rng, C * K, 0.0f, 0.5f), k_w = normal_vector(rng, C * K, 0.0f, 0.5f);
-  std::vector<float> v_w = normal_vector(rng, C * K, 0.0f, 0.5f);
-  std::vector<float> a_log = normal_vector(rng, H, 0.0f, 0.5f), dt_bias = normal_vector(rng, C, 0.0f, 0.5f);
-  std::vector<float> norm_w = normal_vector(rng, kD, 1.0f, 0.1f);
+  const KdaDecodeInputs in(rng, tokens, H);
+  const KdaDecodeWeights w(rng, H, K);
   std::vector<float> conv_state = normal_vector(rng, std::max<size_t>(c.num_slots * tail_size, 1));
   std::vector<float> state = normal_vector(rng, c.num_slots * state_size, 0.0f, 0.05f);
   const float eps = 1e-5f;
   const std::optional<float> lower_bound = -5.0f;
 
-  DeviceBuffer<__nv_bfloat16> q_d(tokens * C), k_d(tokens * C), v_d(tokens * C), gate_d(tokens * C);
-  DeviceBuffer<__nv_bfloat16> beta_d(tokens * H), og_d(tokens * C), out_d(tokens * C);
-  q_d.upload(to_bf16(q_in));
-  k_d.upload(to_bf16(k_in));
-  v_d.upload(to_bf16(v_in));
-  gate_d.upload(to_bf16(gate_raw));
-  beta_d.upload(to_bf16(beta_raw));
-  og_d.upload(to_bf16(out_gate));
+  DeviceBuffer<__nv_bfloat16> out_d(tokens * C);
   out_d.upload(std::vector<__nv_bfloat16>(tokens * C, bf16_nan()));
-  DeviceBuffer<float> qw_d(C * K), kw_d(C * K), vw_d(C * K), a_d(H), dt_d(C), nw_d(kD);
   DeviceBuffer<float> conv_d(conv_state.size()), state_d(state.size());
   DeviceBuffer<float> saved_d(tokens * H * 3 * kD), saved_beta_d(tokens * H);
   DeviceBuffer<int32_t> slots_d(B), accepted_d(B);
-  qw_d.upload(q_w);
-  kw_d.upload(k_w);
-  vw_d.upload(v_w);
-  a_d.upload(a_log);
-  dt_d.upload(dt_bias);
-  nw_d.upload(norm_w);
   conv_d.upload(conv_state);
   state_d.upload(state);
   slots_d.upload(c.slots);
   accepted_d.upload(c.accepted);
 
-  KdaDecodeParams p;
-  p.batch = B;
-  p.num_heads = H;
-  p.conv_kernel = K;
-  p.num_slots = c.num_slots;
-  p.slots = slots_d.get();
-  p.q_in = q_d.get();
-  p.k_in = k_d.get();
-  p.v_in = v_d.get();
-  p.gate_raw = gate_d.get();
-  p.beta_raw = beta_d.get();
-  p.out_gate = og_d.get();
-  p.q_conv_weight = qw_d.get();
-  p.k_conv_weight = kw_d.get();
-  p.v_conv_weight = vw_d.get();
-  p.a_log = a_d.get();
-  p.dt_bias = dt_d.get();
-  p.lower_bound = lower_bound;
-  p.o_norm_weight = nw_d.get();
-  p.rms_eps = eps;
+  KdaDecodeParams p = kda_decode_params(B, H, K, c.num_slots, slots_d.get(), in, w, lower_bound, eps);
   p.conv_state = conv_d.get();
   p.state = state_d.get();
   p.out = out_d.get();
@@ -109,17 +66,9 @@ void run_spec_case(const SpecCase& c) {
   cudaStream_t stream;
   DS_CUDA_OK(cudaStreamCreate(&stream));
   if (c.graph) {
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    DS_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    const Status status = kda_spec_commit(p, k, accepted_d.get(), buffers, stream);
-    DS_CUDA_OK(cudaStreamEndCapture(stream, &graph));
-    ASSERT_TRUE(status.is_ok()) << status.to_string();
-    DS_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-    DS_CUDA_OK(cudaGraphLaunch(exec, stream));
-    DS_CUDA_OK(cudaStreamSynchronize(stream));
-    DS_CUDA_OK(cudaGraphExecDestroy(exec));
-    DS_CUDA_OK(cudaGraphDestroy(graph));
+    ASSERT_NO_FATAL_FAILURE(replay_captured(stream, cudaStreamCaptureModeGlobal, 1, [&](cudaStream_t s) {
+      return kda_spec_commit(p, k, accepted_d.get(), buffers, s);
+    }));
   } else {
     const Status status = kda_spec_commit(p, k, accepted_d.get(), buffers, stream);
     ASSERT_TRUE(status.is_ok()) << status.to_string();
@@ -137,18 +86,7 @@ void run_spec_case(const SpecCase& c) {
     std::vector<float> run_tails(conv_state.begin() + slot * tail_size, conv_state.begin() + (slot + 1) * tail_size);
     for (int j = 0; j < k; ++j) {
       const size_t token = static_cast<size_t>(b) * k + j;
-      std::vector<float> q(C), kk(C), v(C), g(C), o(C);
-      cpu::short_conv_silu(&q_in[token * C], q_w.data(), run_tails.data(), q.data(), 1, C, K);
-      cpu::short_conv_silu(&k_in[token * C], k_w.data(), run_tails.data() + C * (K - 1), kk.data(), 1, C, K);
-      cpu::short_conv_silu(&v_in[token * C], v_w.data(), run_tails.data() + 2 * C * (K - 1), v.data(), 1, C, K);
-      cpu::l2_normalize_heads(q.data(), 1, H, kD, 1e-6f, 1.0f / std::sqrt(static_cast<float>(kD)));
-      cpu::l2_normalize_heads(kk.data(), 1, H, kD, 1e-6f, 1.0f);
-      cpu::kda_gate(&gate_raw[token * C], a_log.data(), dt_bias.data(), g.data(), 1, H, kD, lower_bound);
-      std::vector<float> beta(&beta_raw[token * H], &beta_raw[token * H] + H);
-      cpu::sigmoid_inplace(beta.data(), H);
-      const cpu::KdaInputs inputs{q.data(), kk.data(), v.data(), g.data(), beta.data(), 1, H, kD, kD};
-      cpu::kda_recurrent(inputs, run_state.data(), o.data());
-      cpu::kda_gated_output_norm(o.data(), &out_gate[token * C], norm_w.data(), &out_ref[token * C], 1, H, kD, eps);
+      cpu_decode_token(in, w, token, H, K, lower_bound, eps, run_tails.data(), run_state.data(), &out_ref[token * C]);
       if (j + 1 == std::min(std::max(c.accepted[b], 0), k)) {
         std::copy(run_state.begin(), run_state.end(), state_ref.begin() + slot * state_size);
         std::copy(run_tails.begin(), run_tails.end(), conv_ref.begin() + slot * tail_size);

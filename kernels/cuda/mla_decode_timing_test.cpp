@@ -12,6 +12,7 @@
 #include <random>
 #include <vector>
 
+#include "kernels/cuda/gpu_test_graph.hpp"
 #include "kernels/cuda/kda_test_util.hpp"
 #include "kernels/cuda/mla.hpp"
 
@@ -40,33 +41,6 @@ class Values {
  private:
   uint64_t state_;
 };
-
-// Microseconds per call of `launch` (one mla_decode), captured in a graph and replayed kReplays times.
-template <class Launch>
-void time_graph(cudaStream_t stream, Launch launch, double* us) {
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  DS_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  const Status status = launch(stream);
-  DS_CUDA_OK(cudaStreamEndCapture(stream, &graph));
-  ASSERT_TRUE(status.is_ok()) << status.to_string();
-  DS_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-  DS_CUDA_OK(cudaGraphLaunch(exec, stream));  // warm-up
-  cudaEvent_t start = nullptr, stop = nullptr;
-  DS_CUDA_OK(cudaEventCreate(&start));
-  DS_CUDA_OK(cudaEventCreate(&stop));
-  DS_CUDA_OK(cudaEventRecord(start, stream));
-  for (int i = 0; i < kReplays; ++i) DS_CUDA_OK(cudaGraphLaunch(exec, stream));
-  DS_CUDA_OK(cudaEventRecord(stop, stream));
-  DS_CUDA_OK(cudaEventSynchronize(stop));
-  float ms = 0.0f;
-  DS_CUDA_OK(cudaEventElapsedTime(&ms, start, stop));
-  *us = 1e3 * ms / kReplays;
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-}
 
 TEST(MlaDecodeGpu, Timing) {
   const int max_batch = 256, max_context = 32768;
@@ -142,8 +116,10 @@ TEST(MlaDecodeGpu, Timing) {
         p.legacy_tc_attention = legacy == 1;
         p.out = out_d.get();
         DS_CUDA_OK(cudaMemsetAsync(out_d.get(), 0xff, out_d.size() * sizeof(float), stream));  // NaN
-        time_graph(
-            stream, [&](cudaStream_t s) { return mla_decode(p, s); }, &us[legacy]);
+        double ms = 0.0;
+        ASSERT_NO_FATAL_FAILURE(time_graph_replays(
+            stream, cudaStreamCaptureModeGlobal, 1, kReplays, [&](cudaStream_t s) { return mla_decode(p, s); }, &ms));
+        us[legacy] = 1e3 * ms;
         DS_CUDA_OK(cudaStreamSynchronize(stream));
         DS_CUDA_OK(cudaGetLastError());
         const std::vector<float> out = out_d.download(), ref = ref_d.download();

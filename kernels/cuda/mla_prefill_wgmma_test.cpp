@@ -23,15 +23,15 @@
 #include <vector>
 
 #include "kernels/cpu/mla.hpp"
+#include "kernels/cuda/gpu_test_graph.hpp"
 #include "kernels/cuda/kda_test_util.hpp"
 #include "kernels/cuda/mla.hpp"
+#include "kernels/cuda/mla_test_util.hpp"
 
 namespace deltaserve::kernels::cuda::test {
 namespace {
 
-struct Dims {
-  int heads, kv_lora, nope, rope, v_head;
-};
+using Dims = MlaShape;
 constexpr Dims kKimi{32, 512, 128, 64, 128};
 constexpr Dims kTinyDims{2, 32, 16, 8, 16};  // outside kV3: falls back to v2
 
@@ -52,40 +52,26 @@ std::string describe(const Dims& d, const Case& c) {
   return os.str();
 }
 
-std::vector<float> rounded_normal(std::mt19937& rng, size_t n, float stddev) {
-  std::vector<float> x = normal_vector(rng, n, 0.0f, stddev);
-  for (float& v : x) v = bf16_round(v);
-  return x;
-}
-
 // |actual - expected| <= atol + rtol |expected| element-wise; logs the first failures and the max error with its
 // (token, head, column) and the failures per 64-column half of the head (kV3 computes the halves from separate
 // shared-memory boxes of V); returns the number outside.
 size_t compare(const std::string& name, const std::vector<float>& actual, const std::vector<float>& expected, size_t n,
                int heads, int v_head, double atol, double rtol) {
-  double max_err = 0.0;
-  size_t max_at = 0, failures = 0, failures_high_half = 0;
+  size_t failures_high_half = 0;
   auto where = [&](size_t i) {
     std::ostringstream os;
     os << "token " << i / (static_cast<size_t>(heads) * v_head) << " head " << i / v_head % heads << " col "
        << i % v_head;
     return os.str();
   };
-  for (size_t i = 0; i < n; ++i) {
-    const double err = std::isfinite(actual[i]) ? std::fabs(static_cast<double>(actual[i]) - expected[i]) : INFINITY;
-    if (err > max_err) {
-      max_err = err;
-      max_at = i;
-    }
-    if (err > atol + rtol * std::fabs(expected[i])) {
-      if (failures < 5) {
-        ADD_FAILURE() << name << ": " << where(i) << ": expected " << expected[i] << " got " << actual[i]
-                      << " (abs err " << err << ")";
-      }
-      ++failures;
-      if (i % v_head >= 64) ++failures_high_half;
-    }
-  }
+  const auto [max_err, max_at, failures] =
+      scan_errors(actual, expected, n, atol, rtol, [&](size_t i, double err, size_t earlier) {
+        if (earlier < 5) {
+          ADD_FAILURE() << name << ": " << where(i) << ": expected " << expected[i] << " got " << actual[i]
+                        << " (abs err " << err << ")";
+        }
+        if (i % v_head >= 64) ++failures_high_half;
+      });
   if (n > 0) {
     std::printf(
         "  [%s] max abs err %.3g at %s (expected %.6g got %.6g); relative L2 %.3g; %zu of %zu outside (columns "
@@ -127,93 +113,43 @@ void run_case(const Dims& dims, const Case& c, uint32_t seed) {
   const int max_pages = (longest + ps - 1) / ps + 1;
 
   // Pages in shuffled order; table entries past a sequence's pages hold garbage ids (never read).
-  std::vector<int32_t> page_ids(total_pages);
-  std::iota(page_ids.begin(), page_ids.end(), 0);
-  std::shuffle(page_ids.begin(), page_ids.end(), rng);
-  std::vector<int32_t> table(static_cast<size_t>(N) * max_pages);
-  const int32_t garbage[3] = {-1, INT32_MAX, total_pages + 5};
-  for (size_t i = 0; i < table.size(); ++i) table[i] = garbage[i % 3];
-  std::vector<__nv_bfloat16> pool(static_cast<size_t>(total_pages) * num_layers * ps * row_stride, bf16_nan());
-  std::vector<std::vector<float>> caches(N);
-  int next_page = 0;
-  for (int n = 0; n < N; ++n) {
-    for (int p = 0; p < (c.contexts[n] + ps - 1) / ps; ++p)
-      table[static_cast<size_t>(n) * max_pages + p] = page_ids[next_page++];
-    caches[n] = rounded_normal(rng, static_cast<size_t>(c.contexts[n]) * width, 1.0f);
-    for (int j = 0; j < c.contexts[n]; ++j) {
-      const int64_t page = table[static_cast<size_t>(n) * max_pages + j / ps];
-      const size_t base = static_cast<size_t>(((page * num_layers + layer) * ps + j % ps) * row_stride);
-      for (int e = 0; e < width; ++e) pool[base + e] = __float2bfloat16(caches[n][static_cast<size_t>(j) * width + e]);
-    }
-  }
+  const PagedMlaCache cache =
+      paged_mla_cache(rng, c.contexts, width, row_stride, num_layers, layer, ps, total_pages, max_pages, 5);
   const int64_t q_stride = static_cast<int64_t>(H) * q_width + c.q_stride_pad;
-  const std::vector<float> q = rounded_normal(rng, static_cast<size_t>(T) * H * q_width, 1.0f);
-  std::vector<__nv_bfloat16> q_host(static_cast<size_t>(std::max<int64_t>(T, 1)) * q_stride, bf16_nan());
-  for (int64_t t = 0; t < T; ++t) {
-    for (int i = 0; i < H * q_width; ++i) q_host[t * q_stride + i] = __float2bfloat16(q[t * H * q_width + i]);
-  }
-  const std::vector<float> kv_b =
-      rounded_normal(rng, static_cast<size_t>(H) * (nope + v_head) * kv, 1.0f / std::sqrt(static_cast<float>(kv)));
+  const std::vector<float> q = rounded_normal(rng, static_cast<size_t>(T) * H * q_width, 0.0f, 1.0f);
+  const std::vector<__nv_bfloat16> q_host = padded_q(q, T, H * q_width, q_stride);
+  const std::vector<float> kv_b = rounded_normal(rng, static_cast<size_t>(H) * (nope + v_head) * kv, 0.0f,
+                                                 1.0f / std::sqrt(static_cast<float>(kv)));
   const float scale = 1.0f / std::sqrt(static_cast<float>(q_width));
-
-  std::vector<float> expected(static_cast<size_t>(T) * H * v_head, 0.0f);
   const cpu::MlaDims cpu_dims{H, kv, nope, rope, v_head, scale};
-  for (int n = 0; n < N; ++n) {
-    if (c.q_lens[n] == 0) continue;
-    cpu::mla_attention_naive(cpu_dims, q.data() + static_cast<size_t>(cu_q[n]) * H * q_width, c.q_lens[n],
-                             c.contexts[n] - c.q_lens[n], caches[n].data(), width, c.contexts[n], kv_b.data(),
-                             expected.data() + static_cast<size_t>(cu_q[n]) * H * v_head);
-  }
+  const std::vector<float> expected = mla_reference(cpu_dims, q, cu_q, c.q_lens, c.contexts, cache.caches, width, kv_b);
 
   const size_t out_size = expected.size(), out_pad = 64;
-  DeviceBuffer<__nv_bfloat16> pool_d(pool.size()), q_d(q_host.size()), kv_b_d(kv_b.size());
-  DeviceBuffer<int32_t> cu_q_d(N + 1), ctx_d(std::max(N, 1)), table_d(std::max<size_t>(table.size(), 1));
+  DeviceBuffer<__nv_bfloat16> pool_d(cache.pool.size()), q_d(q_host.size()), kv_b_d(kv_b.size());
+  DeviceBuffer<int32_t> cu_q_d(N + 1), ctx_d(std::max(N, 1)), table_d(std::max<size_t>(cache.table.size(), 1));
   DeviceBuffer<float> out_d(out_size + out_pad);
-  pool_d.upload(pool);
+  pool_d.upload(cache.pool);
   q_d.upload(q_host);
   kv_b_d.upload(to_bf16(kv_b));
   cu_q_d.upload(cu_q);
   std::vector<int32_t> contexts(c.contexts.begin(), c.contexts.end());
   contexts.push_back(0);  // keeps data() valid for N = 0
   ctx_d.upload(std::vector<int32_t>(contexts.begin(), contexts.begin() + std::max(N, 1)));
-  table_d.upload(table);
+  table_d.upload(cache.table);
   const int rows = c.block_rows > 0 ? c.block_rows : longest;
   const size_t ws_bytes = mla_prefill_workspace_bytes(H, kv, nope, rope, v_head, T, rows);
   DeviceBuffer<char> ws_d(ws_bytes);
   ASSERT_NE(ws_d.get(), nullptr);
-  cublasHandle_t cublas = nullptr;
-  ASSERT_EQ(cublasCreate(&cublas), CUBLAS_STATUS_SUCCESS);
-  struct HandleGuard {
-    cublasHandle_t handle;
-    ~HandleGuard() { cublasDestroy(handle); }
-  } guard{cublas};
+  CublasHandle cublas;
+  ASSERT_EQ(cublasCreate(&cublas.handle), CUBLAS_STATUS_SUCCESS);
 
-  MlaAttentionParams p;
-  p.num_heads = H;
-  p.kv_lora_rank = kv;
-  p.qk_nope = nope;
-  p.qk_rope = rope;
-  p.v_head = v_head;
-  p.softmax_scale = scale;
-  p.pool = MlaPagePool{pool_d.get(), total_pages, num_layers, ps, row_stride, width};
-  p.layer = layer;
-  p.num_seqs = N;
-  p.num_tokens = T;
-  p.cu_q = cu_q_d.get();
-  p.context_lens = ctx_d.get();
-  p.block_tables = table_d.get();
-  p.max_pages_per_seq = max_pages;
-  p.max_context = longest;
-  p.q = q_d.get();
-  p.q_stride = q_stride;
-  p.kv_b = kv_b_d.get();
-  p.out = out_d.get();
-  p.workspace = ws_d.get();
-  p.workspace_bytes = ws_bytes;
+  const MlaSeqTables seqs{N, T, cu_q_d.get(), ctx_d.get(), table_d.get(), max_pages, longest};
+  MlaAttentionParams p = mla_params(dims, MlaPagePool{pool_d.get(), total_pages, num_layers, ps, row_stride, width},
+                                    layer, seqs, q_d.get(), q_stride, kv_b_d.get(), out_d.get(), ws_d.get(), ws_bytes);
   p.prefill_form = MlaPrefillForm::kNaive;
   p.host_cu_q = cu_q.data();
   p.host_context_lens = contexts.data();
-  p.cublas = cublas;
+  p.cublas = cublas.handle;
 
   const bool v3_covers = detail::mla_wgmma_prefill_supported(nope, rope, v_head, q_d.get(), q_stride);
   if (v3_covers) {
@@ -256,20 +192,10 @@ void run_case(const Dims& dims, const Case& c, uint32_t seed) {
     run(MlaNaiveKernel::kV3, stream, &warm);  // cuBLAS settles its workspace for this stream outside the capture
     DS_CUDA_OK(cudaMemset(ws_d.get(), 0xff, ws_bytes));
     out_d.upload(std::vector<float>(out_size + out_pad, NAN));
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    DS_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed));
     p.naive_kernel = MlaNaiveKernel::kV3;
-    const Status status = mla_prefill(p, stream);
-    DS_CUDA_OK(cudaStreamEndCapture(stream, &graph));
-    ASSERT_TRUE(status.is_ok()) << status.to_string();
-    DS_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-    DS_CUDA_OK(cudaGraphLaunch(exec, stream));
-    DS_CUDA_OK(cudaGraphLaunch(exec, stream));
-    DS_CUDA_OK(cudaStreamSynchronize(stream));
+    ASSERT_NO_FATAL_FAILURE(
+        replay_captured(stream, cudaStreamCaptureModeRelaxed, 2, [&](cudaStream_t s) { return mla_prefill(p, s); }));
     const std::vector<float> replayed = out_d.download();
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
     cudaStreamDestroy(stream);
     EXPECT_EQ(bitwise_differences(replayed, v3, out_size), 0u) << "graph replay differs from the direct kV3 call";
     EXPECT_EQ(bitwise_differences(warm, v3, out_size), 0u) << "kV3 is not deterministic";
@@ -344,71 +270,26 @@ TEST(MlaPrefillWgmmaGpu, Timing) {
   ASSERT_TRUE(detail::mla_wgmma_prefill_ready()) << "kV3 cannot run on this device";
   const char* saved_env = std::getenv("DELTASERVE_MLA_PREFILL_V3_PINGPONG");
   const std::string saved = saved_env != nullptr ? saved_env : "";
-  cublasHandle_t cublas = nullptr;
-  ASSERT_EQ(cublasCreate(&cublas), CUBLAS_STATUS_SUCCESS);
-  struct HandleGuard {
-    cublasHandle_t handle;
-    ~HandleGuard() { cublasDestroy(handle); }
-  } guard{cublas};
+  CublasHandle handle;
+  ASSERT_EQ(cublasCreate(&handle.handle), CUBLAS_STATUS_SUCCESS);
+  cublasHandle_t cublas = handle.handle;
   cudaEvent_t start = nullptr, stop = nullptr;
   DS_CUDA_OK(cudaEventCreate(&start));
   DS_CUDA_OK(cudaEventCreate(&stop));
 
   for (const int64_t context : {int64_t{8192}, int64_t{16384}, int64_t{32768}}) {
-    const int pages = static_cast<int>(context / ps);
-    uint64_t state = 0x9e3779b97f4a7c15ull + static_cast<uint64_t>(context);
-    auto next = [&state] {  // deterministic values in [-1.7, 1.7) (variance about 1)
-      state = state * 6364136223846793005ull + 1442695040888963407ull;
-      return (static_cast<float>(state >> 40) / 16777216.0f * 2.0f - 1.0f) * 1.7f;
-    };
-    std::vector<__nv_bfloat16> pool(static_cast<size_t>(pages) * ps * width), q(static_cast<size_t>(T) * H * q_width);
-    std::vector<__nv_bfloat16> kv_b(static_cast<size_t>(H) * (nope + v_head) * kv);
-    for (auto& x : pool) x = __float2bfloat16(next());
-    for (auto& x : q) x = __float2bfloat16(next());
-    for (auto& x : kv_b) x = __float2bfloat16(next() / std::sqrt(static_cast<float>(kv)));
-    std::vector<int32_t> table(pages);
-    std::iota(table.begin(), table.end(), 0);
-    std::mt19937 rng(7);
-    std::shuffle(table.begin(), table.end(), rng);
-    const std::vector<int32_t> cu_q = {0, static_cast<int32_t>(T)}, contexts = {static_cast<int32_t>(context)};
-    DeviceBuffer<__nv_bfloat16> pool_d(pool.size()), q_d(q.size()), kv_b_d(kv_b.size());
-    DeviceBuffer<int32_t> cu_d(2), ctx_d(1), table_d(table.size());
+    const MlaLongChunk chunk(d, T, context, ps, 0x9e3779b97f4a7c15ull + static_cast<uint64_t>(context));
+    if (::testing::Test::HasFatalFailure()) return;
     const size_t out_size = static_cast<size_t>(T) * H * v_head;
     DeviceBuffer<float> out_v2(out_size), out_v3(out_size);
-    pool_d.upload(pool);
-    q_d.upload(q);
-    kv_b_d.upload(kv_b);
-    cu_d.upload(cu_q);
-    ctx_d.upload(contexts);
-    table_d.upload(table);
     const size_t ws_bytes = mla_prefill_workspace_bytes(H, kv, nope, rope, v_head, T, static_cast<int>(context));
     DeviceBuffer<char> ws_d(ws_bytes);
     ASSERT_NE(ws_d.get(), nullptr) << "workspace of " << ws_bytes << " bytes";
 
-    MlaAttentionParams p;
-    p.num_heads = H;
-    p.kv_lora_rank = kv;
-    p.qk_nope = nope;
-    p.qk_rope = rope;
-    p.v_head = v_head;
-    p.softmax_scale = 1.0f / std::sqrt(static_cast<float>(q_width));
-    p.pool = MlaPagePool{pool_d.get(), pages, 1, ps, width, width};
-    p.layer = 0;
-    p.num_seqs = 1;
-    p.num_tokens = T;
-    p.cu_q = cu_d.get();
-    p.context_lens = ctx_d.get();
-    p.block_tables = table_d.get();
-    p.max_pages_per_seq = pages;
-    p.max_context = static_cast<int>(context);
-    p.q = q_d.get();
-    p.q_stride = static_cast<int64_t>(H) * q_width;
-    p.kv_b = kv_b_d.get();
-    p.workspace = ws_d.get();
-    p.workspace_bytes = ws_bytes;
+    MlaAttentionParams p = chunk.params(d, ws_d.get(), ws_bytes);
     p.prefill_form = MlaPrefillForm::kNaive;
-    p.host_cu_q = cu_q.data();
-    p.host_context_lens = contexts.data();
+    p.host_cu_q = chunk.cu_q.data();
+    p.host_context_lens = chunk.contexts.data();
     p.cublas = cublas;
 
     const double pairs = static_cast<double>(T) * (context - T) + static_cast<double>(T) * (T + 1) / 2;
@@ -427,8 +308,8 @@ TEST(MlaPrefillWgmmaGpu, Timing) {
       const float one = 1.0f, zero = 0.0f;
       auto gemm = [&] {
         return cublasGemmEx(cublas, CUBLAS_OP_T, CUBLAS_OP_N, kv_cols, static_cast<int>(context), kv, &one,
-                            kv_b_d.get(), CUDA_R_16BF, kv, pool_d.get(), CUDA_R_16BF, width, &zero, decompressed.get(),
-                            CUDA_R_16BF, kv_cols, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+                            chunk.kv_b_d.get(), CUDA_R_16BF, kv, chunk.pool_d.get(), CUDA_R_16BF, width, &zero,
+                            decompressed.get(), CUDA_R_16BF, kv_cols, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
       };
       ASSERT_EQ(gemm(), CUBLAS_STATUS_SUCCESS);
       DS_CUDA_OK(cudaEventRecord(start, nullptr));
@@ -445,16 +326,11 @@ TEST(MlaPrefillWgmmaGpu, Timing) {
       p.naive_kernel = variant == 0 ? MlaNaiveKernel::kV2 : MlaNaiveKernel::kV3;
       p.out = variant == 0 ? out_v2.get() : out_v3.get();
       ASSERT_EQ(setenv("DELTASERVE_MLA_PREFILL_V3_PINGPONG", variant == 2 ? "1" : "0", 1), 0);
-      Status status = mla_prefill(p, nullptr);  // warm-up (and the output compared below)
+      const Status status = mla_prefill(p, nullptr);  // warm-up (and the output compared below)
       ASSERT_TRUE(status.is_ok()) << status.to_string();
-      DS_CUDA_OK(cudaEventRecord(start, nullptr));
-      for (int i = 0; i < kCalls && status.is_ok(); ++i) status = mla_prefill(p, nullptr);
-      DS_CUDA_OK(cudaEventRecord(stop, nullptr));
-      ASSERT_TRUE(status.is_ok()) << status.to_string();
-      DS_CUDA_OK(cudaEventSynchronize(stop));
-      DS_CUDA_OK(cudaGetLastError());
       float ms = 0.0f;
-      DS_CUDA_OK(cudaEventElapsedTime(&ms, start, stop));
+      ASSERT_NO_FATAL_FAILURE(time_eager_calls(
+          nullptr, kCalls, [&](cudaStream_t s) { return mla_prefill(p, s); }, &ms));
       ms /= kCalls;
       const double call_rate = naive_flops / (ms * 1e-3);
       const double attention_ms = ms - gemm_ms;

@@ -26,14 +26,13 @@
 
 #include "kernels/cpu/basic_ops.hpp"
 #include "kernels/cpu/mla.hpp"
+#include "kernels/cuda/gpu_test_graph.hpp"
 #include "kernels/cuda/kda_test_util.hpp"
+#include "kernels/cuda/mla_test_util.hpp"
 
 namespace deltaserve::kernels::cuda::test {
 namespace {
 
-struct MlaShape {
-  int heads, kv_lora, nope, rope, v_head;
-};
 constexpr MlaShape kTiny{2, 32, 16, 8, 16};
 constexpr MlaShape kKimi48B{32, 512, 128, 64, 128};
 constexpr MlaShape kK3{96, 512, 128, 64, 128};  // 3 head groups of 32
@@ -49,34 +48,19 @@ bool is_poison(__nv_bfloat16 x) {
   return __nv_bfloat16_raw(x).x == __nv_bfloat16_raw(bf16_nan()).x;
 }
 
-std::vector<float> rounded_normal(std::mt19937& rng, size_t n, float mean, float stddev) {
-  std::vector<float> x = normal_vector(rng, n, mean, stddev);
-  for (float& v : x) v = bf16_round(v);
-  return x;
-}
-
 // Element-wise |actual - expected| <= atol + rtol |expected| (see the file comment); logs the first failures and
 // the max error with its index (`where` names it).
 template <class Where>
 void compare_outputs(const std::string& name, const std::vector<float>& actual, const std::vector<float>& expected,
                      size_t n, bool fp32, Where where) {
   const float atol = fp32 ? 5e-3f : 2e-2f, rtol = fp32 ? 5e-3f : 1e-2f;
-  double max_err = 0.0;
-  size_t max_at = 0, failures = 0;
-  for (size_t i = 0; i < n; ++i) {
-    const double err = std::isfinite(actual[i]) ? std::fabs(static_cast<double>(actual[i]) - expected[i]) : INFINITY;
-    if (err > max_err) {
-      max_err = err;
-      max_at = i;
-    }
-    if (err > atol + rtol * std::fabs(expected[i])) {
-      if (failures < 5) {
-        ADD_FAILURE() << name << ": mismatch at " << where(i) << ": expected " << expected[i] << " got " << actual[i]
-                      << " (abs err " << err << ")";
-      }
-      ++failures;
-    }
-  }
+  const auto [max_err, max_at, failures] =
+      scan_errors(actual, expected, n, atol, rtol, [&](size_t i, double err, size_t earlier) {
+        if (earlier < 5) {
+          ADD_FAILURE() << name << ": mismatch at " << where(i) << ": expected " << expected[i] << " got " << actual[i]
+                        << " (abs err " << err << ")";
+        }
+      });
   if (n > 0) {
     const double rel = relative_error(actual.data(), expected.data(), n);
     std::printf(
@@ -154,27 +138,12 @@ void check_attention(const MlaShape& shape, const Batch& batch, uint32_t seed) {
   for (int n = 0; n < N; ++n) max_pages = std::max(max_pages, (batch.contexts[n] + ps - 1) / ps + 1);
 
   // Pages: shuffled ids; table entries past a sequence's pages hold garbage ids (never read).
-  std::vector<int32_t> page_ids(total_pages);
-  std::iota(page_ids.begin(), page_ids.end(), 0);
-  std::shuffle(page_ids.begin(), page_ids.end(), rng);
-  const int32_t garbage[3] = {-1, INT32_MAX, total_pages + 7};
-  std::vector<int32_t> table(static_cast<size_t>(N) * max_pages);
-  for (size_t i = 0; i < table.size(); ++i) table[i] = garbage[i % 3];
-  const size_t pool_size = static_cast<size_t>(total_pages) * num_layers * ps * row_stride;
-  std::vector<__nv_bfloat16> pool(pool_size, bf16_nan());
-  std::vector<std::vector<float>> caches(N);  // contiguous [context, width] per sequence (CPU side)
-  int next_page = 0;
-  for (int n = 0; n < N; ++n) {
-    const int context = batch.contexts[n];
-    for (int p = 0; p < (context + ps - 1) / ps; ++p)
-      table[static_cast<size_t>(n) * max_pages + p] = page_ids[next_page++];
-    caches[n] = rounded_normal(rng, static_cast<size_t>(context) * width, 0.0f, 1.0f);
-    for (int j = 0; j < context; ++j) {
-      const int64_t page = table[static_cast<size_t>(n) * max_pages + j / ps];
-      const size_t base = static_cast<size_t>(((page * num_layers + layer) * ps + j % ps) * row_stride);
-      for (int c = 0; c < width; ++c) pool[base + c] = __float2bfloat16(caches[n][static_cast<size_t>(j) * width + c]);
-    }
-  }
+  PagedMlaCache cache =
+      paged_mla_cache(rng, batch.contexts, width, row_stride, num_layers, layer, ps, total_pages, max_pages, 7);
+  std::vector<int32_t>& table = cache.table;
+  std::vector<__nv_bfloat16>& pool = cache.pool;
+  std::vector<std::vector<float>>& caches = cache.caches;  // contiguous [context, width] per sequence (CPU side)
+  const size_t pool_size = pool.size();
   if (batch.write_kernel) {
     // The same positions written by mla_write_rows from fp32 kv rows (latent RMS-normed), in one call for all
     // sequences; the CPU reference then reads the rows back from the pool.
@@ -212,8 +181,7 @@ void check_attention(const MlaShape& shape, const Batch& batch, uint32_t seed) {
     pool = pool_w.download();
     for (int n = 0; n < N; ++n) {
       for (int j = 0; j < batch.contexts[n]; ++j) {
-        const int64_t page = table[static_cast<size_t>(n) * max_pages + j / ps];
-        const size_t base = static_cast<size_t>(((page * num_layers + layer) * ps + j % ps) * row_stride);
+        const size_t base = cache.row(n, j);
         for (int c = 0; c < width; ++c) {
           caches[n][static_cast<size_t>(j) * width + c] = __bfloat162float(pool[base + c]);
           ASSERT_TRUE(std::isfinite(caches[n][static_cast<size_t>(j) * width + c])) << "row not written";
@@ -223,25 +191,15 @@ void check_attention(const MlaShape& shape, const Batch& batch, uint32_t seed) {
   }
   // q with a NaN-padded row stride; kv_b.
   const int64_t q_stride = static_cast<int64_t>(H) * q_width + 8;
-  std::vector<float> q = rounded_normal(rng, static_cast<size_t>(T) * H * q_width, 0.0f, 1.0f);
-  std::vector<__nv_bfloat16> q_host(static_cast<size_t>(std::max<int64_t>(T, 1)) * q_stride, bf16_nan());
-  for (int64_t t = 0; t < T; ++t) {
-    for (int i = 0; i < H * q_width; ++i) q_host[t * q_stride + i] = __float2bfloat16(q[t * H * q_width + i]);
-  }
-  std::vector<float> kv_b =
+  const std::vector<float> q = rounded_normal(rng, static_cast<size_t>(T) * H * q_width, 0.0f, 1.0f);
+  const std::vector<__nv_bfloat16> q_host = padded_q(q, T, H * q_width, q_stride);
+  const std::vector<float> kv_b =
       rounded_normal(rng, static_cast<size_t>(H) * (nope + v_head) * kv, 0.0f, 1.0f / std::sqrt(float(kv)));
   const float scale = 1.0f / std::sqrt(static_cast<float>(q_width));
 
   // CPU reference.
-  std::vector<float> expected(static_cast<size_t>(T) * H * v_head, 0.0f);
   const cpu::MlaDims dims{H, kv, nope, rope, v_head, scale};
-  for (int n = 0; n < N; ++n) {
-    const int q_len = batch.q_lens[n];
-    if (q_len == 0) continue;
-    cpu::mla_attention_naive(dims, q.data() + static_cast<size_t>(cu_q[n]) * H * q_width, q_len,
-                             batch.contexts[n] - q_len, caches[n].data(), width, batch.contexts[n], kv_b.data(),
-                             expected.data() + static_cast<size_t>(cu_q[n]) * H * v_head);
-  }
+  const std::vector<float> expected = mla_reference(dims, q, cu_q, batch.q_lens, batch.contexts, caches, width, kv_b);
 
   // GPU.
   const size_t out_size = static_cast<size_t>(T) * H * v_head, out_pad = 64;
@@ -260,28 +218,9 @@ void check_attention(const MlaShape& shape, const Batch& batch, uint32_t seed) {
     ASSERT_NE(ws_d.get(), nullptr) << "workspace of " << ws_bytes << " bytes";
   }
 
-  MlaAttentionParams p;
-  p.num_heads = H;
-  p.kv_lora_rank = kv;
-  p.qk_nope = nope;
-  p.qk_rope = rope;
-  p.v_head = v_head;
-  p.softmax_scale = scale;
-  p.pool = MlaPagePool{pool_d.get(), total_pages, num_layers, ps, row_stride, width};
-  p.layer = layer;
-  p.num_seqs = N;
-  p.num_tokens = T;
-  p.cu_q = cu_q_d.get();
-  p.context_lens = ctx_d.get();
-  p.block_tables = table_d.get();
-  p.max_pages_per_seq = max_pages;
-  p.max_context = max_context;
-  p.q = q_d.get();
-  p.q_stride = q_stride;
-  p.kv_b = kv_b_d.get();
-  p.out = out_d.get();
-  p.workspace = ws_d.get();
-  p.workspace_bytes = ws_bytes;
+  const MlaSeqTables seqs{N, T, cu_q_d.get(), ctx_d.get(), table_d.get(), max_pages, max_context};
+  MlaAttentionParams p = mla_params(shape, MlaPagePool{pool_d.get(), total_pages, num_layers, ps, row_stride, width},
+                                    layer, seqs, q_d.get(), q_stride, kv_b_d.get(), out_d.get(), ws_d.get(), ws_bytes);
   // The naive form's inputs: host copies of the tables, a cuBLAS handle, its own workspace (one block covering
   // the longest context, or blocks of batch.naive_block_rows rows).
   std::vector<int32_t> contexts_host(batch.contexts.begin(), batch.contexts.end());
@@ -290,12 +229,8 @@ void check_attention(const MlaShape& shape, const Batch& batch, uint32_t seed) {
   const int naive_rows = batch.naive_block_rows > 0 ? batch.naive_block_rows : longest;
   const size_t naive_ws_bytes = mla_prefill_workspace_bytes(H, kv, nope, rope, v_head, T, naive_rows);
   DeviceBuffer<char> naive_ws_d(naive_ws_bytes);
-  cublasHandle_t cublas = nullptr;
-  ASSERT_EQ(cublasCreate(&cublas), CUBLAS_STATUS_SUCCESS);
-  struct HandleGuard {
-    cublasHandle_t handle;
-    ~HandleGuard() { cublasDestroy(handle); }
-  } guard{cublas};
+  CublasHandle cublas;
+  ASSERT_EQ(cublasCreate(&cublas.handle), CUBLAS_STATUS_SUCCESS);
   const bool decode_shaped = std::all_of(batch.q_lens.begin(), batch.q_lens.end(), [](int l) { return l <= 1; });
   std::vector<float> decode_out;    // mla_decode on tensor cores, launched directly
   std::vector<float> naive_v2_out;  // mode 4's output: mode 8 (the v1 flash kernel) must match it bitwise
@@ -322,7 +257,7 @@ void check_attention(const MlaShape& shape, const Batch& batch, uint32_t seed) {
     p.naive_kernel = mode == 4 ? MlaNaiveKernel::kV2 : mode == 8 ? MlaNaiveKernel::kV1 : MlaNaiveKernel::kDefault;
     p.host_cu_q = host_tables ? cu_q.data() : nullptr;
     p.host_context_lens = host_tables ? contexts_host.data() : nullptr;
-    p.cublas = host_tables ? cublas : nullptr;
+    p.cublas = host_tables ? cublas.handle : nullptr;
     p.workspace = naive_forced ? static_cast<void*>(naive_ws_d.get()) : static_cast<void*>(ws_d.get());
     p.workspace_bytes = naive_forced ? naive_ws_bytes : ws_bytes;
     const Status status = decode ? mla_decode(p, nullptr) : mla_prefill(p, nullptr);
@@ -360,19 +295,9 @@ void check_attention(const MlaShape& shape, const Batch& batch, uint32_t seed) {
     p.legacy_tc_attention = false;
     p.workspace = ws_d.get();
     p.workspace_bytes = ws_bytes;
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    DS_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    const Status status = mla_decode(p, stream);
-    DS_CUDA_OK(cudaStreamEndCapture(stream, &graph));
-    ASSERT_TRUE(status.is_ok()) << status.to_string();
-    DS_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-    DS_CUDA_OK(cudaGraphLaunch(exec, stream));
-    DS_CUDA_OK(cudaGraphLaunch(exec, stream));
-    DS_CUDA_OK(cudaStreamSynchronize(stream));
+    ASSERT_NO_FATAL_FAILURE(
+        replay_captured(stream, cudaStreamCaptureModeGlobal, 2, [&](cudaStream_t s) { return mla_decode(p, s); }));
     const std::vector<float> out = out_d.download();
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
     cudaStreamDestroy(stream);
     for (size_t i = 0; i < out_size; ++i) {
       ASSERT_EQ(std::memcmp(&out[i], &decode_out[i], sizeof(float)), 0)
@@ -586,76 +511,27 @@ TEST(MlaPrefillNaive, MixedBatchesAndZeroLengthSequences) {
 TEST(MlaPrefillNaive, Kimi48BLongChunkMatchesAbsorbedAndTimes) {
   const MlaShape shape = kKimi48B;
   const int H = shape.heads, kv = shape.kv_lora, nope = shape.nope, rope = shape.rope, v_head = shape.v_head;
-  const int width = kv + rope, q_width = nope + rope, ps = 64;
+  const int q_width = nope + rope, ps = 64;
   const int64_t T = 8192, context = 32768;
-  const int pages = static_cast<int>(context / ps), num_layers = 1;
   // Cheap deterministic values in [-1.7, 1.7) (variance about 1), bf16.
-  uint64_t state = 0x9e3779b97f4a7c15ull;
-  auto next = [&state] {
-    state = state * 6364136223846793005ull + 1442695040888963407ull;
-    return (static_cast<float>(state >> 40) / 16777216.0f * 2.0f - 1.0f) * 1.7f;
-  };
-  std::vector<__nv_bfloat16> pool(static_cast<size_t>(pages) * ps * width), q(static_cast<size_t>(T) * H * q_width);
-  std::vector<__nv_bfloat16> kv_b(static_cast<size_t>(H) * (nope + v_head) * kv);
-  for (auto& x : pool) x = __float2bfloat16(next());
-  for (auto& x : q) x = __float2bfloat16(next());
-  for (auto& x : kv_b) x = __float2bfloat16(next() / std::sqrt(static_cast<float>(kv)));
-  std::vector<int32_t> table(pages);
-  std::iota(table.begin(), table.end(), 0);
-  std::mt19937 rng(7);
-  std::shuffle(table.begin(), table.end(), rng);
-  const std::vector<int32_t> cu_q = {0, static_cast<int32_t>(T)}, contexts = {static_cast<int32_t>(context)};
-
-  DeviceBuffer<__nv_bfloat16> pool_d(pool.size()), q_d(q.size()), kv_b_d(kv_b.size());
-  DeviceBuffer<int32_t> cu_d(2), ctx_d(1), table_d(table.size());
+  const MlaLongChunk chunk(shape, T, context, ps, 0x9e3779b97f4a7c15ull);
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  const std::vector<int32_t>& cu_q = chunk.cu_q;
   DeviceBuffer<float> out_absorbed(static_cast<size_t>(T) * H * v_head), out_naive(static_cast<size_t>(T) * H * v_head),
       out_naive_v1(static_cast<size_t>(T) * H * v_head);
-  pool_d.upload(pool);
-  q_d.upload(q);
-  kv_b_d.upload(kv_b);
-  cu_d.upload(cu_q);
-  ctx_d.upload(contexts);
-  table_d.upload(table);
   const size_t ws_bytes =
       std::max(mla_attention_workspace_bytes(H, kv, rope, T, static_cast<int>(context)),
                mla_prefill_workspace_bytes(H, kv, nope, rope, v_head, T, static_cast<int>(context)));
   DeviceBuffer<char> ws_d(ws_bytes);
   ASSERT_NE(ws_d.get(), nullptr) << "workspace of " << ws_bytes << " bytes";
-  cublasHandle_t cublas = nullptr;
-  ASSERT_EQ(cublasCreate(&cublas), CUBLAS_STATUS_SUCCESS);
-  struct HandleGuard {
-    cublasHandle_t handle;
-    ~HandleGuard() { cublasDestroy(handle); }
-  } guard{cublas};
+  CublasHandle cublas;
+  ASSERT_EQ(cublasCreate(&cublas.handle), CUBLAS_STATUS_SUCCESS);
 
-  MlaAttentionParams p;
-  p.num_heads = H;
-  p.kv_lora_rank = kv;
-  p.qk_nope = nope;
-  p.qk_rope = rope;
-  p.v_head = v_head;
-  p.softmax_scale = 1.0f / std::sqrt(static_cast<float>(q_width));
-  p.pool = MlaPagePool{pool_d.get(), pages, num_layers, ps, width, width};
-  p.layer = 0;
-  p.num_seqs = 1;
-  p.num_tokens = T;
-  p.cu_q = cu_d.get();
-  p.context_lens = ctx_d.get();
-  p.block_tables = table_d.get();
-  p.max_pages_per_seq = pages;
-  p.max_context = static_cast<int>(context);
-  p.q = q_d.get();
-  p.q_stride = static_cast<int64_t>(H) * q_width;
-  p.kv_b = kv_b_d.get();
-  p.workspace = ws_d.get();
-  p.workspace_bytes = ws_bytes;
-  p.host_cu_q = cu_q.data();
-  p.host_context_lens = contexts.data();
-  p.cublas = cublas;
+  MlaAttentionParams p = chunk.params(shape, ws_d.get(), ws_bytes);
+  p.host_cu_q = chunk.cu_q.data();
+  p.host_context_lens = chunk.contexts.data();
+  p.cublas = cublas.handle;
 
-  cudaEvent_t start = nullptr, stop = nullptr;
-  DS_CUDA_OK(cudaEventCreate(&start));
-  DS_CUDA_OK(cudaEventCreate(&stop));
   const double pairs = static_cast<double>(T) * (context - T) + static_cast<double>(T) * (T + 1) / 2;
   const double naive_flops = pairs * 2.0 * H * (q_width + v_head) + 2.0 * context * kv * H * (nope + v_head);
   // 0: absorbed; 1: naive on the v1 flash kernel; 2: naive on the v2 flash kernel.
@@ -666,14 +542,9 @@ TEST(MlaPrefillNaive, Kimi48BLongChunkMatchesAbsorbedAndTimes) {
     p.out = run == 0 ? out_absorbed.get() : run == 1 ? out_naive_v1.get() : out_naive.get();
     float best_ms = INFINITY;
     for (int rep = 0; rep < 3; ++rep) {
-      DS_CUDA_OK(cudaEventRecord(start, nullptr));
-      const Status status = mla_prefill(p, nullptr);
-      DS_CUDA_OK(cudaEventRecord(stop, nullptr));
-      ASSERT_TRUE(status.is_ok()) << status.to_string();
-      DS_CUDA_OK(cudaEventSynchronize(stop));
-      DS_CUDA_OK(cudaGetLastError());
       float ms = 0.0f;
-      DS_CUDA_OK(cudaEventElapsedTime(&ms, start, stop));
+      ASSERT_NO_FATAL_FAILURE(time_eager_calls(
+          nullptr, 1, [&](cudaStream_t s) { return mla_prefill(p, s); }, &ms));
       best_ms = std::min(best_ms, ms);
     }
     std::printf("  [%s] T=%lld context=%lld: %.3f ms, %.1f TFLOP/s at the naive form's FLOP count (%.3g FLOPs)\n",
@@ -683,23 +554,15 @@ TEST(MlaPrefillNaive, Kimi48BLongChunkMatchesAbsorbedAndTimes) {
                 static_cast<long long>(T), static_cast<long long>(context), best_ms,
                 naive_flops / (best_ms * 1e-3) / 1e12, naive_flops);
   }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
   const std::vector<float> a = out_absorbed.download(), b = out_naive.download();
-  double max_err = 0.0;
-  size_t max_at = 0, failures = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    const double err = std::isfinite(b[i]) ? std::fabs(static_cast<double>(b[i]) - a[i]) : INFINITY;
-    if (err > max_err) {
-      max_err = err;
-      max_at = i;
-    }
-    if (err > 4e-2 + 2e-2 * std::fabs(a[i]) && failures++ < 5) {
-      const size_t t = i / (static_cast<size_t>(H) * v_head);
-      ADD_FAILURE() << "token " << t << " (position " << context - T + static_cast<int64_t>(t) << ") head "
-                    << i / v_head % H << " col " << i % v_head << ": absorbed " << a[i] << " naive " << b[i];
-    }
-  }
+  const auto [max_err, max_at, failures] =
+      scan_errors(b, a, a.size(), 4e-2, 2e-2, [&](size_t i, double, size_t earlier) {
+        if (earlier < 5) {
+          const size_t t = i / (static_cast<size_t>(H) * v_head);
+          ADD_FAILURE() << "token " << t << " (position " << context - T + static_cast<int64_t>(t) << ") head "
+                        << i / v_head % H << " col " << i % v_head << ": absorbed " << a[i] << " naive " << b[i];
+        }
+      });
   std::printf("  naive vs absorbed: max abs err %.3g at %zu (%.6g vs %.6g), relative L2 %.3g\n", max_err, max_at,
               b[max_at], a[max_at], relative_error(b.data(), a.data(), a.size()));
   EXPECT_EQ(failures, 0u);

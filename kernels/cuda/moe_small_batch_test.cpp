@@ -22,6 +22,7 @@
 
 #include "kernels/cpu/basic_ops.hpp"
 #include "kernels/cpu/moe.hpp"
+#include "kernels/cuda/gpu_test_graph.hpp"
 #include "kernels/cuda/kda_test_util.hpp"
 #include "kernels/cuda/moe.hpp"
 #include "kernels/cuda/moe_test_util.hpp"
@@ -51,29 +52,6 @@ std::string describe_case(const SmallCase& c) {
          std::to_string(c.top_k_groups) + " hidden=" + std::to_string(c.hidden) + " I=" + std::to_string(c.inter) +
          " I_shared=" + std::to_string(c.shared_inter) + " T=" + std::to_string(c.T) +
          (c.glu == GluKind::kSitu ? " situ" : " swiglu") + (c.special ? " special-logits" : "");
-}
-
-// Expert weights of one shape (deterministic; the last shape is kept, so the Kimi cases generate them once).
-struct ExpertsHost {
-  int E = 0;
-  int64_t W = 0, I = 0;
-  std::vector<__nv_bfloat16> gate_up, down;
-};
-
-const ExpertsHost& experts_host(int E, int64_t W, int64_t I) {
-  static ExpertsHost cache;
-  if (cache.E != E || cache.W != W || cache.I != I) {
-    cache = {};
-    cache.E = E;
-    cache.W = W;
-    cache.I = I;
-    cache.gate_up.resize(static_cast<size_t>(E) * 2 * I * W);
-    cache.down.resize(static_cast<size_t>(E) * W * I);
-    const auto seed = static_cast<uint64_t>(E * 131 + W * 7 + I);
-    fill_uniform_bf16(cache.gate_up, seed, std::sqrt(3.0f / static_cast<float>(W)));
-    fill_uniform_bf16(cache.down, seed + 1, std::sqrt(3.0f / static_cast<float>(I)) * 2.0f);
-  }
-  return cache;
 }
 
 // Host inputs of one case.
@@ -118,6 +96,7 @@ HostLayer make_host(const SmallCase& c) {
 // Device buffers and params of one case (the new path).
 struct DeviceLayer {
   SmallCase c;
+  const ExpertWeightsHost& experts;  // expert_weights_host of the case's shape
   int64_t R = 0;
   DeviceBuffer<float> x_f32, router, bias, logits, weights, residual;
   DeviceBuffer<__nv_bfloat16> x, gate_up, down, shared_gate_up, shared_down, x_sorted, activated, shared_activated;
@@ -126,8 +105,9 @@ struct DeviceLayer {
   DeviceBuffer<unsigned int> counter;
   MoeSmallBatchParams p;
 
-  DeviceLayer(const SmallCase& cc, const HostLayer& h, const ExpertsHost& experts)
+  DeviceLayer(const SmallCase& cc, const HostLayer& h)
       : c(cc),
+        experts(expert_weights_host(cc.E, cc.hidden, cc.inter)),
         R(cc.T * cc.k),
         x_f32(h.x_f32.size()),
         router(h.router.size()),
@@ -217,6 +197,16 @@ struct DeviceLayer {
   void expect_counter_zero(const std::string& what) {
     EXPECT_EQ(counter.download()[0], 0u) << what << ": the grid counter was not left at 0";
   }
+  // Poisons the outputs and runs `launch` (moe_small_batch_route or moe_small_batch_layer) once, eagerly; the
+  // counter must be back at 0.
+  void run_poisoned(const HostLayer& h, Status (*launch)(const MoeSmallBatchParams&, cudaStream_t),
+                    const std::string& what) {
+    poison(h);
+    const Status status = launch(p, 0);
+    ASSERT_TRUE(status) << status.to_string();
+    DS_CUDA_OK(cudaDeviceSynchronize());
+    expect_counter_zero(what);
+  }
 };
 
 // What the layer added to the residual, [T, hidden]; checks the stride gaps and the end stayed NaN.
@@ -242,7 +232,7 @@ std::vector<float> residual_delta(const DeviceBuffer<float>& residual, const Hos
 }
 
 // CPU reference of the layer's addition for the routing in ids / w: Σ_j w_j · expert_j(x_t) + shared(x_t).
-std::vector<float> reference_delta(const SmallCase& c, const HostLayer& h, const ExpertsHost& experts,
+std::vector<float> reference_delta(const SmallCase& c, const HostLayer& h, const ExpertWeightsHost& experts,
                                    const std::vector<int32_t>& ids, const std::vector<float>& w) {
   const int64_t W = c.hidden;
   // One FFN on bf16 weights: gate_up [2 In, W], down [W, In]; the activation rounded to bf16.
@@ -318,8 +308,10 @@ struct ChainBuffers {
   }
 };
 
-Status run_chain(const SmallCase& c, DeviceLayer& d, ChainBuffers& b, const float* logits, cudaStream_t stream) {
-  const MoeSmallBatchParams& p = d.p;
+// The routed experts of the previous chain on `logits`: moe_route, moe_plan, moe_gather_rows,
+// moe_expert_ffn_decode, moe_combine accumulating into the residual.
+Status run_routed_chain(const SmallCase& c, const MoeSmallBatchParams& p, ChainBuffers& b, const float* logits,
+                        cudaStream_t stream) {
   const int64_t T = c.T, W = c.hidden;
   Status s = moe_route(p.routing, logits, p.correction_bias, T, b.ids.get(), b.weights.get(), stream);
   if (s) s = moe_plan(b.ids.get(), T, c.k, c.E, b.plan.plan, b.plan.workspace.get(), b.plan.workspace_bytes, stream);
@@ -336,6 +328,13 @@ Status run_chain(const SmallCase& c, DeviceLayer& d, ChainBuffers& b, const floa
   if (s)
     s = moe_combine(b.y_sorted.get(), b.plan.plan, b.weights.get(), T, c.k, W, true, p.residual, p.residual_stride,
                     stream);
+  return s;
+}
+
+Status run_chain(const SmallCase& c, DeviceLayer& d, ChainBuffers& b, const float* logits, cudaStream_t stream) {
+  const MoeSmallBatchParams& p = d.p;
+  const int64_t T = c.T, W = c.hidden;
+  Status s = run_routed_chain(c, p, b, logits, stream);
   if (s && c.shared_inter > 0) {
     MoeFfnParams g;
     g.weights = {p.shared_gate_up, p.shared_down, 1, W, c.shared_inter};
@@ -362,14 +361,9 @@ Status run_chain(const SmallCase& c, DeviceLayer& d, ChainBuffers& b, const floa
 
 void run_route_case(const SmallCase& c) {
   SCOPED_TRACE("route " + describe_case(c));
-  const ExpertsHost& experts = experts_host(c.E, c.hidden, c.inter);
   const HostLayer h = make_host(c);
-  DeviceLayer d(c, h, experts);
-  d.poison(h);
-  Status status = moe_small_batch_route(d.p, 0);
-  ASSERT_TRUE(status) << status.to_string();
-  DS_CUDA_OK(cudaDeviceSynchronize());
-  d.expect_counter_zero("route");
+  DeviceLayer d(c, h);
+  ASSERT_NO_FATAL_FAILURE(d.run_poisoned(h, moe_small_batch_route, "route"));
   const int64_t T = c.T, E = c.E, k = c.k, R = T * k, W = c.hidden;
 
   // Logits against a double GEMM.
@@ -467,9 +461,8 @@ TEST(MoeSmallBatch, RouteAndPlanMatchCpuGrouped) {
 TEST(MoeSmallBatch, SharedExpertGateUpInRouteLaunch) {
   // Launch 1 also writes the shared expert's activations; the rest of the layer is covered below.
   const SmallCase c{.E = 8, .k = 2, .hidden = 2304, .inter = 16, .shared_inter = 1024, .T = 5, .seed = 51};
-  const ExpertsHost& experts = experts_host(c.E, c.hidden, c.inter);
   const HostLayer h = make_host(c);
-  DeviceLayer d(c, h, experts);
+  DeviceLayer d(c, h);
   d.poison(h);
   ASSERT_TRUE(moe_small_batch_route(d.p, 0));
   DS_CUDA_OK(cudaDeviceSynchronize());
@@ -513,14 +506,9 @@ TEST(MoeSmallBatch, SharedExpertGateUpInRouteLaunch) {
 
 void run_layer_case(const SmallCase& c) {
   SCOPED_TRACE("layer " + describe_case(c));
-  const ExpertsHost& experts = experts_host(c.E, c.hidden, c.inter);
   const HostLayer h = make_host(c);
-  DeviceLayer d(c, h, experts);
-  d.poison(h);
-  Status status = moe_small_batch_layer(d.p, 0);
-  ASSERT_TRUE(status) << status.to_string();
-  DS_CUDA_OK(cudaDeviceSynchronize());
-  d.expect_counter_zero("layer");
+  DeviceLayer d(c, h);
+  ASSERT_NO_FATAL_FAILURE(d.run_poisoned(h, moe_small_batch_layer, "layer"));
   const std::vector<float> delta = residual_delta(d.residual, h, c, "small-batch layer");
   const std::vector<int32_t> ids = d.ids.download();
   const std::vector<float> w = d.weights.download();
@@ -545,27 +533,24 @@ void run_layer_case(const SmallCase& c) {
   // The previous chain on the same logits, and the CPU.
   ChainBuffers b(c);
   d.reset_residual(h);
-  status = run_chain(c, d, b, d.logits.get(), 0);
+  const Status status = run_chain(c, d, b, d.logits.get(), 0);
   ASSERT_TRUE(status) << status.to_string();
   DS_CUDA_OK(cudaDeviceSynchronize());
   const std::vector<float> chain = residual_delta(d.residual, h, c, "previous chain");
   const std::vector<int32_t> chain_ids = b.ids.download();
   ASSERT_EQ(chain_ids, std::vector<int32_t>(ids.begin(), ids.begin() + R)) << "moe_route picked other experts";
   expect_close(delta.data(), chain.data(), delta.size(), c.hidden, 2e-3, 2e-2, "small-batch layer vs previous chain");
-  const std::vector<float> ref = reference_delta(c, h, experts, ids, w);
+  const std::vector<float> ref = reference_delta(c, h, d.experts, ids, w);
   expect_close(delta.data(), ref.data(), delta.size(), c.hidden, 2e-3, 2e-2, "small-batch layer vs CPU");
 
   if (c.graph) {
     // Captured once, replayed three times (the counter must be back at 0 between replays): bitwise the eager result.
     cudaStream_t stream = nullptr;
     DS_CUDA_OK(cudaStreamCreate(&stream));
-    cudaGraph_t graph = nullptr;
-    DS_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    const Status captured = moe_small_batch_layer(d.p, stream);
-    DS_CUDA_OK(cudaStreamEndCapture(stream, &graph));
-    ASSERT_TRUE(captured) << captured.to_string();
     cudaGraphExec_t exec = nullptr;
-    DS_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    ASSERT_NO_FATAL_FAILURE(capture_graph(
+        stream, cudaStreamCaptureModeThreadLocal, [&](cudaStream_t s) { return moe_small_batch_layer(d.p, s); },
+        &exec));
     for (int replay = 0; replay < 3; ++replay) {
       d.poison(h);
       DS_CUDA_OK(cudaGraphLaunch(exec, stream));
@@ -577,7 +562,6 @@ void run_layer_case(const SmallCase& c) {
       }
     }
     cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
     DS_CUDA_OK(cudaStreamDestroy(stream));
   }
 }
@@ -637,9 +621,8 @@ TEST(MoeSmallBatch, LayerKimi48B) {
 
 TEST(MoeSmallBatch, RejectsBadInputs) {
   const SmallCase c{.E = 8, .k = 2, .hidden = 32, .inter = 16, .shared_inter = 16, .T = 2, .seed = 3};
-  const ExpertsHost& experts = experts_host(c.E, c.hidden, c.inter);
   const HostLayer h = make_host(c);
-  DeviceLayer d(c, h, experts);
+  DeviceLayer d(c, h);
   auto expect_invalid = [&](MoeSmallBatchParams p, const char* what) {
     EXPECT_EQ(moe_small_batch_route(p, 0).code(), StatusCode::kInvalidArgument) << what;
     EXPECT_EQ(moe_small_batch_experts(p, 0).code(), StatusCode::kInvalidArgument) << what;
@@ -707,9 +690,8 @@ TEST(MoeDecodeLayerGpu, Timing) {
                       .T = T,
                       .seed = static_cast<uint32_t>(500 + T)};
     SCOPED_TRACE("timing " + describe_case(c));
-    const ExpertsHost& experts = experts_host(c.E, c.hidden, c.inter);
     const HostLayer h = make_host(c);
-    DeviceLayer d(c, h, experts);
+    DeviceLayer d(c, h);
     d.p.x_sorted = nullptr;  // as the engine runs it
     ChainBuffers b(c);
     const int64_t W = c.hidden, Is = c.shared_inter;
@@ -728,24 +710,7 @@ TEST(MoeDecodeLayerGpu, Timing) {
       router.outputs[0] = {d.p.router, c.E, chain_logits.get(), c.E};
       router.num_outputs = 1;
       Status s = skinny_gemm(router, stream);
-      if (s)
-        s = moe_route(d.p.routing, chain_logits.get(), d.p.correction_bias, T, b.ids.get(), b.weights.get(), stream);
-      if (s) {
-        s = moe_plan(b.ids.get(), T, c.k, c.E, b.plan.plan, b.plan.workspace.get(), b.plan.workspace_bytes, stream);
-      }
-      if (s) s = moe_gather_rows(d.p.x, W, b.plan.plan, T, c.k, W, b.x_sorted.get(), stream);
-      MoeFfnParams f;
-      f.weights = d.p.experts;
-      f.rows = T * c.k;
-      f.x_sorted = b.x_sorted.get();
-      f.expert_offsets = b.plan.plan.expert_offsets;
-      f.activated = b.activated.get();
-      f.y_sorted = b.y_sorted.get();
-      if (s) s = moe_expert_ffn_decode(f, stream);
-      if (s) {
-        s = moe_combine(b.y_sorted.get(), b.plan.plan, b.weights.get(), T, c.k, W, true, d.p.residual,
-                        d.p.residual_stride, stream);
-      }
+      if (s) s = run_routed_chain(c, d.p, b, chain_logits.get(), stream);
       SkinnyGemmParams gate_up;
       gate_up.x = d.p.x;
       gate_up.x_stride = W;
@@ -788,28 +753,13 @@ TEST(MoeDecodeLayerGpu, Timing) {
 
     cudaStream_t stream = nullptr;
     DS_CUDA_OK(cudaStreamCreate(&stream));
-    cudaEvent_t start = nullptr, stop = nullptr;
-    DS_CUDA_OK(cudaEventCreate(&start));
-    DS_CUDA_OK(cudaEventCreate(&stop));
     double us[2] = {0.0, 0.0};
     for (const int variant : {0, 1}) {
-      cudaGraph_t graph = nullptr;
-      DS_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-      const Status captured = variant == 0 ? moe_small_batch_layer(d.p, stream) : run_previous(stream);
-      DS_CUDA_OK(cudaStreamEndCapture(stream, &graph));
-      ASSERT_TRUE(captured) << captured.to_string();
-      cudaGraphExec_t exec = nullptr;
-      DS_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-      for (int i = 0; i < 10; ++i) DS_CUDA_OK(cudaGraphLaunch(exec, stream));  // warm-up
-      DS_CUDA_OK(cudaEventRecord(start, stream));
-      for (int i = 0; i < kReplays; ++i) DS_CUDA_OK(cudaGraphLaunch(exec, stream));
-      DS_CUDA_OK(cudaEventRecord(stop, stream));
-      DS_CUDA_OK(cudaEventSynchronize(stop));
-      float ms = 0.0f;
-      DS_CUDA_OK(cudaEventElapsedTime(&ms, start, stop));
-      us[variant] = 1e3 * ms / kReplays;
-      cudaGraphExecDestroy(exec);
-      cudaGraphDestroy(graph);
+      double ms = 0.0;
+      ASSERT_NO_FATAL_FAILURE(time_graph_replays(
+          stream, cudaStreamCaptureModeThreadLocal, 10, kReplays,
+          [&](cudaStream_t s) { return variant == 0 ? moe_small_batch_layer(d.p, s) : run_previous(s); }, &ms));
+      us[variant] = 1e3 * ms;
     }
     d.expect_counter_zero("timing replays");
     const double expert_bytes = 3.0 * W * c.inter * 2.0;
@@ -820,8 +770,6 @@ TEST(MoeDecodeLayerGpu, Timing) {
         "%6.1f MB -> %6.1f us at 4.26 TB/s: new at %.2f, previous at %.2f of it\n",
         static_cast<long long>(T), us[0], us[1], us[1] / us[0], active, bytes / 1e6, floor_us, floor_us / us[0],
         floor_us / us[1]);
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
     DS_CUDA_OK(cudaStreamDestroy(stream));
   }
 }

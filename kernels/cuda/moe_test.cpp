@@ -570,29 +570,6 @@ std::vector<float> download_out(LayerDevice& d, const std::string& what) {
   return out;
 }
 
-// Expert weights of one shape (deterministic; the last shape is kept, so the big cases generate them once).
-struct ExpertWeightsHost {
-  int E = 0;
-  int64_t W = 0, I = 0;
-  std::vector<__nv_bfloat16> gate_up, down;
-};
-
-const ExpertWeightsHost& expert_weights(int E, int64_t W, int64_t I) {
-  static ExpertWeightsHost cache;
-  if (cache.E != E || cache.W != W || cache.I != I) {
-    cache = {};
-    cache.E = E;
-    cache.W = W;
-    cache.I = I;
-    cache.gate_up.resize(static_cast<size_t>(E) * 2 * I * W);
-    cache.down.resize(static_cast<size_t>(E) * W * I);
-    const auto seed = static_cast<uint64_t>(E * 131 + W * 7 + I);
-    fill_uniform_bf16(cache.gate_up, seed, std::sqrt(3.0f / static_cast<float>(W)));
-    fill_uniform_bf16(cache.down, seed + 1, std::sqrt(3.0f / static_cast<float>(I)) * 2.0f);
-  }
-  return cache;
-}
-
 void run_layer_case(const LayerCase& c) {
   SCOPED_TRACE("layer E=" + std::to_string(c.E) + " k=" + std::to_string(c.k) + " W=" + std::to_string(c.width) +
                " I=" + std::to_string(c.inter) + " T=" + std::to_string(c.T) +
@@ -612,7 +589,7 @@ void run_layer_case(const LayerCase& c) {
     bias.assign(c.E, 0.0f);
     bias[0] = 10.0f;  // every token picks expert 0 first
   }
-  const ExpertWeightsHost& weights_host = expert_weights(c.E, W, I);
+  const ExpertWeightsHost& weights_host = expert_weights_host(c.E, W, I);
   const std::vector<__nv_bfloat16>& gate_up = weights_host.gate_up;
   const std::vector<__nv_bfloat16>& down = weights_host.down;
 

@@ -1,5 +1,6 @@
 // Helpers shared by the GPU MoE tests (moe_test.cpp, moe_small_batch_test.cpp): error reports with the worst
-// element, NaN/sentinel poison values, fast bf16 weight fills and the device buffers of a plan.
+// element, NaN/sentinel poison values, fast bf16 weight fills, cached expert weights and the device buffers of a
+// plan.
 #pragma once
 
 #include <algorithm>
@@ -89,6 +90,29 @@ inline void fill_uniform_bf16(std::vector<__nv_bfloat16>& out, uint64_t seed, fl
     const float u = static_cast<float>(r >> 40) * (1.0f / 16777216.0f);  // [0, 1)
     v = __float2bfloat16((2.0f * u - 1.0f) * scale);
   }
+}
+
+// Expert weights of one shape, bf16 (deterministic; the last shape is kept, so the big cases generate them once).
+struct ExpertWeightsHost {
+  int E = 0;
+  int64_t W = 0, I = 0;
+  std::vector<__nv_bfloat16> gate_up, down;  // [E, 2 I, W], [E, W, I]
+};
+
+inline const ExpertWeightsHost& expert_weights_host(int E, int64_t W, int64_t I) {
+  static ExpertWeightsHost cache;
+  if (cache.E != E || cache.W != W || cache.I != I) {
+    cache = {};
+    cache.E = E;
+    cache.W = W;
+    cache.I = I;
+    cache.gate_up.resize(static_cast<size_t>(E) * 2 * I * W);
+    cache.down.resize(static_cast<size_t>(E) * W * I);
+    const auto seed = static_cast<uint64_t>(E * 131 + W * 7 + I);
+    fill_uniform_bf16(cache.gate_up, seed, std::sqrt(3.0f / static_cast<float>(W)));
+    fill_uniform_bf16(cache.down, seed + 1, std::sqrt(3.0f / static_cast<float>(I)) * 2.0f);
+  }
+  return cache;
 }
 
 struct PlanBuffers {

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "kernels/cpu/basic_ops.hpp"
+#include "kernels/cuda/gpu_test_graph.hpp"
 #include "kernels/cuda/kda_test_util.hpp"
 #include "kernels/cuda/moe.hpp"
 
@@ -313,13 +314,11 @@ void run_case(const WgmmaCase& c) {
   if (c.graph) {
     cudaStream_t stream = nullptr;
     DS_CUDA_OK(cudaStreamCreate(&stream));
-    cudaGraph_t graph = nullptr;
-    DS_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    const Status captured = moe_expert_ffn_wgmma(wg.params(w, c.glu), stream);
-    DS_CUDA_OK(cudaStreamEndCapture(stream, &graph));
-    ASSERT_TRUE(captured) << captured.to_string();
     cudaGraphExec_t exec = nullptr;
-    DS_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    const MoeFfnParams params = wg.params(w, c.glu);
+    ASSERT_NO_FATAL_FAILURE(capture_graph(
+        stream, cudaStreamCaptureModeThreadLocal, [&](cudaStream_t s) { return moe_expert_ffn_wgmma(params, s); },
+        &exec));
     for (int replay = 0; replay < 2; ++replay) {
       wg.poison();
       DS_CUDA_OK(cudaGraphLaunch(exec, stream));
@@ -329,7 +328,6 @@ void run_case(const WgmmaCase& c) {
       EXPECT_EQ(again.y_bits, out.y_bits) << "graph replay " << replay << ": y_sorted differs";
     }
     cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
     DS_CUDA_OK(cudaStreamDestroy(stream));
   }
 }
@@ -469,9 +467,6 @@ TEST(MoeWgmmaGpu, Timing) {
     ASSERT_EQ(wg.rows, R);
     cudaStream_t stream = nullptr;
     DS_CUDA_OK(cudaStreamCreate(&stream));
-    cudaEvent_t start = nullptr, stop = nullptr;
-    DS_CUDA_OK(cudaEventCreate(&start));
-    DS_CUDA_OK(cudaEventCreate(&stop));
     const double gate_up_flops = 2.0 * R * W * 2 * I, down_flops = 2.0 * R * I * W;
     const double weight_bytes = 2.0 * E * 3 * I * W;
     const double gate_up_bytes = 2.0 * E * 2 * I * W + 2.0 * R * W + 2.0 * R * I;
@@ -501,23 +496,9 @@ TEST(MoeWgmmaGpu, Timing) {
       if (variant == 2) {
         ASSERT_TRUE(moe_expert_ffn_wgmma(p, stream));  // activated must be valid
       }
-      cudaGraph_t graph = nullptr;
-      DS_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-      const Status captured = run(stream);
-      DS_CUDA_OK(cudaStreamEndCapture(stream, &graph));
-      ASSERT_TRUE(captured) << names[variant] << ": " << captured.to_string();
-      cudaGraphExec_t exec = nullptr;
-      DS_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-      DS_CUDA_OK(cudaGraphLaunch(exec, stream));  // warm-up
-      DS_CUDA_OK(cudaEventRecord(start, stream));
-      for (int i = 0; i < kReps; ++i) DS_CUDA_OK(cudaGraphLaunch(exec, stream));
-      DS_CUDA_OK(cudaEventRecord(stop, stream));
-      DS_CUDA_OK(cudaEventSynchronize(stop));
-      float ms = 0.0f;
-      DS_CUDA_OK(cudaEventElapsedTime(&ms, start, stop));
-      ms_of[variant] = ms / kReps;
-      cudaGraphExecDestroy(exec);
-      cudaGraphDestroy(graph);
+      SCOPED_TRACE(names[variant]);
+      ASSERT_NO_FATAL_FAILURE(
+          time_graph_replays(stream, cudaStreamCaptureModeThreadLocal, 1, kReps, run, &ms_of[variant]));
       const double flops = variant == 1 ? gate_up_flops : variant == 2 ? down_flops : gate_up_flops + down_flops;
       const double bytes = variant == 1 ? gate_up_bytes : variant == 2 ? down_bytes : gate_up_bytes + down_bytes;
       const double seconds = ms_of[variant] * 1e-3;
@@ -536,8 +517,6 @@ TEST(MoeWgmmaGpu, Timing) {
     const Outputs ref = download(grouped);
     expect_written_exactly(out, wg.used, W, I, "timing wgmma");
     compare_outputs(out, ref, wg.used, W, I, "timing wgmma vs grouped");
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
     DS_CUDA_OK(cudaStreamDestroy(stream));
   }
 }
