@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <vector>
+
+#include "engine/model.hpp"
 
 namespace deltaserve::engine {
 
@@ -14,6 +17,21 @@ int64_t BackendCapacity::requests_that_fit(int64_t tokens) const {
     fit = std::min(fit, cache_pages / pages_each);
   }
   return fit == INT64_MAX ? 0 : fit;
+}
+
+Status check_sample_rows(std::span<const SequenceInput> batch, std::span<const SampleRequest> rows) {
+  if (rows.size() != batch.size()) {
+    return invalid_argument("forward_sample: " + std::to_string(rows.size()) + " sampling rows for " +
+                            std::to_string(batch.size()) + " sequences");
+  }
+  for (size_t s = 0; s < batch.size(); ++s) {
+    const std::string where = "sequence " + std::to_string(s);
+    if (batch[s].all_logits) {
+      return invalid_argument(where + ": forward_sample samples the last token only; all_logits must be false");
+    }
+    DS_RETURN_IF_ERROR_CTX(validate_request(rows[s]), where);
+  }
+  return Status::ok();
 }
 
 Status Backend::forward_sample(std::span<SequenceInput> batch, std::span<const SampleRequest> rows,

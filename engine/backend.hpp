@@ -73,4 +73,8 @@ class Backend {
                                               std::vector<SampledToken>& out, const ForwardOptions& options);
 };
 
+// forward_sample's row checks, shared by Model and the backends: one row per sequence, no all_logits, each row's
+// params and draw valid (validate_request). InvalidArgument naming the sequence otherwise.
+[[nodiscard]] Status check_sample_rows(std::span<const SequenceInput> batch, std::span<const SampleRequest> rows);
+
 }  // namespace deltaserve::engine

@@ -104,23 +104,22 @@ Result<std::vector<DecodeStepOutput>> DecodeBatcher::step() {
     inputs.push_back(SequenceInput{&request->state, {&request->next_token, 1}, /*all_logits=*/false});
   }
   const std::string context = "decode step over " + std::to_string(batch.size()) + " requests";
+  std::vector<SampleRequest> rows;
+  rows.reserve(batch.size());
+  for (const auto& [id, request] : batch) {
+    rows.push_back(SampleRequest{request->params.sampling, request->sampler.peek_draw(), request->params.logprobs});
+  }
   std::vector<SampledToken> sampled;
   if (host_sampling_) {
     std::vector<std::vector<float>> logits;
     DS_RETURN_IF_ERROR_CTX(model_.forward(inputs, logits), context);
-    sampled.reserve(batch.size());
-    for (size_t i = 0; i < batch.size(); ++i) sampled.push_back(batch[i].second->sampler.sample(logits[i]));
+    sample_rows(logits, rows, sampled);
   } else {
-    std::vector<SampleRequest> rows;
-    rows.reserve(batch.size());
-    for (const auto& [id, request] : batch) {
-      rows.push_back(SampleRequest{request->params.sampling, request->sampler.peek_draw(), request->params.logprobs});
-    }
     DS_RETURN_IF_ERROR_CTX(model_.forward_sample(inputs, rows, sampled), context);
-    // The pass used each stream's next draw (peeked, so that a failed pass leaves the streams alone): take it now,
-    // exactly as Sampler::sample would have.
-    for (const auto& [id, request] : batch) (void)request->sampler.next_draw();
   }
+  // The pass used each stream's next draw (peeked, so that a failed pass leaves the streams alone): take it now,
+  // exactly as Sampler::sample would have.
+  for (const auto& [id, request] : batch) (void)request->sampler.next_draw();
 
   // From here on nothing fails: the finished requests leave.
   const int64_t context_limit = model_.config().max_position_embeddings;
@@ -130,11 +129,7 @@ Result<std::vector<DecodeStepOutput>> DecodeBatcher::step() {
     const auto& [id, request] = batch[i];
     DecodeStepOutput out;
     out.request_id = *id;
-    out.sampled = std::move(sampled[i]);
-    if (!request->params.logprobs) {
-      out.sampled.logprob = 0.0f;
-      out.sampled.top.clear();
-    }
+    out.sampled = std::move(sampled[i]);  // logprob 0 and no alternatives unless the request asked (its row did)
     out.completion_tokens = ++request->generated;
     const auto& stops = request->params.stop_token_ids;
     if (std::find(stops.begin(), stops.end(), out.sampled.token) != stops.end()) {

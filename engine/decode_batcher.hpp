@@ -13,8 +13,8 @@
 // Sampling: the step's pass is Model::forward_sample, given each request's params and the next draw of its
 // Sampler, so a device backend samples where the logits are and only the tokens (and the logprobs asked for)
 // come back (the CUDA backend: engine/cuda/cuda_backend.hpp); the CPU backend samples on the host with the same
-// rule. Host sampling (the constructor's switch, or DELTASERVE_HOST_SAMPLING=1) copies the logits back and calls
-// each Sampler instead: identical results on the CPU; on a GPU, the kernel's one documented difference
+// rule. Host sampling (the constructor's switch, or DELTASERVE_HOST_SAMPLING=1) copies the logits back and applies
+// the rule there with the same draws: identical results on the CPU; on a GPU, the kernel's one documented difference
 // (kernels/cuda/sampling.hpp: top_p < 1 over more than 64 top-k candidates may pick another token of the same
 // nucleus for the same draw).
 //

@@ -285,17 +285,7 @@ Status Model::check_batch(std::span<SequenceInput> sequences) const {
 
 Status Model::forward_sample(std::span<SequenceInput> sequences, std::span<const SampleRequest> rows,
                              std::vector<SampledToken>& out, const ForwardOptions& options) const {
-  if (rows.size() != sequences.size()) {
-    return invalid_argument("forward_sample: " + std::to_string(rows.size()) + " sampling rows for " +
-                            std::to_string(sequences.size()) + " sequences");
-  }
-  for (size_t s = 0; s < sequences.size(); ++s) {
-    const std::string where = "sequence " + std::to_string(s);
-    if (sequences[s].all_logits) {
-      return invalid_argument(where + ": forward_sample samples the last token only; all_logits must be false");
-    }
-    DS_RETURN_IF_ERROR_CTX(validate_request(rows[s]), where);
-  }
+  DS_RETURN_IF_ERROR(check_sample_rows(sequences, rows));
   if (backend_) {
     DS_RETURN_IF_ERROR(check_batch(sequences));
     return backend_->forward_sample(sequences, rows, out, options);

@@ -106,7 +106,7 @@ double Sampler::peek_draw() const {
 void sample_rows(std::span<const std::vector<float>> logits, std::span<const SampleRequest> rows,
                  std::vector<SampledToken>& out) {
   assert(logits.size() == rows.size());
-  SamplingRule rule;
+  thread_local SamplingRule rule;  // its vocab-sized scratch is kept across steps, as a Sampler keeps its own
   out.clear();
   out.reserve(rows.size());
   for (size_t i = 0; i < rows.size(); ++i) out.push_back(rule.apply(rows[i], logits[i]));

@@ -493,15 +493,7 @@ Status CudaBackend::Impl::run(std::span<SequenceInput> batch, std::vector<std::v
   DS_RETURN_IF_ERROR(validate(batch));
   if (sampling != nullptr) {
     if (out != nullptr || sampling->out == nullptr) return internal_error("run: a sampled pass returns no logits");
-    if (sampling->rows.size() != batch.size()) {
-      return invalid_argument("forward_sample: " + std::to_string(sampling->rows.size()) + " sampling rows for " +
-                              std::to_string(batch.size()) + " sequences");
-    }
-    for (size_t s = 0; s < batch.size(); ++s) {
-      const std::string where = "sequence " + std::to_string(s);
-      if (batch[s].all_logits) return invalid_argument(where + ": forward_sample needs all_logits false");
-      DS_RETURN_IF_ERROR_CTX(validate_request(sampling->rows[s]), where);
-    }
+    DS_RETURN_IF_ERROR(check_sample_rows(batch, sampling->rows));
   }
   // A state resident on another backend: bring its host copy up to date and let it go (it is uploaded here).
   for (SequenceInput& in : batch) {
