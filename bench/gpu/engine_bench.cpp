@@ -5,7 +5,7 @@
 //   engine_gpu_bench --config CONFIG.json [--layers N | --kinds kda,mla,...] [--first-dense K] --label NAME
 //                    --commit C --date D
 //                    [--batches 1,8,32,128,256] [--contexts 4096,32768] [--prompts 4096,32768,131072]
-//                    [--memory-fraction 0.92] [--max-prefill-seconds 90]
+//                    [--memory-fraction 0.92] [--max-prefill-seconds 90] [--prefill-chunk 8192]
 //
 // Output: JSON lines in the bench/results format on stdout; progress on stderr.
 //
@@ -52,6 +52,7 @@ struct Args {
   std::vector<engine::LayerKind> kinds;  // --kinds kda,mla,...: these layers instead of the config's
   std::vector<int64_t> batches = {1, 8, 32, 128, 256}, contexts = {4096, 32768}, prompts = {4096, 32768, 131072};
   double memory_fraction = 0.92, max_prefill_seconds = 90;
+  int64_t prefill_chunk = 8192;  // the backend's max_batch_tokens: rows of one prefill pass
   bool ceilings = true;
 };
 
@@ -401,6 +402,8 @@ int main(int argc, char** argv) {
       args.memory_fraction = std::stod(value());
     else if (flag == "--max-prefill-seconds")
       args.max_prefill_seconds = std::stod(value());
+    else if (flag == "--prefill-chunk")
+      args.prefill_chunk = std::stoll(value());
     else if (flag == "--no-ceilings")
       args.ceilings = false;
     else
@@ -436,7 +439,7 @@ int main(int argc, char** argv) {
 
   engine::cuda::CudaBackendOptions options;
   options.memory_fraction = args.memory_fraction;
-  options.max_batch_tokens = 8192;
+  options.max_batch_tokens = args.prefill_chunk;
   options.max_requests = 512;
   const auto load_start = Clock::now();
   auto backend = engine::cuda::make_cuda_backend_random(bench.config, 1, options);

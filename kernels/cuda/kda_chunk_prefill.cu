@@ -209,27 +209,48 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
   if (half == 0) decay_out[c] = __expf(gc_last);
 
   if (!dense) {
-    // Exact pairwise decays inside the diagonal tiles: gc over kinv (g_tile is dead), a tile per warp of 0..3.
+    // Exact pairwise decays inside the diagonal tiles, e^(gc_t - gc_i) <= 1 for i <= t, in fp32. gc goes over kinv
+    // (g_tile is dead); q and k are reread unscaled from global memory (L1/L2: the chunk was just staged). Warp w
+    // takes tile w / 2 and its rows of parity w % 2 (64 and 72 pairs); lane l holds channels 4 l .. 4 l + 3, so
+    // every load is a contiguous row segment, and a pair's two sums are reduced across the warp.
     float* gcs = reinterpret_cast<float*>(kinv);
 #pragma unroll
     for (int j = 0; j < 32; ++j) gcs[(t0 + j) * kD + c] = gc[j];
     __syncthreads();
-    if (warp < 4) {
-      const bf16* k_rows = p.k + chunk_offset;
-      const bf16* q_rows = p.q + chunk_offset;
-      for (int pair = lane; pair < 256; pair += 32) {
-        const int t = warp * 16 + pair / 16, i = warp * 16 + pair % 16;
-        float sq = 0.0f, sk = 0.0f;
-        if (i <= t && t < n) {
-          for (int ch = 0; ch < kD; ++ch) {
-            const float ki =
-                __bfloat162float(k_rows[i * row_stride + ch]) * __expf(gcs[t * kD + ch] - gcs[i * kD + ch]);
-            sq += __bfloat162float(q_rows[t * row_stride + ch]) * ki;
-            sk += __bfloat162float(k_rows[t * row_stride + ch]) * ki;
-          }
+    const int tile0 = (warp >> 1) * 16;
+    const bf16* k_rows = p.k + chunk_offset + 4 * lane;
+    const bf16* q_rows = p.q + chunk_offset + 4 * lane;
+    auto load4 = [](const bf16* src) {
+      const uint2 raw = *reinterpret_cast<const uint2*>(src);
+      const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+      const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+      return make_float4(lo.x, lo.y, hi.x, hi.y);
+    };
+    for (int t = tile0 + (warp & 1); t < tile0 + 16; t += 2) {
+      // Entries right of the diagonal (and every entry of a row past the sequence) are zero.
+      if (lane < 16 && (tile0 + lane > t || t >= n)) {
+        akk[t * kLdF + tile0 + lane] = 0.0f;
+        aqk_out[t * kC + tile0 + lane] = __float2bfloat16(0.0f);
+      }
+      if (t >= n) continue;
+      const float4 kt = load4(k_rows + t * row_stride), qt = load4(q_rows + t * row_stride);
+      const float4 gt = *reinterpret_cast<const float4*>(gcs + t * kD + 4 * lane);
+      for (int i = tile0; i <= t; ++i) {
+        const float4 ki = load4(k_rows + i * row_stride);
+        const float4 gi = *reinterpret_cast<const float4*>(gcs + i * kD + 4 * lane);
+        const float e0 = ki.x * __expf(gt.x - gi.x), e1 = ki.y * __expf(gt.y - gi.y);
+        const float e2 = ki.z * __expf(gt.z - gi.z), e3 = ki.w * __expf(gt.w - gi.w);
+        float sk = kt.x * e0 + kt.y * e1 + kt.z * e2 + kt.w * e3;
+        float sq = qt.x * e0 + qt.y * e1 + qt.z * e2 + qt.w * e3;
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) {
+          sk += __shfl_xor_sync(0xffffffffu, sk, offset);
+          sq += __shfl_xor_sync(0xffffffffu, sq, offset);
         }
-        akk[t * kLdF + i] = i < t ? beta_s[t] * sk : 0.0f;
-        aqk_out[t * kC + i] = __float2bfloat16(i <= t ? sq * p.q_scale : 0.0f);
+        if (lane == 0) {
+          akk[t * kLdF + i] = i < t ? beta_s[t] * sk : 0.0f;
+          aqk_out[t * kC + i] = __float2bfloat16(sq * p.q_scale);
+        }
       }
     }
     __syncthreads();
