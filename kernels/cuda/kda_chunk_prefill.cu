@@ -93,6 +93,29 @@ constexpr int kPrepThreads = 256;  // thread (c, half): key channel c, tokens [3
 constexpr size_t kPrepSmem =
     size_t{kC} * kLdD * 2 * 2 + size_t{kKinvRows} * kLdD * 2 + size_t{kC} * kLdF * 4 + kC * 4 + 4 * kD * 4;
 
+// Four bf16 of a row (8-byte aligned) as floats.
+__device__ __forceinline__ float4 load_bf16x4(const bf16* src) {
+  const uint2 raw = *reinterpret_cast<const uint2*>(src);
+  const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+  const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+  return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
+
+// Sums v[j] over the warp's 32 lanes for all eight j at once (a transposed butterfly: 9 shuffles instead of 40).
+// Returns the sum of v[j] for j = 4 bit4(lane) + 2 bit3(lane) + bit2(lane).
+__device__ __forceinline__ float warp_sum8(const float (&v)[8], int lane) {
+  const bool b4 = (lane & 16) != 0, b3 = (lane & 8) != 0, b2 = (lane & 4) != 0;
+  float a[4], c[2];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) a[j] = (b4 ? v[j + 4] : v[j]) + __shfl_xor_sync(0xffffffffu, b4 ? v[j] : v[j + 4], 16);
+#pragma unroll
+  for (int j = 0; j < 2; ++j) c[j] = (b3 ? a[j + 2] : a[j]) + __shfl_xor_sync(0xffffffffu, b3 ? a[j] : a[j + 2], 8);
+  float x = (b2 ? c[1] : c[0]) + __shfl_xor_sync(0xffffffffu, b2 ? c[0] : c[1], 4);
+  x += __shfl_xor_sync(0xffffffffu, x, 2);
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x;
+}
+
 __device__ __forceinline__ float gate_value(float raw, int mode, float a, float bias, float lower_bound) {
   if (mode == kGatePrecomputed) return raw;
   const float x = raw + bias;
@@ -211,8 +234,9 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
   if (!dense) {
     // Exact pairwise decays inside the diagonal tiles, e^(gc_t - gc_i) <= 1 for i <= t, in fp32. gc goes over kinv
     // (g_tile is dead); q and k are reread unscaled from global memory (L1/L2: the chunk was just staged). Warp w
-    // takes tile w / 2 and its rows of parity w % 2 (64 and 72 pairs); lane l holds channels 4 l .. 4 l + 3, so
-    // every load is a contiguous row segment, and a pair's two sums are reduced across the warp.
+    // takes tile w / 2 and its rows of parity w % 2; lane l holds channels 4 l .. 4 l + 3, so every load is a
+    // contiguous row segment. A row's keys go eight at a time: eight independent loads and products, then one
+    // transposed warp reduction for the eight sums.
     float* gcs = reinterpret_cast<float*>(kinv);
 #pragma unroll
     for (int j = 0; j < 32; ++j) gcs[(t0 + j) * kD + c] = gc[j];
@@ -220,12 +244,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
     const int tile0 = (warp >> 1) * 16;
     const bf16* k_rows = p.k + chunk_offset + 4 * lane;
     const bf16* q_rows = p.q + chunk_offset + 4 * lane;
-    auto load4 = [](const bf16* src) {
-      const uint2 raw = *reinterpret_cast<const uint2*>(src);
-      const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-      const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-      return make_float4(lo.x, lo.y, hi.x, hi.y);
-    };
+    const int lane_key = 4 * ((lane >> 4) & 1) + 2 * ((lane >> 3) & 1) + ((lane >> 2) & 1);  // warp_sum8's j
     for (int t = tile0 + (warp & 1); t < tile0 + 16; t += 2) {
       // Entries right of the diagonal (and every entry of a row past the sequence) are zero.
       if (lane < 16 && (tile0 + lane > t || t >= n)) {
@@ -233,23 +252,26 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
         aqk_out[t * kC + tile0 + lane] = __float2bfloat16(0.0f);
       }
       if (t >= n) continue;
-      const float4 kt = load4(k_rows + t * row_stride), qt = load4(q_rows + t * row_stride);
+      const float4 kt = load_bf16x4(k_rows + t * row_stride), qt = load_bf16x4(q_rows + t * row_stride);
       const float4 gt = *reinterpret_cast<const float4*>(gcs + t * kD + 4 * lane);
-      for (int i = tile0; i <= t; ++i) {
-        const float4 ki = load4(k_rows + i * row_stride);
-        const float4 gi = *reinterpret_cast<const float4*>(gcs + i * kD + 4 * lane);
-        const float e0 = ki.x * __expf(gt.x - gi.x), e1 = ki.y * __expf(gt.y - gi.y);
-        const float e2 = ki.z * __expf(gt.z - gi.z), e3 = ki.w * __expf(gt.w - gi.w);
-        float sk = kt.x * e0 + kt.y * e1 + kt.z * e2 + kt.w * e3;
-        float sq = qt.x * e0 + qt.y * e1 + qt.z * e2 + qt.w * e3;
+      for (int i0 = tile0; i0 <= t; i0 += 8) {
+        float sk[8], sq[8];
 #pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) {
-          sk += __shfl_xor_sync(0xffffffffu, sk, offset);
-          sq += __shfl_xor_sync(0xffffffffu, sq, offset);
+        for (int j = 0; j < 8; ++j) {
+          const int i = min(i0 + j, t);  // keys past t load row t (in the sequence) and count zero
+          const float4 ki = load_bf16x4(k_rows + i * row_stride);
+          const float4 gi = *reinterpret_cast<const float4*>(gcs + i * kD + 4 * lane);
+          const bool in = i0 + j <= t;
+          const float e0 = in ? ki.x * __expf(gt.x - gi.x) : 0.0f, e1 = in ? ki.y * __expf(gt.y - gi.y) : 0.0f;
+          const float e2 = in ? ki.z * __expf(gt.z - gi.z) : 0.0f, e3 = in ? ki.w * __expf(gt.w - gi.w) : 0.0f;
+          sk[j] = kt.x * e0 + kt.y * e1 + kt.z * e2 + kt.w * e3;
+          sq[j] = qt.x * e0 + qt.y * e1 + qt.z * e2 + qt.w * e3;
         }
-        if (lane == 0) {
-          akk[t * kLdF + i] = i < t ? beta_s[t] * sk : 0.0f;
-          aqk_out[t * kC + i] = __float2bfloat16(sq * p.q_scale);
+        const float key_sum = warp_sum8(sk, lane), query_sum = warp_sum8(sq, lane);
+        const int i = i0 + lane_key;
+        if ((lane & 3) == 0 && i <= t) {
+          akk[t * kLdF + i] = i < t ? beta_s[t] * key_sum : 0.0f;
+          aqk_out[t * kC + i] = __float2bfloat16(query_sum * p.q_scale);
         }
       }
     }
