@@ -258,14 +258,19 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
         float sk[8], sq[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const int i = min(i0 + j, t);  // keys past t load row t (in the sequence) and count zero
+          // Keys past t load row t (in the sequence; unconditional loads can all be issued up front) and count zero
+          // without spending exponentials (the branch is uniform over the warp).
+          const int i = min(i0 + j, t);
           const float4 ki = load_bf16x4(k_rows + i * row_stride);
           const float4 gi = *reinterpret_cast<const float4*>(gcs + i * kD + 4 * lane);
-          const bool in = i0 + j <= t;
-          const float e0 = in ? ki.x * __expf(gt.x - gi.x) : 0.0f, e1 = in ? ki.y * __expf(gt.y - gi.y) : 0.0f;
-          const float e2 = in ? ki.z * __expf(gt.z - gi.z) : 0.0f, e3 = in ? ki.w * __expf(gt.w - gi.w) : 0.0f;
-          sk[j] = kt.x * e0 + kt.y * e1 + kt.z * e2 + kt.w * e3;
-          sq[j] = qt.x * e0 + qt.y * e1 + qt.z * e2 + qt.w * e3;
+          sk[j] = 0.0f;
+          sq[j] = 0.0f;
+          if (i0 + j <= t) {
+            const float e0 = ki.x * __expf(gt.x - gi.x), e1 = ki.y * __expf(gt.y - gi.y);
+            const float e2 = ki.z * __expf(gt.z - gi.z), e3 = ki.w * __expf(gt.w - gi.w);
+            sk[j] = kt.x * e0 + kt.y * e1 + kt.z * e2 + kt.w * e3;
+            sq[j] = qt.x * e0 + qt.y * e1 + qt.z * e2 + qt.w * e3;
+          }
         }
         const float key_sum = warp_sum8(sk, lane), query_sum = warp_sum8(sq, lane);
         const int i = i0 + lane_key;

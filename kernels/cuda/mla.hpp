@@ -87,8 +87,8 @@ enum class MlaPrefillForm : int { kAuto = 0, kAbsorbed = 1, kNaive = 2 };
 // v3 covers qk_nope 128, qk_rope 64, v_head 128 (Kimi Linear, K3) with q 16-byte aligned and q_stride a multiple of
 // 8; elsewhere (or off Hopper) a v3 request runs v2. kDefault: the environment variable
 // DELTASERVE_MLA_PREFILL_KERNEL=v1|v2|v3 if set, else v3 (H200, Kimi dims, 8192 queries over 8k-32k keys,
-// MlaPrefillWgmmaGpu.Timing 2026-12-01: 620-670 TFLOP/s against v2's 212-224; DELTASERVE_MLA_PREFILL_V3_PINGPONG=1
-// makes v3's two warpgroups take turns issuing their MMAs: 629-681 TFLOP/s, not yet the default).
+// MlaPrefillWgmmaGpu.Timing 2026-12-01: 629-681 TFLOP/s against v2's 212-224, with v3's two warpgroups taking turns
+// issuing their MMAs; DELTASERVE_MLA_PREFILL_V3_PINGPONG=0 leaves the turns out: 620-670).
 enum class MlaNaiveKernel : int { kDefault = 0, kV1 = 1, kV2 = 2, kV3 = 3 };
 constexpr int kMlaNaiveMaxQk = 192;  // qk_nope + qk_rope
 constexpr int kMlaNaiveMaxV = 128;

@@ -19,10 +19,10 @@
 //     O += P V: P rounded to bf16 in registers is the A operand as it lies (accumulator layout = A-fragment
 //       layout), B = V tile [keys, 128], MN-major for this product (transpose flag): 8 wgmma m64n128k16; fp32 O.
 //     Intra-warpgroup pipelining (as in FlashAttention-3): tile j's scores are issued before P V of tile j-1, so
-//       the softmax of tile j overlaps the tensor cores' P V. Optionally (DELTASERVE_MLA_PREFILL_V3_PINGPONG=1) the
-//       two warpgroups also take turns issuing their MMAs (named barriers), so one's softmax overlaps the other's
-//       MMAs; off by default (unmeasured: with the overlap above the softmax already hides behind P V, and the
-//       turns cost two barriers per tile; the timing test prints both).
+//       the softmax of tile j overlaps the tensor cores' P V. By default the two warpgroups also take turns issuing
+//       their MMAs (named barriers), so one's softmax overlaps the other's MMAs: 629-681 TFLOP/s against 620-670
+//       without the turns (MlaPrefillWgmmaGpu.Timing), and 121.1 against 123.8 ms of MLA attention in a 48B 32k
+//       prefill (engine_gpu_bench, 2026-12-01); DELTASERVE_MLA_PREFILL_V3_PINGPONG=0 leaves the turns out.
 // Key tiles are walked from the last one the CTA needs (the causal diagonal) down to the first; tiles wholly past
 // the CTA's last query are never loaded; only tiles that reach past the block or past a warpgroup's first row's
 // position are masked (-inf). Both warpgroups walk the same tiles (the ping-pong turns need equal counts), so the
@@ -404,9 +404,10 @@ bool encode_rows_map(PFN_cuTensorMapEncodeTiled_v12000 encode, CUtensorMap* map,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+// Read at every launch (the timing test switches it between calls): on unless set to "0".
 bool ping_pong_chosen() {
   const char* value = std::getenv("DELTASERVE_MLA_PREFILL_V3_PINGPONG");
-  return value != nullptr && std::strcmp(value, "1") == 0;
+  return value == nullptr || std::strcmp(value, "0") != 0;
 }
 
 }  // namespace
