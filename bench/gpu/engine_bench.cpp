@@ -470,10 +470,12 @@ int main(int argc, char** argv) {
                args.label.c_str(), cap.weight_bytes / 1e9, load_s, static_cast<long long>(cap.state_slots),
                cap.state_slot_bytes / 1e6, static_cast<long long>(cap.cache_pages),
                static_cast<long long>(cap.page_tokens), cap.free_bytes_after / 1e9);
+  // The plan depends on the scratch of one pass (max_batch_tokens rows), so its case names the pass size.
+  const std::string plan_case = args.label + ",max_batch_tokens=" + std::to_string(args.prefill_chunk);
   emit("engine_memory", args.label, "weight_bytes", static_cast<double>(cap.weight_bytes) / 1e9, "GB");
-  emit("engine_memory", args.label, "state_slots", static_cast<double>(cap.state_slots), "slots");
-  emit("engine_memory", args.label, "cache_pages", static_cast<double>(cap.cache_pages), "pages");
-  emit("engine_memory", args.label + ",32k-token requests", "requests_that_fit",
+  emit("engine_memory", plan_case, "state_slots", static_cast<double>(cap.state_slots), "slots");
+  emit("engine_memory", plan_case, "cache_pages", static_cast<double>(cap.cache_pages), "pages");
+  emit("engine_memory", plan_case + ",32k-token requests", "requests_that_fit",
        static_cast<double>(cap.requests_that_fit(32768)), "requests");
 
   for (int64_t context : args.contexts) {
