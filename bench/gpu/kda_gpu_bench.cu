@@ -269,12 +269,11 @@ int main(int argc, char** argv) {
   if (what == "prefill16k") bench_prefill("H=32,d=128,T=16384,B=1,lb=-5", 32, {16384});
   if (what == "decode64") bench_decode(32, 64, 20);
   if (what == "all" || what == "decode") {
-    // What kda_decode_step picks by default, then every kernel side by side (KdaDecodeKernel).
+    // What kda_decode_step picks by default, then both kernels side by side (KdaDecodeKernel).
     for (int B : {1, 8, 64, 256}) {
       bench_decode(32, B, 20);
       bench_decode(32, B, 20, KdaDecodeKernel::kV1);
       for (const bool early : {false, true}) bench_decode(32, B, 20, KdaDecodeKernel::kCols1, early);
-      for (const bool early : {false, true}) bench_decode(32, B, 20, KdaDecodeKernel::kPipe2, early);
     }
   }
   return 0;
