@@ -81,18 +81,15 @@ int64_t kda_prefill_checkpoint_count(const std::vector<int32_t>& cu_seqlens, int
                                          int num_heads, cudaStream_t stream);
 
 // ---- fused decode step ------------------------------------------------------------------------------------
-// Which kernel kda_decode_step runs (kda_decode.cu has the H200 figures: cols1 is 4-6 % faster than v1 at B >= 64
-// and 7-18 % at B <= 8, measured 2026-12-01).
-//   kCols1: the default. One CTA of 512 threads per (row, head), norms folded into scalars, five barriers,
-//           programmatic dependent launch (see early_state_loads below).
-//   kV1:    the same CTA shape, plain launch, seven barriers; the fallback.
-//   kPipe2: cols1's arithmetic in persistent CTAs (one per SM) that hold two items' state in registers, so the
-//           next items' state streams in while an item reduces; programmatic dependent launch like cols1. Needs
-//           batch x num_heads <= 2^30. Not measured yet.
-//   kDefault: DELTASERVE_KDA_DECODE=v1|cols1|pipe2 when set (read once per process), else kCols1.
-enum class KdaDecodeKernel { kDefault, kV1, kCols1, kPipe2 };
+// Which kernel kda_decode_step runs (both one CTA of 512 threads per (row, head); kda_decode.cu has the H200
+// figures: cols1 is 4-6 % faster at B >= 64 and 7-18 % at B <= 8, measured 2026-12-01).
+//   kCols1: the default. Norms folded into scalars, five barriers, programmatic dependent launch (see
+//           early_state_loads below).
+//   kV1:    plain launch, seven barriers; the fallback.
+//   kDefault: DELTASERVE_KDA_DECODE=v1|cols1 when set (read once per process), else kCols1.
+enum class KdaDecodeKernel { kDefault, kV1, kCols1 };
 
-// "v1", "cols1", "pipe2" ("default" for kDefault).
+// "v1", "cols1" ("default" for kDefault).
 const char* kda_decode_kernel_name(KdaDecodeKernel kernel);
 
 // One token per batch row; each row's recurrent state and conv tails live in a slot pool and are updated in
@@ -130,14 +127,14 @@ struct KdaDecodeParams {
   __nv_bfloat16* out = nullptr;  // [B, H*d] gated, normalised output (input of o_proj)
 
   KdaDecodeKernel kernel = KdaDecodeKernel::kDefault;
-  // cols1 and pipe2 are launched with programmatic dependent launch: their CTAs may become resident while the
-  // kernel before them on the stream drains, and wait for that kernel to finish (and its writes to be visible)
-  // before they read or write anything. With early_state_loads they read `slots` and issue the state's loads
-  // (cols1: its item's; pipe2: its first two items') before that wait, so the state streams in during the previous
-  // kernel's tail (measured with cols1: B = 64 80.73 -> 78.94 us per layer). Set it only when the kernel enqueued
-  // just before this one on the stream writes neither `state` nor `slots` (e.g. the previous layer's decode step or
-  // the layer's projections) and does not start its own dependents before its predecessors finished. Ignored by
-  // kV1 (the spec verify/commit kernels, which share these params, ignore both fields).
+  // cols1 is launched with programmatic dependent launch: its CTAs may become resident while the kernel before
+  // it on the stream drains, and wait for that kernel to finish (and its writes to be visible) before they read
+  // or write anything. With early_state_loads they read `slots` and issue the state's loads before that wait, so
+  // the state streams in during the previous kernel's tail (measured: B = 64 80.73 -> 78.94 us per layer). Set it
+  // only when the kernel enqueued just before this one on the stream writes neither `state` nor `slots` (e.g. the
+  // previous layer's decode step or the layer's projections) and does not start its own dependents before its
+  // predecessors finished. Ignored by kV1 (the spec verify/commit kernels, which share these params, ignore both
+  // fields).
   bool early_state_loads = false;
 };
 

@@ -69,18 +69,13 @@ __device__ __forceinline__ float conv_step(const float* weight, float (&tail)[3]
   return silu(sum);
 }
 
-// Decay e^g of channel `channel` of head h from its raw gate logit: g = -e^{a_log} softplus(gate + dt_bias), or
-// lower_bound * sigmoid(e^{a_log} (gate + dt_bias)) when bounded.
-__device__ __forceinline__ float gate_decay_of(const DecodeArgs& p, float gate_raw, int channel, int h) {
-  const float x = gate_raw + p.dt_bias[channel];
+// Decay e^g of channel `channel` of head h from the raw gate of the row starting at `row`: g = -e^{a_log}
+// softplus(gate + dt_bias), or lower_bound * sigmoid(e^{a_log} (gate + dt_bias)) when bounded.
+__device__ __forceinline__ float gate_decay(const DecodeArgs& p, size_t row, int channel, int h) {
+  const float x = __bfloat162float(p.gate_raw[row + channel]) + p.dt_bias[channel];
   const float a = __expf(p.a_log[h]);
   const float g = p.bounded ? p.lower_bound * sigmoid(a * x) : -a * (x > 20.0f ? x : log1pf(__expf(x)));
   return __expf(g);
-}
-
-// gate_decay_of with the logit read from the row starting at `row`.
-__device__ __forceinline__ float gate_decay(const DecodeArgs& p, size_t row, int channel, int h) {
-  return gate_decay_of(p, __bfloat162float(p.gate_raw[row + channel]), channel, h);
 }
 
 // The rest of the per-(row, head) step for 512 threads = 16 row groups (warps) x 32 column groups of 4, with

@@ -2,10 +2,8 @@
 // kda_gate, sigmoid, kda_recurrent, kda_gated_output_norm), ctest label gpu. Inputs are bf16-representable.
 // Tolerances: state and conv tails are fp32 on both sides (relative L2 <= 1e-5); the bf16 output <= 1e-2.
 // Slots not in the batch must stay bit-identical; skipped rows (slot < 0) output zeros (the output starts as NaN).
-// Every case runs every kernel (KdaDecodeKernel: v1, cols1, pipe2); cases with several layers launch them
+// Every case runs both kernels (KdaDecodeKernel: v1, cols1); cases with several layers launch them
 // back to back per step (each its own state, tails and output), which is where early state loads may overlap.
-// pipe2 runs B x H items on at most one CTA per SM (132 on the H200), so the cases with 500+ items give each CTA
-// several items of both register sets, with skipped rows among them.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -35,7 +33,7 @@ struct DecodeCase {
   bool early_state_loads = false;  // valid with layers >= 2: the kernel before a layer's is another layer's
 };
 
-constexpr KdaDecodeKernel kAllKernels[] = {KdaDecodeKernel::kV1, KdaDecodeKernel::kCols1, KdaDecodeKernel::kPipe2};
+constexpr KdaDecodeKernel kAllKernels[] = {KdaDecodeKernel::kV1, KdaDecodeKernel::kCols1};
 
 void run_decode_case_once(const DecodeCase& c, KdaDecodeKernel kernel) {
   const char* name = kda_decode_kernel_name(kernel);
@@ -221,8 +219,8 @@ TEST(KdaDecodeGpu, MostlySkippedRows) {
 }
 
 // Three layers per step, so each kernel's predecessor on the stream is another layer's decode step: with early
-// state loads cols1 and pipe2 issue their (first) state loads before that kernel has finished (programmatic
-// dependent launch). Odd batch with skipped rows; eager and as a graph; short conv and softplus gate too.
+// state loads cols1 issues its state loads before that kernel has finished (programmatic dependent
+// launch). Odd batch with skipped rows; eager and as a graph; short conv and softplus gate too.
 TEST(KdaDecodeGpu, EarlyStateLoadsLayersEagerAndGraph) {
   std::vector<int32_t> slots;
   for (int b = 0; b < 37; ++b) slots.push_back(b % 6 == 1 ? -1 : (b * 11) % 41);
@@ -246,7 +244,7 @@ TEST(KdaDecodeGpu, EarlyStateLoadsLayersEagerAndGraph) {
 }
 
 // Five eager steps of one layer: each kernel's predecessor on the stream writes the same state (no early loads),
-// so cols1 and pipe2, launched as programmatic dependents, must wait for it before they load anything.
+// so cols1, launched as a programmatic dependent, must wait for it before it loads anything.
 TEST(KdaDecodeGpu, SameStateBackToBackEager) {
   run_decode_case({.heads = 32, .num_slots = 9, .slots = {8, 0, 5, -1, 2}, .steps = 5, .seed = 14});
 }
@@ -275,31 +273,11 @@ TEST(KdaDecodeGpu, ValidationRejectsBadInputs) {
   EXPECT_EQ(kda_decode_step(p, nullptr).code(), StatusCode::kInvalidArgument);
 }
 
-// pipe2 indexes items with int: more than 2^30 (row, head) items are refused before anything is launched (every
-// pointer is one small valid buffer, never touched).
-TEST(KdaDecodeGpu, Pipe2RejectsTooManyItems) {
-  DeviceBuffer<float> buffer(64);
-  ASSERT_NE(buffer.get(), nullptr);
-  float* f = buffer.get();
-  const auto* b = reinterpret_cast<const __nv_bfloat16*>(f);
-  KdaDecodeParams p;
-  p.batch = 65535;
-  p.num_heads = 16385;  // 65535 x 16385 = 2^30 + 49151 items
-  p.num_slots = 1;
-  p.slots = reinterpret_cast<const int32_t*>(f);
-  p.q_in = p.k_in = p.v_in = p.gate_raw = p.beta_raw = p.out_gate = b;
-  p.q_conv_weight = p.k_conv_weight = p.v_conv_weight = p.a_log = p.dt_bias = p.o_norm_weight = f;
-  p.conv_state = p.state = f;
-  p.out = reinterpret_cast<__nv_bfloat16*>(f);
-  p.kernel = KdaDecodeKernel::kPipe2;
-  EXPECT_EQ(kda_decode_step(p, nullptr).code(), StatusCode::kUnimplemented);
-}
-
-// Per-layer time of every kernel at H = 32, K = 4, B in {1, 8, 64, 256}: 8-layer graphs (each layer its own
+// Per-layer time of both kernels at H = 32, K = 4, B in {1, 8, 64, 256}: 8-layer graphs (each layer its own
 // state and tails, as in a model), mean over 20 replays after 3 warm-up replays. One line per (B, kernel, early)
 // with the bytes it moves as a ratio to 4.26 TB/s (state bytes alone, and all bytes) and v1's time in the same
-// run, then one summary line per B with every kernel side by side. Asserts correctness only: after the same 23 steps
-// from the same start, each kernel's states (first slots of layer 0) and last-layer outputs match v1's.
+// run. Asserts correctness only: after the same 23 steps from the same start, each kernel's states (first slots
+// of layer 0) and last-layer outputs match v1's.
 TEST(KdaDecodeGpu, VariantsTiming) {
   constexpr int H = 32, K = 4, kLayers = 8, kWarmup = 3, kReplays = 20;
   constexpr double kCopyBytesPerSecond = 4.26e12;
@@ -309,11 +287,8 @@ TEST(KdaDecodeGpu, VariantsTiming) {
     KdaDecodeKernel kernel;
     bool early;
   };
-  const Variant variants[] = {{KdaDecodeKernel::kV1, false},
-                              {KdaDecodeKernel::kCols1, false},
-                              {KdaDecodeKernel::kCols1, true},
-                              {KdaDecodeKernel::kPipe2, false},
-                              {KdaDecodeKernel::kPipe2, true}};
+  const Variant variants[] = {
+      {KdaDecodeKernel::kV1, false}, {KdaDecodeKernel::kCols1, false}, {KdaDecodeKernel::kCols1, true}};
   std::mt19937 rng(21);
   const KdaDecodeWeights w(rng, H, K);
   // One slot's state and tails, copied into every (layer, slot) before each kernel runs.
@@ -345,7 +320,6 @@ TEST(KdaDecodeGpu, VariantsTiming) {
     const int compared_slots = std::min(B, 8);
     std::vector<float> v1_state, v1_out;
     double v1_us = 0.0;
-    std::string summary;  // every kernel of this B on one line: us per layer (state bytes / 4.26 TB/s)
     for (const Variant& variant : variants) {
       const char* name = kda_decode_kernel_name(variant.kernel);
       SCOPED_TRACE(std::string("B=") + std::to_string(B) + " kernel " + name + (variant.early ? " early" : ""));
@@ -392,13 +366,7 @@ TEST(KdaDecodeGpu, VariantsTiming) {
           state_bytes / (us * 1e-6) / kCopyBytesPerSecond, all_bytes / 1e6,
           all_bytes / (us * 1e-6) / kCopyBytesPerSecond, v1_us, v1_us / us);
       std::fflush(stdout);
-      char entry[96];
-      std::snprintf(entry, sizeof(entry), "%s%s%s %.2f (%.3f)", summary.empty() ? "" : " | ", name,
-                    variant.early ? "+early" : "", us, state_bytes / (us * 1e-6) / kCopyBytesPerSecond);
-      summary += entry;
     }
-    std::printf("[ kda decode timing ] H=%d B=%d us per layer (state bytes / 4.26 TB/s): %s\n", H, B, summary.c_str());
-    std::fflush(stdout);
   }
   DS_CUDA_OK(cudaStreamDestroy(stream));
 }
