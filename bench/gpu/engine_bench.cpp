@@ -307,6 +307,18 @@ struct Bench {
 
   bool prefill_warmed = false;
 
+  // Runs the first `tokens` of `prompt` into `state` in passes of `chunk` tokens and waits for the GPU.
+  void prefill_passes(engine::RequestState& state, const std::vector<int32_t>& prompt, int64_t tokens, int64_t chunk,
+                      const std::string& what) {
+    for (int64_t begin = 0; begin < tokens; begin += chunk) {
+      const int64_t n = std::min(chunk, tokens - begin);
+      engine::SequenceInput input{
+          &state, std::span<const int32_t>(prompt).subspan(static_cast<size_t>(begin), static_cast<size_t>(n)), false};
+      check(cuda->forward_on_device({&input, 1}), what);
+    }
+    check(cuda->synchronize(), "synchronize");
+  }
+
   // Prefills `tokens` tokens in chunks of the backend's max batch (after one warm-up prefill of up to two chunks in
   // the first call); returns seconds (or nullopt when skipped).
   std::optional<double> prefill(int64_t tokens, int64_t chunk, std::optional<double> projected) {
@@ -320,25 +332,12 @@ struct Bench {
     for (int64_t i = 0; i < tokens; ++i) prompt[static_cast<size_t>(i)] = static_cast<int32_t>((i * 104729) % 160000);
     if (!prefill_warmed) {  // a server is warm: lazy module loads and first-call set-up stay out of the timing
       engine::RequestState warm = model->new_state();
-      const int64_t warm_tokens = std::min(tokens, 2 * chunk);
-      for (int64_t begin = 0; begin < warm_tokens; begin += chunk) {
-        const int64_t n = std::min(chunk, warm_tokens - begin);
-        engine::SequenceInput input{
-            &warm, std::span<const int32_t>(prompt).subspan(static_cast<size_t>(begin), static_cast<size_t>(n)), false};
-        check(cuda->forward_on_device({&input, 1}), name + " warm-up prefill chunk");
-      }
-      check(cuda->synchronize(), "synchronize");
+      prefill_passes(warm, prompt, std::min(tokens, 2 * chunk), chunk, name + " warm-up prefill chunk");
       prefill_warmed = true;
     }
     engine::RequestState state = model->new_state();
     const auto start = Clock::now();
-    for (int64_t begin = 0; begin < tokens; begin += chunk) {
-      const int64_t n = std::min(chunk, tokens - begin);
-      engine::SequenceInput input{
-          &state, std::span<const int32_t>(prompt).subspan(static_cast<size_t>(begin), static_cast<size_t>(n)), false};
-      check(cuda->forward_on_device({&input, 1}), name + " prefill chunk");
-    }
-    check(cuda->synchronize(), "synchronize");
+    prefill_passes(state, prompt, tokens, chunk, name + " prefill chunk");
     const double seconds = seconds_since(start);
     // TTFT adds the first decode step of this request (the cluster's N-1 prefill + 1 decode).
     const int32_t next = 42;
@@ -360,14 +359,7 @@ struct Bench {
       state = model->new_state();  // gives the timed request's slot and pages back
       cuda->enable_profile(true);
       cuda->reset_profile();
-      for (int64_t begin = 0; begin < tokens; begin += chunk) {
-        const int64_t n = std::min(chunk, tokens - begin);
-        engine::SequenceInput input{
-            &state, std::span<const int32_t>(prompt).subspan(static_cast<size_t>(begin), static_cast<size_t>(n)),
-            false};
-        check(cuda->forward_on_device({&input, 1}), name + " profiled prefill chunk");
-      }
-      check(cuda->synchronize(), "synchronize");
+      prefill_passes(state, prompt, tokens, chunk, name + " profiled prefill chunk");
       std::fprintf(stderr, "profile of one eager prefill, %s:\n%s", name.c_str(), cuda->profile_table().c_str());
       cuda->enable_profile(false);
       cuda->reset_profile();
