@@ -1,7 +1,7 @@
 // Internals of the small-batch MoE decode layer (contract in moe.hpp, "small-batch decode layer") shared by its
-// two files: moe_small_batch.cu (validation, launch 1 of both kernel generations, the v1 expert launches) and
-// moe_small_batch_pipeline.cu (the v2 expert launches). Kernel arguments, the GLU, warp sums and programmatic
-// dependent launch.
+// files: moe_small_batch.cu (validation, dispatch, v2's launch 1), moe_small_batch_v1.cu (the v1 kernels) and
+// moe_small_batch_pipeline.cu (v2's launches 2 and 3). Kernel arguments, the GLU, warp sums, the router partial
+// sums and the plan (launch 1 of both generations), programmatic dependent launch.
 #pragma once
 
 #include <cstddef>
@@ -13,6 +13,7 @@
 
 #include "common/status.hpp"
 #include "kernels/cuda/activations.cuh"
+#include "kernels/cuda/bf16_stream.cuh"
 #include "kernels/cuda/launch_status.hpp"
 #include "kernels/cuda/moe.hpp"
 #include "kernels/cuda/moe_route.cuh"
@@ -23,6 +24,7 @@ constexpr int kThreads = 256;  // launch 1 and the v1 expert launches
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxTokens = static_cast<int>(kMoeSmallBatchMaxTokens);
 constexpr int kMaxAssignments = static_cast<int>(kMoeSmallBatchMaxAssignments);
+constexpr size_t kSharedLimit = 48 * 1024;  // default dynamic + static limit of launch 1: no opt-in attribute
 
 struct GluArgs {
   int situ;
@@ -82,6 +84,159 @@ struct LayerArgs {
   unsigned int* counter;
 };
 
+// ---- launch 1: router partial sums and the plan (both generations) ----------------------------------------------
+
+// acc + dot of 4 fp32 pairs, in element order.
+__device__ __forceinline__ float dot4(const uint4& w, const float4& x, float acc) {
+  acc = fmaf(__uint_as_float(w.x), x.x, acc);
+  acc = fmaf(__uint_as_float(w.y), x.y, acc);
+  acc = fmaf(__uint_as_float(w.z), x.z, acc);
+  acc = fmaf(__uint_as_float(w.w), x.w, acc);
+  return acc;
+}
+
+// Router rows are read in groups of kRouterGroup 16-byte chunks a lane, all in flight at once (a whole slice at
+// hidden 2304 with 4 slices), then every token's x chunks (from L1) against them.
+constexpr int kRouterGroup = 6;
+
+__device__ __forceinline__ void load_router_group(const uint4* w, int base, int end, uint4 (&wv)[kRouterGroup]) {
+#pragma unroll
+  for (int q = 0; q < kRouterGroup; ++q) {
+    const int ch = base + 32 * q;
+    wv[q] = ch < end ? detail::load_streaming(w + ch) : make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+__device__ __forceinline__ void router_group_dot(const LayerArgs& a, const uint4 (&wv)[kRouterGroup], int base, int end,
+                                                 float (&acc)[kMaxTokens]) {
+#pragma unroll
+  for (int t = 0; t < kMaxTokens; ++t) {
+    if (t < a.T) {
+      const float4* xr = reinterpret_cast<const float4*>(a.x_f32 + t * a.x_f32_stride);
+#pragma unroll
+      for (int q = 0; q < kRouterGroup; ++q) {
+        const int ch = base + 32 * q;
+        if (ch < end) acc[t] = dot4(wv[q], __ldg(xr + ch), acc[t]);
+      }
+    }
+  }
+}
+
+// partials[slice, t, e] = the warp's sum for token t.
+__device__ __forceinline__ void store_router_partials(const LayerArgs& a, float (&acc)[kMaxTokens], int slice, int e) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int t = 0; t < kMaxTokens; ++t) {
+    if (t < a.T) {
+      const float v = warp_sum(acc[t]);
+      if (lane == 0) a.partials[(static_cast<int64_t>(slice) * a.T + t) * a.E + e] = v;
+    }
+  }
+}
+
+// Exclusive block scan of values[0, n) (n <= 4 * kThreads) in place; returns the total to every thread.
+__device__ inline int block_exclusive_scan(int* values, int n, int* warp_totals) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int per = (n + kThreads - 1) / kThreads;  // <= 4
+  int local[4];
+  int sum = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int e = tid * per + i;
+    const int v = (i < per && e < n) ? values[e] : 0;
+    local[i] = sum;
+    sum += v;
+  }
+  int inclusive = sum;
+#pragma unroll
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    const int other = __shfl_up_sync(0xffffffffu, inclusive, offset);
+    if (lane >= offset) inclusive += other;
+  }
+  if (lane == 31) warp_totals[warp] = inclusive;
+  __syncthreads();
+  int base = inclusive - sum, total = 0;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    if (w < warp) base += warp_totals[w];
+    total += warp_totals[w];
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int e = tid * per + i;
+    if (i < per && e < n) values[e] = base + local[i];
+  }
+  __syncthreads();
+  return total;
+}
+
+// The plan of the routed ids ids_s[0, R) (shared memory), run by the whole CTA: expert_ids, expert_offsets and the
+// active-expert list (with slot_first / slot_count when the args carry them), the position of each assignment (the
+// stable order of moe_plan) and the optional gather. counts_s: E ints of shared memory, zeroed by the caller with a
+// block barrier since.
+__device__ inline void build_plan(const LayerArgs& a, const int* ids_s, int* sorted_s, int* counts_s) {
+  __shared__ int warp_totals[kWarps];
+  const int tid = threadIdx.x;
+  const int E = a.E, k = a.k, R = a.R;
+  // Counts per expert, exclusive scan into offsets (low 16 bits) and active ranks (high bits) at once.
+  for (int i = tid; i < R; i += kThreads) {
+    a.expert_ids[i] = ids_s[i];
+    atomicAdd(&counts_s[ids_s[i]], 1);
+  }
+  __syncthreads();
+  for (int e = tid; e < E; e += kThreads) counts_s[e] |= (counts_s[e] > 0 ? 1 : 0) << 16;
+  __syncthreads();
+  // Copy the counts first: the scan overwrites them and the active list needs them.
+  int rows[4];
+  const int per = (E + kThreads - 1) / kThreads;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int e = tid * per + i;
+    rows[i] = (i < per && e < E) ? (counts_s[e] & 0xffff) : 0;
+  }
+  const int total = block_exclusive_scan(counts_s, E, warp_totals);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int e = tid * per + i;
+    if (i < per && e < E) {
+      const int first = counts_s[e] & 0xffff;
+      a.offsets[e] = first;
+      if (rows[i] > 0) {
+        const int slot = counts_s[e] >> 16;
+        a.active[slot] = e;
+        if (a.slot_first != nullptr) {
+          a.slot_first[slot] = first;
+          a.slot_count[slot] = rows[i];
+        }
+      }
+    }
+  }
+  if (tid == 0) {
+    a.offsets[E] = total & 0xffff;  // = R: every routed id is valid
+    *a.num_active = total >> 16;
+  }
+  // Position of assignment i: offsets[e] + the earlier assignments of e (stable, as moe_plan).
+  for (int i = tid; i < R; i += kThreads) {
+    const int e = ids_s[i];
+    int rank = 0;
+    for (int j = 0; j < i; ++j) rank += ids_s[j] == e ? 1 : 0;
+    const int p = (counts_s[e] & 0xffff) + rank;
+    a.sorted[p] = i;
+    a.pos[i] = p;
+    sorted_s[p] = i;
+  }
+  if (a.x_sorted != nullptr) {
+    __syncthreads();
+    const int chunks = a.hidden / 8;
+    for (int i = tid; i < R * chunks; i += kThreads) {
+      const int p = i / chunks, c = i - p * chunks;
+      const int64_t token = sorted_s[p] / k;
+      reinterpret_cast<uint4*>(a.x_sorted + static_cast<int64_t>(p) * a.hidden)[c] =
+          __ldg(reinterpret_cast<const uint4*>(a.x + token * a.x_stride) + c);
+    }
+  }
+}
+
 // ---- programmatic dependent launch (sm_90) ------------------------------------------------------------------
 // Waits until the grid before this one on the stream has completed and its writes are visible; a no-op for a grid
 // launched without the attribute. Every v2 kernel calls it before it reads anything the previous grid writes and
@@ -114,6 +269,14 @@ Status launch_with_pdl(void (*kernel)(Params...), unsigned grid, unsigned thread
   }
   return launch_status(who);
 }
+
+// ---- v1 (moe_small_batch_v1.cu) --------------------------------------------------------------------------------
+// Routing warps of v1's launch 1 (what its shared-memory layout leaves room for).
+int v1_route_warps(const MoeRoutingConfig& routing);
+// Launch 1 of v1: router, route, plan, and the shared expert's gate/up in the same grid.
+Status launch_v1_route(const LayerArgs& a, const MoeRoutingConfig& routing, cudaStream_t stream);
+// Launches 2 and 3 of v1.
+Status launch_v1_experts(const LayerArgs& a, cudaStream_t stream);
 
 // ---- v2 expert launches (moe_small_batch_pipeline.cu) ---------------------------------------------------------
 // Whether the v2 expert launches take these shapes (their shared-memory stages and staged x rows fit); otherwise
