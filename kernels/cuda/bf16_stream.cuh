@@ -1,6 +1,6 @@
 // Device helpers of the CUDA-core small-batch GEMVs (moe_small_batch.cu, small_batch_gemm.cu): streaming 16-byte
-// weight loads and fp32 dot products of packed bf16 pairs; bulk copies of weight rows into shared memory
-// (moe_small_batch_pipeline.cu).
+// weight loads and fp32 dot products of packed bf16 pairs; bulk copies of weight rows into shared memory and L2
+// prefetches (moe_small_batch_pipeline.cu).
 #pragma once
 
 #include <cstdint>
@@ -63,6 +63,12 @@ __device__ __forceinline__ void bulk_copy_to_shared(uint32_t dst, const void* sr
           "r"(dst),
       "l"(src), "r"(bytes), "r"(barrier), "l"(policy)
       : "memory");
+}
+
+// Starts loading `bytes` (a multiple of 16, the address 16-byte aligned) of global memory into L2; nothing to wait
+// for.
+__device__ __forceinline__ void bulk_prefetch_l2(const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
 }
 
 // Orders this thread's earlier generic-proxy accesses of global memory before its later async-proxy ones (bulk

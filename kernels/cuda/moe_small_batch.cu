@@ -26,7 +26,8 @@
 //     dependents only after that wait, so a grid that starts early still runs after everything before the previous
 //     one (launch 3's early reads of launch 1's routing rely on it);
 //   * the shared expert's gate/up moved from launch 1 to launch 2, ahead of the routed items: its 9.4 MB stream
-//     while launch 1's last CTA routes, and launch 1 carries only the 2.4 MB router, so the routing ends sooner;
+//     while launch 1's last CTA routes (then an L2 prefetch of the shared down rows, launch 3's first item), and
+//     launch 1 carries only the 2.4 MB router, so the routing ends sooner;
 //   * launches 2 and 3 stream through shared-memory rings filled by bulk copies (a producer warp, 3-4 stages of
 //     16 rows, 70-150 KB of ring per SM, well above the ~30 KB per SM that 4.26 TB/s needs at ~1 us latency),
 //     persistent over balanced work lists, and multiply on tensor cores (mma.sync m16n8k16: a weight row's bytes
@@ -66,6 +67,7 @@ using moe_small_batch_detail::store_router_partials;
 
 constexpr int kRouterTargetCtas = 128;  // router CTAs aimed at (slices of the hidden dimension fill them up)
 constexpr int kMaxRouterSlices = 4;
+constexpr int kLogitBatch = 8;  // experts per lane whose partial sums v2's routing warps load at once
 
 // ---- launch 1 of v2: router, route, plan ------------------------------------------------------------------------
 
@@ -100,16 +102,33 @@ __device__ void finish_route_v2(const LayerArgs& a, const RouterSmem& s) {
     float* scratch = s.warps + warp * s.warp_floats;
     float* logits = scratch + scratch_floats;
     for (int t = warp; t < T; t += a.route_warps) {
-      // The slices' partial sums added in slice order (as v1). Written by other CTAs: read from L2.
-#pragma unroll 4
-      for (int e = lane; e < E; e += 32) {
-        const int64_t i = static_cast<int64_t>(t) * E + e;
-        float v = __ldcg(a.partials + i);
-        for (int slice = 1; slice < a.router_slices; ++slice) {
-          v += __ldcg(a.partials + static_cast<int64_t>(slice) * T * E + i);
+      // The slices' partial sums added in slice order (as v1). Written by other CTAs: read from L2, a batch of
+      // kLogitBatch experts' partials of every slice in flight at once (E = 256: one round trip).
+      for (int base = lane; base < E; base += 32 * kLogitBatch) {
+        float v[kLogitBatch][kMaxRouterSlices];
+#pragma unroll
+        for (int i = 0; i < kLogitBatch; ++i) {
+          const int e = base + 32 * i;
+#pragma unroll
+          for (int slice = 0; slice < kMaxRouterSlices; ++slice) {
+            v[i][slice] = e < E && slice < a.router_slices
+                              ? __ldcg(a.partials + (static_cast<int64_t>(slice) * T + t) * E + e)
+                              : 0.0f;
+          }
         }
-        logits[e] = v;
-        a.logits[i] = v;
+#pragma unroll
+        for (int i = 0; i < kLogitBatch; ++i) {
+          const int e = base + 32 * i;
+          if (e < E) {
+            float sum = v[i][0];
+#pragma unroll
+            for (int slice = 1; slice < kMaxRouterSlices; ++slice) {
+              if (slice < a.router_slices) sum += v[i][slice];
+            }
+            logits[e] = sum;
+            a.logits[static_cast<int64_t>(t) * E + e] = sum;
+          }
+        }
       }
       __syncwarp();
       rd::route_token(a.route, logits, a.bias != nullptr ? s.bias : nullptr, scratch, s.ids + t * k, a.weights + t * k);

@@ -14,14 +14,16 @@
 // same column and applies the GLU in registers), dealt round-robin over the CTAs (item i to CTA i % grid: within
 // one item of each other). x (all T rows) is staged once per CTA. The shared expert's items need nothing from
 // launch 1, so they stream before the grid waits for it: with programmatic dependent launch this runs while
-// launch 1 routes. Then the producer warp waits, loads the routing (active experts, their first plan row and row
-// count, the token of each plan row) into shared memory, and the routed items follow.
-// Launch 3 (down + combine), one CTA per 16 output columns (two per SM): the items are every active expert and
-// the shared expert, each a stage of its 16 down rows plus its activation rows (contiguous plan rows), per k
-// segment. The routing is launch 1's output, complete before this grid starts (launch 2 starts its dependents
-// only after waiting for launch 1), so the producer reads it and issues the first stages' weight rows before the
-// grid waits for launch 2; the activation rows of those stages follow the wait. The expert outputs y[row, d] stay
-// in shared memory until the combine adds them to the residual (the order of v1 and moe_combine).
+// launch 1 routes, followed by an L2 prefetch of the shared expert's down rows (launch 3 reads them first; the
+// routed streams are evict-first, so they should stay). Then the producer warp waits, loads the routing (active
+// experts, their first plan row and row count, the token of each plan row) into shared memory, and the routed items
+// follow. Launch 3 (down + combine), one CTA per 16 output columns (two per SM): the items are the shared expert (its
+// down rows prefetched into L2 by launch 2 while launch 1 routed) and every active expert, each a stage of its 16 down
+// rows plus its activation rows (contiguous plan rows), per k segment. The routing is launch 1's output, complete
+// before this grid starts (launch 2 starts its dependents only after waiting for launch 1), so the producer reads it
+// and issues the first stages' weight rows before the grid waits for launch 2; the activation rows of those stages
+// follow the wait. The expert outputs y[row, d] stay in shared memory until the combine adds them to the residual (the
+// order of v1 and moe_combine).
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -241,6 +243,19 @@ __device__ void issue_gate_up_item(const PipelineArgs& p, uint32_t base, Ring& r
   }
 }
 
+// This CTA's share (a contiguous 1 / gridDim.x of the bytes) of the shared expert's down matrix into L2: launch 3
+// reads it first, and nothing else is known to stream while launch 1 routes.
+__device__ void prefetch_shared_down(const LayerArgs& a) {
+  constexpr int64_t kPiece = 32 * 1024;
+  const int64_t chunks = static_cast<int64_t>(a.hidden) * a.shared_inter / 8;  // 16-byte chunks
+  const int64_t begin = chunks * blockIdx.x / gridDim.x, end = chunks * (blockIdx.x + 1) / gridDim.x;
+  const char* matrix = reinterpret_cast<const char*>(a.shared_down);
+  for (int64_t offset = 16 * begin; offset < 16 * end; offset += kPiece) {
+    const int64_t bytes = 16 * end - offset < kPiece ? 16 * end - offset : kPiece;
+    detail::bulk_prefetch_l2(matrix + offset, static_cast<uint32_t>(bytes));
+  }
+}
+
 __device__ void gate_up_producer(const PipelineArgs& p, uint32_t base, const Tables& t) {
   const LayerArgs& a = p.a;
   const Pipeline& pipe = p.pipe;
@@ -261,6 +276,7 @@ __device__ void gate_up_producer(const PipelineArgs& p, uint32_t base, const Tab
     for (; item < p.shared_items; item += ctas) {
       issue_gate_up_item(p, base, ring, a.shared_gate_up, a.shared_inter, kColumnsPerItem * item, policy);
     }
+    if (a.shared_down != nullptr) prefetch_shared_down(a);
   }
   __syncwarp();
   grid_dependency_wait();  // launch 1: the routing
@@ -376,36 +392,41 @@ struct DownFill {
   uint32_t bytes;  // per row
 };
 
-// Fills: every active slot's segments in slot order, then the shared expert's.
+__device__ __forceinline__ int shared_down_segments(const PipelineArgs& p) {
+  return p.a.shared_down != nullptr ? (p.a.shared_inter + p.pipe.segment - 1) / p.pipe.segment : 0;
+}
+__device__ __forceinline__ int routed_down_segments(const PipelineArgs& p) {
+  return (p.a.inter + p.pipe.segment - 1) / p.pipe.segment;
+}
+
+// Fills: the shared expert's segments (its rows were prefetched into L2 by launch 2), then every active slot's in
+// slot order.
 __device__ DownFill down_fill(const PipelineArgs& p, const Tables& t, int f, int d0) {
   const LayerArgs& a = p.a;
-  const int routed_segments = (a.inter + p.pipe.segment - 1) / p.pipe.segment;
-  const int routed_fills = *t.num_active * routed_segments;
+  const int shared_fills = shared_down_segments(p);
   DownFill fill;
   int k0;
-  if (f < routed_fills) {
-    const int slot = f / routed_segments;
-    k0 = (f - slot * routed_segments) * p.pipe.segment;
-    fill.k_total = a.inter;
-    fill.count = t.count[slot];
-    fill.weights = a.down + (static_cast<int64_t>(t.expert[slot]) * a.hidden + d0) * a.inter + k0;
-    fill.activations = a.activated + static_cast<int64_t>(t.first[slot]) * a.inter + k0;
-  } else {
-    k0 = (f - routed_fills) * p.pipe.segment;
+  if (f < shared_fills) {
+    k0 = f * p.pipe.segment;
     fill.k_total = a.shared_inter;
     fill.count = a.T;
     fill.weights = a.shared_down + static_cast<int64_t>(d0) * a.shared_inter + k0;
     fill.activations = a.shared_activated + k0;
+  } else {
+    const int routed_segments = routed_down_segments(p);
+    const int slot = (f - shared_fills) / routed_segments;
+    k0 = (f - shared_fills - slot * routed_segments) * p.pipe.segment;
+    fill.k_total = a.inter;
+    fill.count = t.count[slot];
+    fill.weights = a.down + (static_cast<int64_t>(t.expert[slot]) * a.hidden + d0) * a.inter + k0;
+    fill.activations = a.activated + static_cast<int64_t>(t.first[slot]) * a.inter + k0;
   }
   fill.bytes = 2u * static_cast<uint32_t>(min(p.pipe.segment, fill.k_total - k0));
   return fill;
 }
 
 __device__ int down_fills(const PipelineArgs& p, const Tables& t) {
-  const LayerArgs& a = p.a;
-  const int routed_segments = (a.inter + p.pipe.segment - 1) / p.pipe.segment;
-  const int shared_segments = a.shared_down != nullptr ? (a.shared_inter + p.pipe.segment - 1) / p.pipe.segment : 0;
-  return *t.num_active * routed_segments + shared_segments;
+  return shared_down_segments(p) + *t.num_active * routed_down_segments(p);
 }
 
 __device__ void issue_down_activations(const PipelineArgs& p, uint32_t base, const DownFill& fill, int stage) {
@@ -474,11 +495,14 @@ __device__ void down_consumer(const PipelineArgs& p, uint32_t base, unsigned cha
   const uint32_t a_offset = a_lane_offset(pipe.row_bytes), b_k_offset = b_lane_k_offset();
   Ring ring;
   int parity = 0;
-  for (int item = 0; item < num_active + (has_shared ? 1 : 0); ++item) {
-    const bool routed = item < num_active;
+  // Items in fill order: the shared expert (item 0 when there is one), then the active slots.
+  const int first_slot_item = has_shared ? 1 : 0;
+  for (int item = 0; item < first_slot_item + num_active; ++item) {
+    const bool routed = item >= first_slot_item;
+    const int slot = item - first_slot_item;
     const int k_total = routed ? a.inter : a.shared_inter;
-    const int count = routed ? t.count[item] : a.T;
-    const int row0 = routed ? t.first[item] : a.R;
+    const int count = routed ? t.count[slot] : a.T;
+    const int row0 = routed ? t.first[slot] : a.R;
     const int n_tiles = count > 8 ? 2 : 1;
     float c[2][4] = {};
     for (int k0 = 0; k0 < k_total; k0 += pipe.segment) {
