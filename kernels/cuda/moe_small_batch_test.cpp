@@ -668,21 +668,31 @@ TEST(MoeSmallBatch, V2FallsBackToV1) {
   expect_close(delta.data(), ref.data(), delta.size(), c.hidden, 2e-3, 2e-2, "fallback layer vs CPU");
 }
 
-// Several layers back to back on one stream (the same buffers, the residual accumulating), captured in one graph:
-// v2's launch 1 of each layer may start while launch 3 of the layer before runs (programmatic dependent launch
-// across layers), and every launch reuses the plan, workspace and activations of the layer before. Bitwise the
-// layers run one at a time with a device synchronisation between them.
+// Several layers back to back on one stream as the engine runs them: each one's inputs x (bf16) and x_f32 are
+// rms_norm_dual of the residual the layer before just wrote, then the layer adds into that residual; the same
+// buffers for every layer. Captured in one graph, v2's launches start while the kernel before them drains (and
+// launch 1 of a layer may start while launch 3 of the layer before runs, in the engine with a plain norm between).
+// Bitwise the layers run one kernel at a time with a device synchronisation after each.
 void run_layer_chain_case(const SmallCase& c) {
   SCOPED_TRACE("layer chain " + describe_case(c));
   constexpr int kLayers = 3;
   const HostLayer h = make_host(c);
   DeviceLayer d(c, h);
+  const int64_t residual_stride = c.hidden + kStrideGap;
+  auto norm = [&](cudaStream_t stream) {
+    return rms_norm_dual(d.residual.get(), residual_stride, nullptr, c.T, c.hidden, 1e-5f, d.x.get(), c.hidden,
+                         d.x_f32.get(), c.hidden, stream);
+  };
   d.poison(h);
   for (int layer = 0; layer < kLayers; ++layer) {
-    ASSERT_TRUE(moe_small_batch_layer(d.p, 0));
+    ASSERT_TRUE(norm(0));
+    DS_CUDA_OK(cudaDeviceSynchronize());
+    ASSERT_TRUE(moe_small_batch_route(d.p, 0));
+    DS_CUDA_OK(cudaDeviceSynchronize());
+    ASSERT_TRUE(moe_small_batch_experts(d.p, 0));
     DS_CUDA_OK(cudaDeviceSynchronize());
   }
-  const std::vector<float> one_at_a_time = residual_delta(d.residual, h, c, "layers one at a time");
+  const std::vector<float> one_at_a_time = residual_delta(d.residual, h, c, "layers one kernel at a time");
   cudaStream_t stream = nullptr;
   DS_CUDA_OK(cudaStreamCreate(&stream));
   cudaGraphExec_t exec = nullptr;
@@ -690,7 +700,10 @@ void run_layer_chain_case(const SmallCase& c) {
       stream, cudaStreamCaptureModeThreadLocal,
       [&](cudaStream_t st) {
         Status status = Status::ok();
-        for (int layer = 0; layer < kLayers && status; ++layer) status = moe_small_batch_layer(d.p, st);
+        for (int layer = 0; layer < kLayers && status; ++layer) {
+          status = norm(st);
+          if (status) status = moe_small_batch_layer(d.p, st);
+        }
         return status;
       },
       &exec));
