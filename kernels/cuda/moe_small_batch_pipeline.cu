@@ -55,7 +55,8 @@ constexpr size_t kDownSmemBudget = 112 * 1024;    // two CTAs per SM (144 CTAs a
 
 // Launch shape and shared-memory layout of one v2 expert launch (byte offsets from the dynamic base).
 //   [barriers: full[kMaxStages], empty[kMaxStages], x_full, tables_ready] [tables] [reduce: 2 buffers]
-//   [gate/up: x rows (T + 1, the last one zero) | down: ys (R + T rows of 16 floats), zero row] [stages]
+//   [gate/up: x rows (T + 1, the last one zero) | down: ys (R + T rows of 16 floats), zero row, the routing weights
+//   and plan positions (R each)] [stages]
 struct Pipeline {
   int stages = 0;       // ring depth; 0: the shapes do not fit
   int segment = 0;      // k elements per staged row segment, a multiple of 16
@@ -63,7 +64,7 @@ struct Pipeline {
   int stage_rows = 0;   // 16 weight rows, + T activation rows (down)
   int n_tiles = 0;      // token tiles of 8 per mma: 1 (T <= 8) or 2
   int x_row_bytes = 0;  // gate/up: stride of the staged x rows (an odd number of 16-byte chunks)
-  uint32_t tables = 0, reduce = 0, extra = 0, zero_row = 0, ring = 0;
+  uint32_t tables = 0, reduce = 0, extra = 0, zero_row = 0, combine = 0, ring = 0;
   uint32_t smem_bytes = 0;
 };
 
@@ -489,6 +490,18 @@ __device__ void down_consumer(const PipelineArgs& p, uint32_t base, unsigned cha
   float* reduce = reinterpret_cast<float*>(smem + pipe.reduce);
   float* ys = reinterpret_cast<float*>(smem + pipe.extra);  // [R + T][16]: routed rows by plan row, then shared
   const bool has_shared = a.shared_down != nullptr;
+  // What the combine needs besides ys, loaded now so that the tail only stores: the routing weights and plan
+  // positions (launch 1's, complete) and this thread's residual value (written before launch 1 started).
+  float* weights = reinterpret_cast<float*>(smem + pipe.combine);
+  int* positions = reinterpret_cast<int*>(weights + a.R);
+  for (int i = tid; i < a.R; i += kConsumerThreads) {
+    weights[i] = __ldcg(a.weights + i);
+    positions[i] = __ldcg(a.pos + i);
+  }
+  const int combine_token = tid / kTileRows, combine_m = tid % kTileRows;
+  const bool combines = tid < a.T * kTileRows && combine_m < rows;
+  float* residual = a.residual + combine_token * a.residual_stride + d0 + combine_m;
+  const float residual_in = combines ? *residual : 0.0f;
   sm90::mbarrier_wait(tables_barrier(base), 0);
   const int num_active = *t.num_active;
   const int n = b_lane_row();
@@ -526,22 +539,18 @@ __device__ void down_consumer(const PipelineArgs& p, uint32_t base, unsigned cha
       if (row < count && m < rows) ys[(row0 + row) * kTileRows + m] = y;
     }
   }
-  consumer_barrier();  // every ys row written
+  consumer_barrier();  // every ys row written (and the weights and positions, long since)
 
   // Combine: token t, column d0 + m: (residual + Σ_j w[t, j] · y[pos[t, j]], j in order) + y_shared.
-  if (tid < a.T * kTileRows) {
-    const int token = tid / kTileRows, m = tid % kTileRows;
-    if (m < rows) {
-      float sum = 0.0f;
-      for (int j = 0; j < a.k; ++j) {
-        const int assignment = token * a.k + j;
-        sum = fmaf(__ldcg(a.weights + assignment), ys[__ldcg(a.pos + assignment) * kTileRows + m], sum);
-      }
-      float* dst = a.residual + token * a.residual_stride + d0 + m;
-      float v = *dst + sum;
-      if (has_shared) v = v + ys[(a.R + token) * kTileRows + m];
-      *dst = v;
+  if (combines) {
+    float sum = 0.0f;
+    for (int j = 0; j < a.k; ++j) {
+      const int assignment = combine_token * a.k + j;
+      sum = fmaf(weights[assignment], ys[positions[assignment] * kTileRows + combine_m], sum);
     }
+    float v = residual_in + sum;
+    if (has_shared) v = v + ys[(a.R + combine_token) * kTileRows + combine_m];
+    *residual = v;
   }
 }
 
@@ -581,6 +590,8 @@ Pipeline layout(const LayerArgs& a, bool down, int segment, int stages) {
     offset += align16(static_cast<size_t>(a.R + a.T) * kTileRows * sizeof(float));
     p.zero_row = static_cast<uint32_t>(offset);
     offset += p.row_bytes;
+    p.combine = static_cast<uint32_t>(offset);
+    offset += align16(2 * static_cast<size_t>(a.R) * sizeof(float));
   } else {
     offset += static_cast<size_t>(a.T + 1) * p.x_row_bytes + 16;  // + 16: a half step reads past the last row
   }
