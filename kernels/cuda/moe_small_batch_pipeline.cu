@@ -16,14 +16,17 @@
 // launch 1, so they stream before the grid waits for it: with programmatic dependent launch this runs while
 // launch 1 routes, followed by an L2 prefetch of the shared expert's down rows (launch 3 reads them first; the
 // routed streams are evict-first, so they should stay). Then the producer warp waits, loads the routing (active
-// experts, their first plan row and row count, the token of each plan row) into shared memory, and the routed items
-// follow. Launch 3 (down + combine), one CTA per 16 output columns (two per SM): the items are the shared expert (its
-// down rows prefetched into L2 by launch 2 while launch 1 routed) and every active expert, each a stage of its 16 down
-// rows plus its activation rows (contiguous plan rows), per k segment. The routing is launch 1's output, complete
-// before this grid starts (launch 2 starts its dependents only after waiting for launch 1), so the producer reads it
-// and issues the first stages' weight rows before the grid waits for launch 2; the activation rows of those stages
-// follow the wait. The expert outputs y[row, d] stay in shared memory until the combine adds them to the residual (the
-// order of v1 and moe_combine).
+// experts, their first plan row and row count, the token of each plan row) into shared memory, and the routed
+// items follow.
+//
+// Launch 3 (down + combine), one CTA per 16 output columns (two per SM): the items are the shared expert (its down
+// rows prefetched into L2 by launch 2) and every active expert, each a stage of its 16 down rows plus its
+// activation rows (contiguous plan rows), per k segment. The routing is launch 1's output, complete before this
+// grid starts (launch 2 starts its dependents only after waiting for launch 1), so the producer reads it and issues
+// the first stages' weight rows before the grid waits for launch 2; the activation rows of those stages follow the
+// wait. The expert outputs y[row, d] stay in shared memory until the combine adds them to the residual (the order
+// of v1 and moe_combine); the routing weights, plan positions and residual values it needs are loaded when the CTA
+// starts, so its tail is the store only.
 #include <algorithm>
 #include <cstdint>
 #include <string>
