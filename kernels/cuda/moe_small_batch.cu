@@ -10,13 +10,12 @@
 // ---- v1 (moe_small_batch_v1.cu has its design) ----
 // Measured on the H200 (MoeDecodeLayerGpu.Timing, 2026-12-01): 65.6 / 102 / 160 / 282 / 503 us at T = 1 / 2 / 4 /
 // 8 / 16, 0.46 / 0.56 / 0.56 / 0.57 / 0.52 of the touched bytes at 4.26 TB/s. Where it loses, read from the code
-// (not profiled): (a) nothing streams
-// while launch 1's last CTA routes (the shared gate/up ends about when the router does), and every launch boundary
-// drains the GPU and ramps it up again; (b) in launches 2 and 3 each warp issues its loads, waits a full memory
-// round trip with nothing else in flight, computes, and only then issues more (launch 2: one column per warp and
-// CTA lifetime, after a dependent L2 read of the active list; launch 3: U experts at a time), and slots past the
-// active count still occupy CTA slots; (c) from T = 4 the CUDA-core dot products (bf16 unpacking per token) cost
-// about as many issue slots as the bytes allow.
+// (not profiled): (a) nothing streams while launch 1's last CTA routes (the shared gate/up ends about when the
+// router does), and every launch boundary drains the GPU and ramps it up again; (b) in launches 2 and 3 each warp
+// issues its loads, waits a full memory round trip with nothing else in flight, computes, and only then issues
+// more (launch 2: one column per warp and CTA lifetime, after a dependent L2 read of the active list; launch 3: U
+// experts at a time), and slots past the active count still occupy CTA slots; (c) from T = 4 the CUDA-core dot
+// products (bf16 unpacking per token) cost about as many issue slots as the bytes allow.
 //
 // ---- v2 (the default) ----
 // The same three launches and the same routing and plan (bit for bit), with:
