@@ -199,23 +199,40 @@ Status moe_combine(const float* y_sorted, const MoePlan& plan, const float* weig
 // ---- small-batch decode layer --------------------------------------------------------------------------------
 // The whole MoE layer (router GEMM to the residual add, shared expert included) for at most
 // kMoeSmallBatchMaxTokens tokens in three launches. At decode batches the layer is bound by the weight bytes of the
-// active experts and by launch latency, so each launch streams its weights with 16-byte loads over every SM:
+// active experts and by launch latency, so each launch streams its weights over every SM:
 //   1. moe_small_batch_route: router GEMM (fp32, the hidden dimension split into up to 4 slices whose partial sums
 //      are added in slice order), then the last router CTA to finish (a grid counter) adds the partials into the
 //      logits, routes every token (the selection of moe_route, moe_route.cuh), builds the plan (the MoePlan
-//      contract of moe_plan, bit for bit) and the list of active experts, and gathers x_sorted when asked. The other
-//      CTAs of the launch run the shared expert's gate/up + GLU meanwhile (it does not depend on the routing).
-//   2. moe_small_batch_experts, launch 1: gate/up + GLU of the routed experts, one warp per (active expert,
-//      intermediate column), x read by token (no gather needed).
-//   3. launch 2: down of every active expert and of the shared expert, one warp per two output columns, then the
-//      combine in the same warp: residual[t, d] = (residual[t, d] + Σ_j w[t, j] · y_j[t, d]) + y_shared[t, d], j in
-//      order 0..k-1 — deterministic, no atomics; the additions of moe_combine (accumulate) and then of the shared
-//      FFN's accumulating down GEMM.
-// Expert math as the other paths: bf16 weights and inputs, fp32 accumulation, the GLU in fp32 rounded once to bf16
-// (activated rows), fp32 expert outputs. No LatentMoE (the expert width must be the hidden width).
-// Nothing allocates or synchronises with the host: graph-capturable. T == 0 launches nothing.
+//      contract of moe_plan, bit for bit) and the list of active experts, and gathers x_sorted when asked. v1: the
+//      other CTAs of the launch run the shared expert's gate/up + GLU meanwhile (it does not depend on the routing).
+//   2. moe_small_batch_experts, launch 1: gate/up + GLU of the routed experts (v2: and, first, of the shared
+//      expert), x read by token (no gather needed).
+//   3. launch 2: down of every active expert and of the shared expert, then the combine in the same CTA:
+//      residual[t, d] = (residual[t, d] + Σ_j w[t, j] · y_j[t, d]) + y_shared[t, d], j in order 0..k-1 —
+//      deterministic, no atomics; the additions of moe_combine (accumulate) and then of the shared FFN's
+//      accumulating down GEMM.
+// Two generations of kernels (moe_small_batch.cu has the design and the H200 figures):
+//   kV2: the default. Programmatic dependent launch between the three launches (and to the kernels around them);
+//        the shared expert's gate/up runs in launch 2, streamed while launch 1 routes; launches 2 and 3 stream
+//        weight rows into shared-memory rings with bulk copies (one CTA per SM for gate/up, one per 16 output
+//        columns for down) and multiply on tensor cores. Shapes whose staged rows do not fit shared memory run v1.
+//   kV1: the first kernels: plain launches, the shared expert's gate/up in launch 1, one warp per weight column
+//        with CUDA-core dot products.
+//   kDefault: DELTASERVE_MOE_SMALL_BATCH_KERNEL=v1|v2 when set (read once per process), else kV2.
+// Both give the same routing, plan and logits bit for bit, and the same expert outputs up to fp32 summation order
+// (each deterministic). Expert math as the other paths: bf16 weights and inputs, fp32 accumulation, the GLU in
+// fp32 rounded once to bf16 (activated rows), fp32 expert outputs. No LatentMoE (the expert width must be the
+// hidden width). Nothing allocates or synchronises with the host: graph-capturable. T == 0 launches nothing.
+// v2's launch 1 starts before the kernel before it on the stream has finished (it loads the router rows, then
+// waits for it), and launch 3 lets the kernel after it start while it finishes: the kernels around the layer must
+// follow the same rule (read what the previous grid writes only after griddepcontrol.wait; start dependents only
+// after that wait), as mla_decode and kda_decode_step do; plain launches always do.
 constexpr int64_t kMoeSmallBatchMaxTokens = 16;
 constexpr int64_t kMoeSmallBatchMaxAssignments = 256;  // T * top_k
+
+enum class MoeSmallBatchKernel { kDefault, kV1, kV2 };
+// "v1", "v2" ("default" for kDefault).
+const char* moe_small_batch_kernel_name(MoeSmallBatchKernel kernel);
 
 struct MoeSmallBatchParams {
   MoeRoutingConfig routing;                       // as moe_route's (checked the same way)
@@ -240,7 +257,7 @@ struct MoeSmallBatchParams {
   MoePlan plan;                               // offsets [E + 1], sorted_assignments and assignment_pos [T k]
   __nv_bfloat16* x_sorted = nullptr;          // [T k, hidden], written only when non-null (the FFN reads x by token)
   __nv_bfloat16* activated = nullptr;         // [T k, I]: glu(gate, up) per row of the plan
-  __nv_bfloat16* shared_activated = nullptr;  // [T, I_s] (with a shared expert)
+  __nv_bfloat16* shared_activated = nullptr;  // [T, I_s] (with a shared expert): launch 1 (v1) or 2 (v2)
   float* residual = nullptr;                  // [T, hidden] row stride residual_stride: += routed + shared
   int64_t residual_stride = 0;
   // Scratch of >= moe_small_batch_workspace_bytes bytes, 16-byte aligned (router partial sums, active experts);
@@ -250,19 +267,24 @@ struct MoeSmallBatchParams {
   // Grid counter of the route launch: device memory that must be 0 before the first launch; every launch leaves it
   // 0 again. Launches that may run concurrently (other streams) need counters of their own.
   unsigned int* counter = nullptr;
+  // Which kernels run; moe_small_batch_route and moe_small_batch_experts must get the same value.
+  MoeSmallBatchKernel kernel = MoeSmallBatchKernel::kDefault;
 };
 
 // Whether the small-batch path takes these shapes (the engine's choice; the launchers check the rest).
 bool moe_small_batch_fits(int64_t tokens, int top_k, int num_experts, int64_t hidden, int64_t intermediate,
                           int64_t shared_intermediate);
 size_t moe_small_batch_workspace_bytes(int64_t tokens, int top_k, int num_experts, int64_t hidden);
-// Launch 1 (router, route, plan, optional gather, shared expert gate/up + GLU).
+// Launch 1 (router, route, plan, optional gather; v1: also the shared expert's gate/up + GLU).
 Status moe_small_batch_route(const MoeSmallBatchParams& params, cudaStream_t stream);
 // Launches 2 and 3 (routed gate/up + GLU; down, combine and the residual add), after moe_small_batch_route with the
 // same params on the same stream.
 Status moe_small_batch_experts(const MoeSmallBatchParams& params, cudaStream_t stream);
 // Both, in order.
 Status moe_small_batch_layer(const MoeSmallBatchParams& params, cudaStream_t stream);
+// The kernels these params run (kV1 or kV2: params.kernel, or the environment's choice, with v2's fallback to v1
+// for shapes it does not take applied); kDefault when the launchers would reject the params or the environment.
+MoeSmallBatchKernel moe_small_batch_kernel_for(const MoeSmallBatchParams& params);
 // Whether the engine takes the small-batch path at all: false if DELTASERVE_MOE_SMALL_BATCH is set to "0" or "off"
 // (read once per process); the previous chain (router GEMM, moe_route, moe_plan, gather, moe_expert_ffn_decode,
 // moe_combine, shared FFN) then runs at every batch size.

@@ -45,13 +45,22 @@ struct SmallCase {
   bool special = false;  // tied router rows, a NaN and an infinite router weight, a token whose router input has a NaN
   bool graph = false;
   uint32_t seed = 1;
+  MoeSmallBatchKernel kernel = MoeSmallBatchKernel::kV2;
 };
+
+constexpr MoeSmallBatchKernel kBothKernels[] = {MoeSmallBatchKernel::kV1, MoeSmallBatchKernel::kV2};
+
+SmallCase with_kernel(SmallCase c, MoeSmallBatchKernel kernel) {
+  c.kernel = kernel;
+  return c;
+}
 
 std::string describe_case(const SmallCase& c) {
   return "E=" + std::to_string(c.E) + " k=" + std::to_string(c.k) + " groups=" + std::to_string(c.groups) + "/" +
          std::to_string(c.top_k_groups) + " hidden=" + std::to_string(c.hidden) + " I=" + std::to_string(c.inter) +
          " I_shared=" + std::to_string(c.shared_inter) + " T=" + std::to_string(c.T) +
-         (c.glu == GluKind::kSitu ? " situ" : " swiglu") + (c.special ? " special-logits" : "");
+         (c.glu == GluKind::kSitu ? " situ" : " swiglu") + (c.special ? " special-logits" : "") + " kernel " +
+         moe_small_batch_kernel_name(c.kernel);
 }
 
 // Host inputs of one case.
@@ -175,6 +184,7 @@ struct DeviceLayer {
     p.workspace = workspace.get();
     p.workspace_bytes = workspace.size();
     p.counter = counter.get();
+    p.kernel = c.kernel;
   }
 
   void poison(const HostLayer& h) {
@@ -359,7 +369,7 @@ Status run_chain(const SmallCase& c, DeviceLayer& d, ChainBuffers& b, const floa
 
 // ---- launch 1: logits, routing, plan, gather ------------------------------------------------------------------
 
-void run_route_case(const SmallCase& c) {
+void run_route_case_with(const SmallCase& c) {
   SCOPED_TRACE("route " + describe_case(c));
   const HostLayer h = make_host(c);
   DeviceLayer d(c, h);
@@ -435,6 +445,11 @@ void run_route_case(const SmallCase& c) {
   }
 }
 
+// Launch 1 of both kernel generations (v1's front kernel, v2's router kernel: the same logits, routing and plan).
+void run_route_case(const SmallCase& c) {
+  for (const MoeSmallBatchKernel kernel : kBothKernels) run_route_case_with(with_kernel(c, kernel));
+}
+
 TEST(MoeSmallBatch, RouteAndPlanMatchCpu) {
   uint32_t seed = 1;
   for (const int64_t T : {1, 2, 3, 8, 16}) {
@@ -458,13 +473,17 @@ TEST(MoeSmallBatch, RouteAndPlanMatchCpuGrouped) {
   run_route_case({.E = 8, .k = 4, .groups = 2, .top_k_groups = 2, .T = 2, .renormalize = false, .seed = 46});
 }
 
-TEST(MoeSmallBatch, SharedExpertGateUpInRouteLaunch) {
-  // Launch 1 also writes the shared expert's activations; the rest of the layer is covered below.
-  const SmallCase c{.E = 8, .k = 2, .hidden = 2304, .inter = 16, .shared_inter = 1024, .T = 5, .seed = 51};
+void run_shared_activation_case(const SmallCase& c) {
+  SCOPED_TRACE("shared activations " + describe_case(c));
   const HostLayer h = make_host(c);
   DeviceLayer d(c, h);
   d.poison(h);
+  ASSERT_EQ(moe_small_batch_kernel_for(d.p), c.kernel);
+  // v1 writes them in launch 1 (moe_small_batch_route), v2 in launch 2 (moe_small_batch_experts).
   ASSERT_TRUE(moe_small_batch_route(d.p, 0));
+  if (c.kernel == MoeSmallBatchKernel::kV2) {
+    ASSERT_TRUE(moe_small_batch_experts(d.p, 0));
+  }
   DS_CUDA_OK(cudaDeviceSynchronize());
   const std::vector<__nv_bfloat16> act = d.shared_activated.download();
   std::vector<float> got, expected;
@@ -502,12 +521,24 @@ TEST(MoeSmallBatch, SharedExpertGateUpInRouteLaunch) {
   }
 }
 
+TEST(MoeSmallBatch, SharedExpertActivations) {
+  // The shared expert's activations alone; the rest of the layer is covered below. T = 5 and 11: one and two mma
+  // token tiles in v2.
+  for (const MoeSmallBatchKernel kernel : kBothKernels) {
+    run_shared_activation_case(
+        {.E = 8, .k = 2, .hidden = 2304, .inter = 16, .shared_inter = 1024, .T = 5, .seed = 51, .kernel = kernel});
+    run_shared_activation_case(
+        {.E = 8, .k = 2, .hidden = 2304, .inter = 16, .shared_inter = 1024, .T = 11, .seed = 52, .kernel = kernel});
+  }
+}
+
 // ---- the whole layer -------------------------------------------------------------------------------------------
 
-void run_layer_case(const SmallCase& c) {
+void run_layer_case_with(const SmallCase& c) {
   SCOPED_TRACE("layer " + describe_case(c));
   const HostLayer h = make_host(c);
   DeviceLayer d(c, h);
+  ASSERT_EQ(moe_small_batch_kernel_for(d.p), c.kernel) << "the shapes should run the kernel asked for";
   ASSERT_NO_FATAL_FAILURE(d.run_poisoned(h, moe_small_batch_layer, "layer"));
   const std::vector<float> delta = residual_delta(d.residual, h, c, "small-batch layer");
   const std::vector<int32_t> ids = d.ids.download();
@@ -566,6 +597,11 @@ void run_layer_case(const SmallCase& c) {
   }
 }
 
+// The layer with both kernel generations.
+void run_layer_case(const SmallCase& c) {
+  for (const MoeSmallBatchKernel kernel : kBothKernels) run_layer_case_with(with_kernel(c, kernel));
+}
+
 TEST(MoeSmallBatch, LayerTiny) {
   run_layer_case({.E = 8, .k = 2, .hidden = 32, .inter = 16, .T = 1, .graph = true, .seed = 61});
   run_layer_case({.E = 8, .k = 2, .hidden = 32, .inter = 16, .shared_inter = 32, .T = 5, .seed = 62});
@@ -619,6 +655,87 @@ TEST(MoeSmallBatch, LayerKimi48B) {
   run_layer_case({.E = 256, .k = 8, .hidden = 2304, .inter = 1024, .T = 4, .glu = GluKind::kSitu, .seed = 99});
 }
 
+TEST(MoeSmallBatch, V2FallsBackToV1) {
+  // 17 staged x rows of hidden 8192 do not fit v2's gate/up shared memory: both launches run v1 (launch 1 differs
+  // between the two, so route and experts must agree), and the layer is still right.
+  const SmallCase c{.E = 8, .k = 2, .hidden = 8192, .inter = 64, .shared_inter = 64, .T = 16, .seed = 101};
+  const HostLayer h = make_host(c);
+  DeviceLayer d(c, h);
+  ASSERT_EQ(moe_small_batch_kernel_for(d.p), MoeSmallBatchKernel::kV1);
+  ASSERT_NO_FATAL_FAILURE(d.run_poisoned(h, moe_small_batch_layer, "layer"));
+  const std::vector<float> delta = residual_delta(d.residual, h, c, "small-batch layer");
+  const std::vector<float> ref = reference_delta(c, h, d.experts, d.ids.download(), d.weights.download());
+  expect_close(delta.data(), ref.data(), delta.size(), c.hidden, 2e-3, 2e-2, "fallback layer vs CPU");
+}
+
+// Several layers back to back on one stream as the engine runs them: each one's inputs x (bf16) and x_f32 are
+// rms_norm_dual of the residual the layer before just wrote, then the layer adds into that residual; the same
+// buffers for every layer. Captured in one graph, v2's launches start while the kernel before them drains (and
+// launch 1 of a layer may start while launch 3 of the layer before runs, in the engine with a plain norm between).
+// Bitwise the layers run one kernel at a time with a device synchronisation after each.
+void run_layer_chain_case(const SmallCase& c) {
+  SCOPED_TRACE("layer chain " + describe_case(c));
+  constexpr int kLayers = 3;
+  const HostLayer h = make_host(c);
+  DeviceLayer d(c, h);
+  const int64_t residual_stride = c.hidden + kStrideGap;
+  auto norm = [&](cudaStream_t stream) {
+    return rms_norm_dual(d.residual.get(), residual_stride, nullptr, c.T, c.hidden, 1e-5f, d.x.get(), c.hidden,
+                         d.x_f32.get(), c.hidden, stream);
+  };
+  d.poison(h);
+  for (int layer = 0; layer < kLayers; ++layer) {
+    ASSERT_TRUE(norm(0));
+    DS_CUDA_OK(cudaDeviceSynchronize());
+    ASSERT_TRUE(moe_small_batch_route(d.p, 0));
+    DS_CUDA_OK(cudaDeviceSynchronize());
+    ASSERT_TRUE(moe_small_batch_experts(d.p, 0));
+    DS_CUDA_OK(cudaDeviceSynchronize());
+  }
+  const std::vector<float> one_at_a_time = residual_delta(d.residual, h, c, "layers one kernel at a time");
+  cudaStream_t stream = nullptr;
+  DS_CUDA_OK(cudaStreamCreate(&stream));
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_NO_FATAL_FAILURE(capture_graph(
+      stream, cudaStreamCaptureModeThreadLocal,
+      [&](cudaStream_t st) {
+        Status status = Status::ok();
+        for (int layer = 0; layer < kLayers && status; ++layer) {
+          status = norm(st);
+          if (status) status = moe_small_batch_layer(d.p, st);
+        }
+        return status;
+      },
+      &exec));
+  for (int replay = 0; replay < 3; ++replay) {
+    d.poison(h);
+    DS_CUDA_OK(cudaGraphLaunch(exec, stream));
+    DS_CUDA_OK(cudaStreamSynchronize(stream));
+    d.expect_counter_zero("layer chain replay");
+    const std::vector<float> chained = residual_delta(d.residual, h, c, "layer chain replay");
+    for (size_t i = 0; i < chained.size(); ++i) {
+      ASSERT_EQ(chained[i], one_at_a_time[i]) << "replay " << replay << " differs at " << i;
+    }
+  }
+  cudaGraphExecDestroy(exec);
+  DS_CUDA_OK(cudaStreamDestroy(stream));
+}
+
+TEST(MoeSmallBatch, LayerChainInOneGraph) {
+  for (const MoeSmallBatchKernel kernel : kBothKernels) {
+    for (const int64_t T : {1, 4}) {
+      run_layer_chain_case({.E = 256,
+                            .k = 8,
+                            .hidden = 2304,
+                            .inter = 1024,
+                            .shared_inter = 1024,
+                            .T = T,
+                            .seed = static_cast<uint32_t>(110 + T),
+                            .kernel = kernel});
+    }
+  }
+}
+
 TEST(MoeSmallBatch, RejectsBadInputs) {
   const SmallCase c{.E = 8, .k = 2, .hidden = 32, .inter = 16, .shared_inter = 16, .T = 2, .seed = 3};
   const HostLayer h = make_host(c);
@@ -669,6 +786,9 @@ TEST(MoeSmallBatch, RejectsBadInputs) {
   p.routing.num_groups = 3;
   expect_invalid(p, "groups do not divide E");
   p = d.p;
+  p.kernel = static_cast<MoeSmallBatchKernel>(7);
+  expect_invalid(p, "unknown kernel");
+  p = d.p;
   p.tokens = 0;
   p.x = nullptr;
   EXPECT_TRUE(moe_small_batch_layer(p, 0)) << "T == 0 launches nothing";
@@ -676,7 +796,7 @@ TEST(MoeSmallBatch, RejectsBadInputs) {
   EXPECT_TRUE(moe_small_batch_fits(16, 16, 896, 3584, 3072, 0));
 }
 
-// ---- timing: the new layer vs the previous chain, graph-replayed -------------------------------------------------
+// ---- timing: v2 and v1 vs the previous chain, graph-replayed ---------------------------------------------------
 
 TEST(MoeDecodeLayerGpu, Timing) {
   constexpr int kReplays = 200;
@@ -732,33 +852,40 @@ TEST(MoeDecodeLayerGpu, Timing) {
       return s;
     };
 
-    // Correctness once, eagerly: the new layer vs the previous chain (same experts unless the two routers' fp32
-    // logits split a near tie differently, which the ids check reports).
-    d.poison(h);
-    ASSERT_TRUE(moe_small_batch_layer(d.p, 0));
-    DS_CUDA_OK(cudaDeviceSynchronize());
-    const std::vector<float> fresh = residual_delta(d.residual, h, c, "new layer");
-    const std::vector<int32_t> new_ids = d.ids.download();
-    d.reset_residual(h);
-    Status status = run_previous(0);
-    ASSERT_TRUE(status) << status.to_string();
-    DS_CUDA_OK(cudaDeviceSynchronize());
-    const std::vector<float> previous = residual_delta(d.residual, h, c, "previous chain");
-    const std::vector<int32_t> previous_ids = b.ids.download();
-    ASSERT_EQ(std::vector<int32_t>(new_ids.begin(), new_ids.begin() + T * c.k), previous_ids);
-    expect_close(fresh.data(), previous.data(), fresh.size(), W, 2e-3, 2e-2, "new layer vs previous chain");
-    const std::vector<int32_t> offsets = d.offsets.download();
+    // Correctness once per kernel generation, eagerly: the layer vs the previous chain (same experts unless the two
+    // routers' fp32 logits split a near tie differently, which the ids check reports).
     int active = 0;
-    for (int e = 0; e < c.E; ++e) active += offsets[e + 1] > offsets[e] ? 1 : 0;
+    for (const MoeSmallBatchKernel kernel : kBothKernels) {
+      d.p.kernel = kernel;
+      ASSERT_EQ(moe_small_batch_kernel_for(d.p), kernel);
+      d.poison(h);
+      ASSERT_TRUE(moe_small_batch_layer(d.p, 0));
+      DS_CUDA_OK(cudaDeviceSynchronize());
+      const std::vector<float> fresh = residual_delta(d.residual, h, c, "small-batch layer");
+      const std::vector<int32_t> new_ids = d.ids.download();
+      const std::vector<int32_t> offsets = d.offsets.download();
+      active = 0;
+      for (int e = 0; e < c.E; ++e) active += offsets[e + 1] > offsets[e] ? 1 : 0;
+      d.reset_residual(h);
+      const Status status = run_previous(0);
+      ASSERT_TRUE(status) << status.to_string();
+      DS_CUDA_OK(cudaDeviceSynchronize());
+      const std::vector<float> previous = residual_delta(d.residual, h, c, "previous chain");
+      ASSERT_EQ(std::vector<int32_t>(new_ids.begin(), new_ids.begin() + T * c.k), b.ids.download());
+      expect_close(fresh.data(), previous.data(), fresh.size(), W, 2e-3, 2e-2,
+                   std::string("layer ") + moe_small_batch_kernel_name(kernel) + " vs previous chain");
+    }
 
+    // Graph replays of v2, v1 and the previous chain.
     cudaStream_t stream = nullptr;
     DS_CUDA_OK(cudaStreamCreate(&stream));
-    double us[2] = {0.0, 0.0};
-    for (const int variant : {0, 1}) {
+    double us[3] = {0.0, 0.0, 0.0};
+    for (const int variant : {0, 1, 2}) {
+      d.p.kernel = variant == 0 ? MoeSmallBatchKernel::kV2 : MoeSmallBatchKernel::kV1;
       double ms = 0.0;
       ASSERT_NO_FATAL_FAILURE(time_graph_replays(
           stream, cudaStreamCaptureModeThreadLocal, 10, kReplays,
-          [&](cudaStream_t s) { return variant == 0 ? moe_small_batch_layer(d.p, s) : run_previous(s); }, &ms));
+          [&](cudaStream_t s) { return variant < 2 ? moe_small_batch_layer(d.p, s) : run_previous(s); }, &ms));
       us[variant] = 1e3 * ms;
     }
     d.expect_counter_zero("timing replays");
@@ -766,10 +893,10 @@ TEST(MoeDecodeLayerGpu, Timing) {
     const double bytes = active * expert_bytes + 3.0 * W * Is * 2.0 + static_cast<double>(c.E) * W * 4.0;
     const double floor_us = 1e6 * bytes / kCopyBandwidth;
     std::printf(
-        "[ moe decode layer ] T=%2lld: new %7.1f us, previous %7.1f us (%.2fx); %3d experts + shared + router = "
-        "%6.1f MB -> %6.1f us at 4.26 TB/s: new at %.2f, previous at %.2f of it\n",
-        static_cast<long long>(T), us[0], us[1], us[1] / us[0], active, bytes / 1e6, floor_us, floor_us / us[0],
-        floor_us / us[1]);
+        "[ moe decode layer ] T=%2lld: v2 %7.1f us, v1 %7.1f us (%.2fx), previous chain %7.1f us (%.2fx); %3d experts "
+        "+ shared + router = %6.1f MB -> %6.1f us at 4.26 TB/s: v2 at %.2f, v1 at %.2f, previous at %.2f of it\n",
+        static_cast<long long>(T), us[0], us[1], us[1] / us[0], us[2], us[2] / us[0], active, bytes / 1e6, floor_us,
+        floor_us / us[0], floor_us / us[1], floor_us / us[2]);
     DS_CUDA_OK(cudaStreamDestroy(stream));
   }
 }
