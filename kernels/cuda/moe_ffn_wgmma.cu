@@ -1,52 +1,28 @@
-// MoE expert FFN on Hopper tensor cores (contract: moe_wgmma.hpp): TMA loads into an mbarrier stage ring, warpgroup
-// MMA (wgmma.mma_async, bf16 in, fp32 accumulators in registers), epilogue from registers. Two schedules
-// (MoeWgmmaSchedule) of the same math; both compute every output element as the same fp32 sum over k, k16 step by
-// k16 step in increasing k.
-//   1. gate/up + glu: a tile is 128 rows of x_sorted (one expert's row tile) x C weight rows: the gate rows
-//      j0 .. j0 + C/2 - 1 and the up rows I + j0 .. I + j0 + C/2 - 1 (two TMA boxes of C/2 rows per stage, stacked
-//      in shared memory), so accumulator columns c < C/2 hold gate(j0 + c) and c + C/2 up(j0 + c) in the same
-//      thread; the epilogue writes bf16(glu(gate, up)) for activated columns j0 .. j0 + C/2 - 1 (fp32 math, rounded
-//      once).
-//   2. down: 128 rows of `activated` x C rows of down[e] (two boxes of C/2), y_sorted written in fp32.
-// CTA: 3 warpgroups, one CTA per SM. Warpgroup 0 is the producer (one thread issues the TMA loads; the warpgroup
-// gives its registers to the others with setmaxnreg), warpgroups 1 and 2 consume (128 fp32 accumulators per
-// thread) and release a stage (one mbarrier arrival per warp) once their wgmma reading it retired. A stage holds
-// k 64 (one 128-byte swizzle row per tile row) of A (128 x 64, 16 KiB) and B (C x 64).
-//   cooperative (the default): C = 256, stages of 48 KiB x 4. Both consumer warpgroups work on every tile, each on
-//     its 64 x 256 half (wgmma m64n256k16), so while they run the epilogue no wgmma is issued: the tensor cores
-//     idle for the store of each tile (a down tile, 16 k-steps of MMA, writes 128 KiB of fp32).
-//   pingpong (DELTASERVE_MOE_WGMMA=pingpong): C = 128, stages of 32 KiB x 6. Each consumer warpgroup owns whole
-//     128 x 128 tiles (two wgmma m64n128k16 per k16 step into acc[0] (rows 0-63) and acc[1] (rows 64-127), sharing
-//     the B operand; a whole 128 x 256 tile would need 256 accumulators per thread), and the CTA's tiles alternate
-//     between them: warpgroup 1 takes the CTA's tiles 0, 2, 4, ..., warpgroup 2 tiles 1, 3, .... The producer loads
-//     the CTA's tiles in that order into one ring, so the CTA's tile j occupies ring fills j k_tiles ..
-//     (j + 1) k_tiles - 1 and each warpgroup skips the other's fills. Two named barriers (turns) order the
-//     mainloops: a warpgroup issues its tile's wgmma only on its turn and passes the turn on as soon as the last one
-//     is issued, before it waits for them and runs its epilogue, so one warpgroup's store runs under the other's
-//     MMA (a down tile: ~5 us of MMA at the measured peak against ~2 us for its 64 KiB of fp32 at one SM's share of
-//     HBM bandwidth) and the tensor cores see one long stream of wgmma. The turn goes only to a tile that exists
-//     (the CTA's tile 0, then the one after each finished mainloop), so every wait has exactly one arrival and none
-//     is left pending at exit. Costs against cooperative: B is loaded once per 128 x 128 instead of once per
-//     128 x 256 outputs (32 instead of 24 KiB of L2-to-SM traffic per 2 MFLOP; 64 x 256 tiles per warpgroup would
-//     need 40), and each wgmma reads A and B from shared memory for a 64 x 128 block (96 of the SM's 128 bytes per
-//     clock at the full MMA rate, against 80 for m64n256).
+// MoE expert FFN on Hopper tensor cores (contract: moe_wgmma.hpp): TMA loads into a 4-stage mbarrier pipeline,
+// wgmma.mma_async m64n256k16 (bf16 in, fp32 accumulators in registers), epilogue from registers.
+//   1. gate/up + glu: a CTA tile is 128 rows of x_sorted (one expert's row tile) x 256 weight rows: the gate rows
+//      j0 .. j0 + 127 and the up rows I + j0 .. I + j0 + 127 (two TMA boxes of 128 rows per stage, stacked in
+//      shared memory), so accumulator columns c < 128 hold gate(j0 + c) and c + 128 up(j0 + c) in the same thread;
+//      the epilogue writes bf16(glu(gate, up)) for activated columns j0 .. j0 + 127 (fp32 math, rounded once).
+//   2. down: 128 rows of `activated` x 256 rows of down[e] (two boxes of 128), y_sorted written in fp32.
+// CTA: 3 warpgroups. Warpgroup 0 is the producer (one thread issues the TMA loads; the warpgroup gives its
+// registers to the others with setmaxnreg), warpgroups 1 and 2 each run the 64 x 256 half of the tile (128 fp32
+// accumulators per thread) and release a stage (one mbarrier arrival per warp) once their wgmma reading it retired.
+// Stage: k 64 = one 128-byte swizzle row per tile row; A 128 x 64 (16 KiB) + B 256 x 64 (32 KiB), 4 stages =
+// 192 KiB, one CTA per SM.
 // Schedule: persistent CTAs (grid = SMs) walk tiles t = blockIdx.x, + gridDim.x, ...; tile t is global row tile
 // g = t / n_tiles (row tiles numbered expert by expert as in moe_ffn_grouped.cu) and column tile t % n_tiles. Each
 // CTA scans the E counts once into shared memory (offsets and row-tile prefix) and finds a tile's expert by binary
 // search. Why persistent rather than one CTA per tile: the producer runs ahead into the next tile while the
-// consumers store the previous one, and the per-CTA setup (barrier init, schedule scan, descriptor prefetch) is paid
-// once per SM instead of once per ~5-25 us tile; neighbouring t (the column tiles of one row tile, then the row
-// tiles of one expert) run at about the same time on different SMs (pingpong: the 2 x gridDim.x tiles in flight
-// span the same ~15 row tiles as cooperative's gridDim.x wider ones), so each weight box is fetched from HBM about
-// once per expert and each A row tile once per column sweep.
+// consumers store the previous one (the epilogue of a down tile writes 128 KiB), and the per-CTA setup (barrier
+// init, schedule scan, descriptor prefetch) is paid once per SM instead of once per ~10-25 us tile; neighbouring t
+// (the column tiles of one row tile, then the row tiles of one expert) run at about the same time on different SMs,
+// so each weight box is fetched from HBM about once per expert and each A row tile once per column sweep.
 // Rows: a tile's A box starts at the expert's row tile start; rows past the expert's end (the next expert's rows,
-// NaN padding, or TMA zero fill past R) are computed but never stored. Rows 64-127 of a tile that all lie past the
-// end get no wgmma (cooperative: that consumer warpgroup only passes the stages on; pingpong: the owner issues only
-// the rows 0-63 half), so a nearly empty last row tile costs half a tile.
+// NaN padding, or TMA zero fill past R) are computed but never stored. A consumer warpgroup whose 64 rows all lie
+// past the end skips its wgmma (it only passes the stages on), so a nearly empty last row tile costs half a tile.
 #include <algorithm>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <string>
 
 #include <cudaTypedefs.h>
@@ -54,7 +30,6 @@
 #include "kernels/cuda/activations.cuh"
 #include "kernels/cuda/mma_sm80.cuh"
 #include "kernels/cuda/moe_wgmma.hpp"
-#include "kernels/cuda/sm90_attention.cuh"
 #include "kernels/cuda/sm90_ptx.cuh"
 
 namespace deltaserve::kernels::cuda {
@@ -62,41 +37,29 @@ namespace {
 
 using detail::smem_address;
 
-constexpr int kRowTile = 128;                       // rows per tile (the A box)
-constexpr int kWarpgroupRows = 64;                  // rows of one wgmma (its M)
+constexpr int kRowTile = 128;                       // rows per CTA tile: 2 consumer warpgroups x 64
+constexpr int kWarpgroupRows = 64;                  // rows of one consumer warpgroup (the wgmma M)
+constexpr int kColTile = 256;                       // weight rows per CTA tile (the wgmma N)
+constexpr int kBoxRows = 128;                       // rows per TMA box (A: the row tile; B: half the column tile)
 constexpr int kKTile = 64;                          // k per stage: 128 bytes of bf16, the swizzle row
+constexpr int kStages = 4;                          // 4 x 48 KiB; a fifth stage would not fit in 227 KiB
 constexpr uint32_t kRowBytes = kKTile * 2;          // 128
 constexpr uint32_t kABytes = kRowTile * kRowBytes;  // 16 KiB
-constexpr int kThreads = 384;                       // producer warpgroup + 2 consumer warpgroups
-constexpr int kAccumulators = 128;                  // fp32 per consumer thread: a 64 x 256 or 128 x 128 tile
+constexpr uint32_t kBBytes = kColTile * kRowBytes;  // 32 KiB
+constexpr uint32_t kStageBytes = kABytes + kBBytes;
+constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
+constexpr int kConsumerWarps = 8;
+constexpr int kAccumulators = kColTile / 2;  // fp32 per thread of a 64 x 256 wgmma
 // Register split after setmaxnreg: 128 x 40 + 256 x 232 = 64512 of the SM's 65536 (the kernel is launched with
 // 168 per thread, the __launch_bounds__ limit of 384 threads).
 constexpr int kProducerRegisters = 40;
 constexpr int kConsumerRegisters = 232;
-// Named barriers (0 is __syncthreads), pingpong only: kTurnBarrier + c is consumer c's turn to issue wgmma (consumer
-// c = 0, 1 is warpgroup c + 1), completed by consumer c's 128 threads (bar.sync) and the other's (bar.arrive).
-constexpr int kTurnBarrier = 1;
-constexpr int kConsumerThreads = 256;
-
-// Tile shape and stage ring of a schedule (the file comment).
-template <MoeWgmmaSchedule kSchedule>
-struct Config {
-  static constexpr bool kPingPong = kSchedule == MoeWgmmaSchedule::kPingPong;
-  static constexpr int kColTile = kPingPong ? 128 : 256;  // weight rows per tile (the tile's columns)
-  static constexpr int kBoxRows = kColTile / 2;           // rows per B box (two per stage)
-  static constexpr int kStages = kPingPong ? 6 : 4;       // a seventh / fifth stage would not fit in 227 KiB
-  static constexpr uint32_t kBBytes = kColTile * kRowBytes;
-  static constexpr uint32_t kStageBytes = kABytes + kBBytes;
-  static constexpr uint32_t kStageReleases = kPingPong ? 4 : 8;  // empty-barrier arrivals: the consuming warps
-  // Dynamic shared memory: 1024 bytes to align the tiles (128-byte swizzle atoms span 1024 bytes), the stages, the
-  // full/empty barriers, then the schedule: offsets [E + 1] and row-tile prefix [E + 1].
-  static constexpr size_t kSmemBytes = 1024 + size_t{kStages} * kStageBytes + 2 * kStages * sizeof(uint64_t) +
-                                       2 * (size_t{kMoeMaxExperts} + 1) * sizeof(int32_t);
-  static_assert(kStageBytes % 1024 == 0 && kABytes % 1024 == 0 && kBBytes / 2 % 1024 == 0,
-                "tiles must stay 1024-byte aligned");
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory per block");
-  static_assert(kAccumulators * 128 == kRowTile * kColTile / (kPingPong ? 1 : 2), "accumulators per thread");
-};
+// Dynamic shared memory: 1024 bytes to align the tiles (128-byte swizzle atoms span 1024 bytes), the stages, the
+// full/empty barriers, then the schedule: offsets [E + 1] and row-tile prefix [E + 1].
+constexpr size_t kSmemBytes = 1024 + size_t{kStages} * kStageBytes + 2 * kStages * sizeof(uint64_t) +
+                              2 * (size_t{kMoeMaxExperts} + 1) * sizeof(int32_t);
+static_assert(kStageBytes % 1024 == 0 && kABytes % 1024 == 0, "tiles must stay 1024-byte aligned");
+static_assert(kSmemBytes <= 227 * 1024, "shared memory per block");
 
 enum class Mode { kGateUpSwiGlu, kGateUpSitu, kDown };
 
@@ -106,7 +69,7 @@ struct WgmmaArgs {
   float* y;                  // down mode: out [R, W]
   int E;
   int k_tiles;  // ceil(K / 64), K = W (gate/up) or I (down)
-  int n_tiles;  // column tiles: ceil(I / (C / 2)) (gate/up) or ceil(W / C) (down)
+  int n_tiles;  // column tiles: ceil(I / 128) (gate/up) or ceil(W / 256) (down)
   int N;        // output columns: I or W
   int b_rows;   // weight rows per expert: 2I or W
   float beta, beta_linear;
@@ -114,27 +77,6 @@ struct WgmmaArgs {
 
 struct Tile {
   int expert, row0, row_end, col_tile;
-};
-
-// Position in the stage ring: the stage and the parity of its current fill.
-template <int kStages>
-struct Ring {
-  int stage = 0;
-  uint32_t phase = 0;
-  __device__ __forceinline__ void next() {
-    if (++stage == kStages) {
-      stage = 0;
-      phase ^= 1u;
-    }
-  }
-  // Moves on by n >= 0 fills (the positions repeat every 2 kStages fills).
-  __device__ __forceinline__ void skip(int n) {
-    stage += n % (2 * kStages);
-    while (stage >= kStages) {
-      stage -= kStages;
-      phase ^= 1u;
-    }
-  }
 };
 
 // Fills s_offsets[0..E] and s_prefix[0..E] (row tiles of the experts before e; s_prefix[E] = all row tiles) with a
@@ -184,24 +126,22 @@ __device__ __forceinline__ Tile decode_tile(int t, int n_tiles, int E, const int
   return {lo, s_offsets[lo] + (g - s_prefix[lo]) * kRowTile, s_offsets[lo + 1], t - g * n_tiles};
 }
 
-// Stores a warpgroup's 64 x kCols accumulator block (register i of lane l in warp w: row 16 w + l / 4 +
-// 8 ((i % 4) / 2), column 8 (i / 4) + 2 (l % 4) + i % 2; sm90_ptx.cuh) whose first row is row0; rows >= row_end
-// and columns >= N are not stored. kDown: block column c is y column col0 + c. Gate/up: block columns c < kCols / 2
-// are gate(col0 + c) and c + kCols / 2 up(col0 + c), and activated column col0 + c gets bf16(glu(gate, up)).
-template <Mode kMode, int kCols>
-__device__ __forceinline__ void store_block(const float (&acc)[kCols / 2], const WgmmaArgs& p, int row0, int row_end,
-                                            int col0) {
+template <Mode kMode>
+__device__ __forceinline__ void store_tile(const float (&acc)[kAccumulators], const WgmmaArgs& p, const Tile& tile,
+                                           int consumer) {
+  // Accumulator i of this thread: row 16 * warp + lane / 4 + 8 * ((i % 4) / 2), column 8 * (i / 4) + 2 * (lane % 4)
+  // + i % 2 of the warpgroup's 64 x 256 block (sm90_ptx.cuh).
   const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-  const int row_base = row0 + 16 * warp + (lane >> 2);
-  const int col_base = col0 + 2 * (lane & 3);
+  const int row_base = tile.row0 + consumer * kWarpgroupRows + 16 * warp + (lane >> 2);
   if constexpr (kMode == Mode::kDown) {
+    const int col_base = tile.col_tile * kColTile + 2 * (lane & 3);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = row_base + 8 * h;
-      if (row >= row_end) continue;
+      if (row >= tile.row_end) continue;
       float* out = p.y + static_cast<int64_t>(row) * p.N;
 #pragma unroll
-      for (int block = 0; block < kCols / 8; ++block) {
+      for (int block = 0; block < kColTile / 8; ++block) {
         const int col = col_base + 8 * block;
         // N is a multiple of 8, so col < N implies col + 1 < N.
         if (col < p.N) {
@@ -210,14 +150,16 @@ __device__ __forceinline__ void store_block(const float (&acc)[kCols / 2], const
       }
     }
   } else {
-    constexpr int kUp = kCols / 2 / 8 * 4;  // register block b (gate) pairs with block b + kCols / 16 (up)
+    // Columns c < 128 are gate(j0 + c), c + 128 are up(j0 + c): register block b pairs with block b + 16.
+    constexpr int kUp = kColTile / 2 / 8 * 4;
+    const int col_base = tile.col_tile * (kColTile / 2) + 2 * (lane & 3);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = row_base + 8 * h;
-      if (row >= row_end) continue;
+      if (row >= tile.row_end) continue;
       __nv_bfloat16* out = p.activated + static_cast<int64_t>(row) * p.N;
 #pragma unroll
-      for (int block = 0; block < kCols / 2 / 8; ++block) {
+      for (int block = 0; block < kColTile / 2 / 8; ++block) {
         const int col = col_base + 8 * block;
         if (col >= p.N) continue;
         float v[2];
@@ -233,42 +175,95 @@ __device__ __forceinline__ void store_block(const float (&acc)[kCols / 2], const
   }
 }
 
-// The column of the tile's first output: y column (down) or activated column (gate/up).
-template <Mode kMode, int kColTile>
-__device__ __forceinline__ int output_col0(const Tile& tile) {
-  return kMode == Mode::kDown ? tile.col_tile * kColTile : tile.col_tile * (kColTile / 2);
-}
-
-// Cooperative consumer warpgroup `consumer`: rows 64 consumer .. + 63 of each of the CTA's tiles, one m64n256k16
-// per k16 step.
 template <Mode kMode>
-__device__ __forceinline__ void consume_cooperative(const WgmmaArgs& p, int consumer, int total, uint32_t tiles,
-                                                    uint32_t full_bars, uint32_t empty_bars, const int* s_offsets,
-                                                    const int* s_prefix) {
-  using C = Config<MoeWgmmaSchedule::kCooperative>;
-  const int lane = threadIdx.x & 31;
+__global__ void __launch_bounds__(kThreads, 1)
+    moe_wgmma_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
+                     const WgmmaArgs p) {
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = smem_address(smem_raw);
+  const uint32_t tiles = (raw + 1023u) & ~1023u;  // stage s: A at tiles + s * kStageBytes, B kABytes later
+  unsigned char* smem = smem_raw + (tiles - raw);
+  const uint32_t full_bars = tiles + kStages * kStageBytes;  // 8 bytes each
+  const uint32_t empty_bars = full_bars + kStages * 8;
+  int* s_offsets = reinterpret_cast<int*>(smem + kStages * kStageBytes + 2 * kStages * 8);
+  int* s_prefix = s_offsets + p.E + 1;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      sm90::mbarrier_init(full_bars + 8 * s, 1);                // the producer's arrive.expect_tx
+      sm90::mbarrier_init(empty_bars + 8 * s, kConsumerWarps);  // one arrival per consumer warp
+    }
+    sm90::mbarrier_init_fence();
+    sm90::tma_prefetch_descriptor(&a_map);
+    sm90::tma_prefetch_descriptor(&b_map);
+  }
+  build_schedule(p.offsets, p.E, s_offsets, s_prefix);
+  __syncthreads();
+  const int total = s_prefix[p.E] * p.n_tiles;
+  const int warpgroup = warp >> 2;
+
+  if (warpgroup == 0) {
+    sm90::warpgroup_release_registers<kProducerRegisters>();
+    if (warp != 0 || lane != 0) return;
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+      const Tile tile = decode_tile(t, p.n_tiles, p.E, s_offsets, s_prefix);
+      int b_row0, b_row1;
+      if constexpr (kMode == Mode::kDown) {
+        b_row0 = tile.expert * p.b_rows + tile.col_tile * kColTile;
+        b_row1 = b_row0 + kBoxRows;
+      } else {
+        b_row0 = tile.expert * p.b_rows + tile.col_tile * (kColTile / 2);  // gate rows j0 ..
+        b_row1 = b_row0 + p.N;                                             // up rows I + j0 ..
+      }
+      for (int kt = 0; kt < p.k_tiles; ++kt) {
+        sm90::mbarrier_wait(empty_bars + 8 * stage, phase ^ 1u);
+        const uint32_t full = full_bars + 8 * stage;
+        const uint32_t a_dst = tiles + stage * kStageBytes, b_dst = a_dst + kABytes;
+        sm90::mbarrier_arrive_expect_tx(full, kStageBytes);
+        sm90::tma_load_2d(a_dst, &a_map, full, kt * kKTile, tile.row0);
+        sm90::tma_load_2d(b_dst, &b_map, full, kt * kKTile, b_row0);
+        sm90::tma_load_2d(b_dst + kBoxRows * kRowBytes, &b_map, full, kt * kKTile, b_row1);
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1u;
+        }
+      }
+    }
+    return;
+  }
+
+  sm90::warpgroup_claim_registers<kConsumerRegisters>();
+  const int consumer = warpgroup - 1;  // rows 64 * consumer .. + 63 of each tile
   float acc[kAccumulators];
 #pragma unroll
   for (int i = 0; i < kAccumulators; ++i) acc[i] = 0.0f;
-  Ring<C::kStages> ring;
+  int stage = 0;
+  uint32_t phase = 0;
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
     const Tile tile = decode_tile(t, p.n_tiles, p.E, s_offsets, s_prefix);
     if (tile.row0 + consumer * kWarpgroupRows >= tile.row_end) {
       // All 64 rows past the expert's end: no wgmma, no stores. The stages are still waited for (full) before they
       // are released, so these arrivals always complete the phase the producer is waiting on, never a later one.
       for (int kt = 0; kt < p.k_tiles; ++kt) {
-        sm90::mbarrier_wait(full_bars + 8 * ring.stage, ring.phase);
-        if (lane == 0) sm90::mbarrier_arrive(empty_bars + 8 * ring.stage);
-        ring.next();
+        sm90::mbarrier_wait(full_bars + 8 * stage, phase);
+        if (lane == 0) sm90::mbarrier_arrive(empty_bars + 8 * stage);
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1u;
+        }
       }
       continue;
     }
     int previous = 0;
     for (int kt = 0; kt < p.k_tiles; ++kt) {
-      sm90::mbarrier_wait(full_bars + 8 * ring.stage, ring.phase);
-      const uint32_t a_base = tiles + ring.stage * C::kStageBytes + consumer * kWarpgroupRows * kRowBytes;
-      const uint32_t b_base = tiles + ring.stage * C::kStageBytes + kABytes;
-      sm90::wgmma_fence_registers(acc);
+      sm90::mbarrier_wait(full_bars + 8 * stage, phase);
+      const uint32_t a_base = tiles + stage * kStageBytes + consumer * kWarpgroupRows * kRowBytes;
+      const uint32_t b_base = tiles + stage * kStageBytes + kABytes;
+#pragma unroll
+      for (int i = 0; i < kAccumulators; ++i) sm90::wgmma_fence_register(acc[i]);
       sm90::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kKTile / 16; ++kk) {
@@ -283,159 +278,19 @@ __device__ __forceinline__ void consume_cooperative(const WgmmaArgs& p, int cons
         sm90::wgmma_wait_group<1>();
         if (lane == 0) sm90::mbarrier_arrive(empty_bars + 8 * previous);
       }
-      sm90::wgmma_fence_registers(acc);
-      previous = ring.stage;
-      ring.next();
+#pragma unroll
+      for (int i = 0; i < kAccumulators; ++i) sm90::wgmma_fence_register(acc[i]);
+      previous = stage;
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1u;
+      }
     }
     sm90::wgmma_wait_group<0>();
-    sm90::wgmma_fence_registers(acc);
+#pragma unroll
+    for (int i = 0; i < kAccumulators; ++i) sm90::wgmma_fence_register(acc[i]);
     if (lane == 0) sm90::mbarrier_arrive(empty_bars + 8 * previous);
-    store_block<kMode, C::kColTile>(acc, p, tile.row0 + consumer * kWarpgroupRows, tile.row_end,
-                                    output_col0<kMode, C::kColTile>(tile));
-  }
-}
-
-// Pingpong mainloop of one 128 x 128 tile: k_tiles stages from `ring` on, kHalves m64n128k16 per k16 step (2: rows
-// 0-63 into acc[0] and 64-127 into acc[1]; 1: rows 0-63 only). Releases every stage but the last, whose wgmma may
-// still run on return; returns that stage.
-template <int kHalves>
-__device__ __forceinline__ int pingpong_mainloop(float (&acc)[2][kAccumulators / 2], int k_tiles, uint32_t tiles,
-                                                 uint32_t full_bars, uint32_t empty_bars,
-                                                 Ring<Config<MoeWgmmaSchedule::kPingPong>::kStages>& ring) {
-  using C = Config<MoeWgmmaSchedule::kPingPong>;
-  const int lane = threadIdx.x & 31;
-  int previous = 0;
-  for (int kt = 0; kt < k_tiles; ++kt) {
-    sm90::mbarrier_wait(full_bars + 8 * ring.stage, ring.phase);
-    const uint32_t a_base = tiles + ring.stage * C::kStageBytes, b_base = a_base + kABytes;
-    sm90::wgmma_fence_registers(acc[0]);
-    sm90::wgmma_fence_registers(acc[1]);
-    sm90::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kKTile / 16; ++kk) {
-      // As in consume_cooperative; both halves read the same 128 B rows (the tile's weight columns).
-      const uint64_t b = sm90::smem_desc_k_major_sw128(b_base + 32 * kk);
-      const int accumulate = (kt | kk) != 0 ? 1 : 0;
-      sm90::wgmma_m64n128k16_ss(acc[0], sm90::smem_desc_k_major_sw128(a_base + 32 * kk), b, accumulate);
-      if constexpr (kHalves == 2) {
-        sm90::wgmma_m64n128k16_ss(acc[1], sm90::smem_desc_k_major_sw128(a_base + kWarpgroupRows * kRowBytes + 32 * kk),
-                                  b, accumulate);
-      }
-    }
-    sm90::wgmma_commit_group();
-    if (kt > 0) {
-      sm90::wgmma_wait_group<1>();
-      if (lane == 0) sm90::mbarrier_arrive(empty_bars + 8 * previous);
-    }
-    sm90::wgmma_fence_registers(acc[0]);
-    sm90::wgmma_fence_registers(acc[1]);
-    previous = ring.stage;
-    ring.next();
-  }
-  return previous;
-}
-
-// Pingpong consumer `consumer` (warpgroup consumer + 1): the CTA's tiles consumer, consumer + 2, ... (file comment).
-template <Mode kMode>
-__device__ __forceinline__ void consume_pingpong(const WgmmaArgs& p, int consumer, int total, uint32_t tiles,
-                                                 uint32_t full_bars, uint32_t empty_bars, const int* s_offsets,
-                                                 const int* s_prefix) {
-  using C = Config<MoeWgmmaSchedule::kPingPong>;
-  const int lane = threadIdx.x & 31;
-  float acc[2][kAccumulators / 2];
-#pragma unroll
-  for (int i = 0; i < kAccumulators / 2; ++i) acc[0][i] = acc[1][i] = 0.0f;
-  const int grid = static_cast<int>(gridDim.x);
-  Ring<C::kStages> ring;
-  ring.skip(consumer * p.k_tiles);
-  // The CTA's tile 0 goes first: consumer 1 gives consumer 0 the turn if that tile exists.
-  if (consumer == 1 && static_cast<int>(blockIdx.x) < total) {
-    sm90::named_barrier_arrive(kTurnBarrier, kConsumerThreads);
-  }
-  for (int t = static_cast<int>(blockIdx.x) + consumer * grid; t < total; t += 2 * grid) {
-    const Tile tile = decode_tile(t, p.n_tiles, p.E, s_offsets, s_prefix);
-    const bool upper = tile.row0 + kWarpgroupRows < tile.row_end;  // rows 64-127 hold some of the expert's rows
-    sm90::named_barrier_sync(kTurnBarrier + consumer, kConsumerThreads);
-    const int last = upper ? pingpong_mainloop<2>(acc, p.k_tiles, tiles, full_bars, empty_bars, ring)
-                           : pingpong_mainloop<1>(acc, p.k_tiles, tiles, full_bars, empty_bars, ring);
-    // All of this tile's wgmma are issued: the other warpgroup's next tile (the CTA's next) may issue its own.
-    if (t + grid < total) {
-      sm90::named_barrier_arrive(kTurnBarrier + 1 - consumer, kConsumerThreads);
-    }
-    sm90::wgmma_wait_group<0>();
-    sm90::wgmma_fence_registers(acc[0]);
-    sm90::wgmma_fence_registers(acc[1]);
-    if (lane == 0) sm90::mbarrier_arrive(empty_bars + 8 * last);
-    const int col0 = output_col0<kMode, C::kColTile>(tile);
-    store_block<kMode, C::kColTile>(acc[0], p, tile.row0, tile.row_end, col0);
-    if (upper) store_block<kMode, C::kColTile>(acc[1], p, tile.row0 + kWarpgroupRows, tile.row_end, col0);
-    ring.skip(p.k_tiles);  // the other warpgroup's tile
-  }
-}
-
-template <Mode kMode, MoeWgmmaSchedule kSchedule>
-__global__ void __launch_bounds__(kThreads, 1)
-    moe_wgmma_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
-                     const WgmmaArgs p) {
-  using C = Config<kSchedule>;
-  extern __shared__ unsigned char smem_raw[];
-  const uint32_t raw = smem_address(smem_raw);
-  const uint32_t tiles = (raw + 1023u) & ~1023u;  // stage s: A at tiles + s * kStageBytes, B kABytes later
-  unsigned char* smem = smem_raw + (tiles - raw);
-  const uint32_t full_bars = tiles + C::kStages * C::kStageBytes;  // 8 bytes each
-  const uint32_t empty_bars = full_bars + C::kStages * 8;
-  int* s_offsets = reinterpret_cast<int*>(smem + C::kStages * C::kStageBytes + 2 * C::kStages * 8);
-  int* s_prefix = s_offsets + p.E + 1;
-
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  if (tid == 0) {
-    for (int s = 0; s < C::kStages; ++s) {
-      sm90::mbarrier_init(full_bars + 8 * s, 1);  // the producer's arrive.expect_tx
-      sm90::mbarrier_init(empty_bars + 8 * s, C::kStageReleases);
-    }
-    sm90::mbarrier_init_fence();
-    sm90::tma_prefetch_descriptor(&a_map);
-    sm90::tma_prefetch_descriptor(&b_map);
-  }
-  build_schedule(p.offsets, p.E, s_offsets, s_prefix);
-  __syncthreads();
-  const int total = s_prefix[p.E] * p.n_tiles;
-  const int warpgroup = warp >> 2;
-
-  if (warpgroup == 0) {
-    sm90::warpgroup_release_registers<kProducerRegisters>();
-    if (warp != 0 || lane != 0) return;
-    // The CTA's tiles in order (pingpong: alternately for consumer warpgroups 1 and 2), k_tiles stages each.
-    Ring<C::kStages> ring;
-    for (int t = blockIdx.x; t < total; t += gridDim.x) {
-      const Tile tile = decode_tile(t, p.n_tiles, p.E, s_offsets, s_prefix);
-      int b_row0, b_row1;
-      if constexpr (kMode == Mode::kDown) {
-        b_row0 = tile.expert * p.b_rows + tile.col_tile * C::kColTile;
-        b_row1 = b_row0 + C::kBoxRows;
-      } else {
-        b_row0 = tile.expert * p.b_rows + tile.col_tile * C::kBoxRows;  // gate rows j0 ..
-        b_row1 = b_row0 + p.N;                                          // up rows I + j0 ..
-      }
-      for (int kt = 0; kt < p.k_tiles; ++kt) {
-        sm90::mbarrier_wait(empty_bars + 8 * ring.stage, ring.phase ^ 1u);
-        const uint32_t full = full_bars + 8 * ring.stage;
-        const uint32_t a_dst = tiles + ring.stage * C::kStageBytes, b_dst = a_dst + kABytes;
-        sm90::mbarrier_arrive_expect_tx(full, C::kStageBytes);
-        sm90::tma_load_2d(a_dst, &a_map, full, kt * kKTile, tile.row0);
-        sm90::tma_load_2d(b_dst, &b_map, full, kt * kKTile, b_row0);
-        sm90::tma_load_2d(b_dst + C::kBoxRows * kRowBytes, &b_map, full, kt * kKTile, b_row1);
-        ring.next();
-      }
-    }
-    return;
-  }
-
-  sm90::warpgroup_claim_registers<kConsumerRegisters>();
-  if constexpr (C::kPingPong) {
-    consume_pingpong<kMode>(p, warpgroup - 1, total, tiles, full_bars, empty_bars, s_offsets, s_prefix);
-  } else {
-    consume_cooperative<kMode>(p, warpgroup - 1, total, tiles, full_bars, empty_bars, s_offsets, s_prefix);
+    store_tile<kMode>(acc, p, tile, consumer);
   }
 }
 
@@ -454,12 +309,12 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return encode;
 }
 
-// Row-major bf16 [rows, inner] read as boxes of 64 (k) x box_rows rows, 128-byte swizzle, zero fill out of range.
+// Row-major bf16 [rows, inner] read as boxes of 64 (k) x 128 rows, 128-byte swizzle, zero fill out of range.
 Status encode_map(PFN_cuTensorMapEncodeTiled_v12000 encode, CUtensorMap* map, const __nv_bfloat16* base, int64_t inner,
-                  int64_t rows, int box_rows, const char* what) {
+                  int64_t rows, const char* what) {
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(inner) * sizeof(__nv_bfloat16)};
-  const cuuint32_t box[2] = {kKTile, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t box[2] = {kKTile, kBoxRows};
   const cuuint32_t element_strides[2] = {1, 1};
   const CUresult result =
       encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<__nv_bfloat16*>(base), dims, strides, box,
@@ -473,77 +328,36 @@ Status encode_map(PFN_cuTensorMapEncodeTiled_v12000 encode, CUtensorMap* map, co
   return Status::ok();
 }
 
-template <Mode kMode, MoeWgmmaSchedule kSchedule>
+template <Mode kMode>
 Status launch(const CUtensorMap& a_map, const CUtensorMap& b_map, const WgmmaArgs& args, int grid, cudaStream_t stream,
               const char* what) {
-  constexpr size_t kSmemBytes = Config<kSchedule>::kSmemBytes;
   // Above 48 KiB the opt-in is needed; a per-function attribute (no stream work), so capture is unaffected.
-  cudaError_t error = cudaFuncSetAttribute(moe_wgmma_kernel<kMode, kSchedule>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBytes));
+  cudaError_t error = cudaFuncSetAttribute(moe_wgmma_kernel<kMode>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(kSmemBytes));
   if (error != cudaSuccess) {
     return internal_error(std::string("moe_expert_ffn_wgmma: shared memory attribute: ") + cudaGetErrorString(error));
   }
-  moe_wgmma_kernel<kMode, kSchedule><<<grid, kThreads, kSmemBytes, stream>>>(a_map, b_map, args);
+  moe_wgmma_kernel<kMode><<<grid, kThreads, kSmemBytes, stream>>>(a_map, b_map, args);
   error = cudaGetLastError();
   if (error == cudaSuccess) return Status::ok();
   return internal_error(std::string("moe_expert_ffn_wgmma ") + what + ": launch: " + cudaGetErrorName(error) + " (" +
                         cudaGetErrorString(error) + ")");
 }
 
-template <Mode kMode>
-Status launch(MoeWgmmaSchedule schedule, const CUtensorMap& a_map, const CUtensorMap& b_map, const WgmmaArgs& args,
-              int grid, cudaStream_t stream, const char* what) {
-  return schedule == MoeWgmmaSchedule::kPingPong
-             ? launch<kMode, MoeWgmmaSchedule::kPingPong>(a_map, b_map, args, grid, stream, what)
-             : launch<kMode, MoeWgmmaSchedule::kCooperative>(a_map, b_map, args, grid, stream, what);
-}
-
 }  // namespace
 
-MoeWgmmaSchedule moe_wgmma_schedule() {
-  static const MoeWgmmaSchedule schedule = [] {
-    const char* value = std::getenv("DELTASERVE_MOE_WGMMA");
-    if (value == nullptr || value[0] == '\0') return MoeWgmmaSchedule::kCooperative;
-    const std::string v(value);
-    if (v == "pingpong") return MoeWgmmaSchedule::kPingPong;
-    if (v != "cooperative") {
-      std::fprintf(stderr, "DELTASERVE_MOE_WGMMA=%s not recognised (cooperative | pingpong): cooperative\n", value);
-    }
-    return MoeWgmmaSchedule::kCooperative;
-  }();
-  return schedule;
-}
-
-const char* moe_wgmma_schedule_name(MoeWgmmaSchedule schedule) {
-  switch (schedule) {
-    case MoeWgmmaSchedule::kCooperative:
-      return "cooperative";
-    case MoeWgmmaSchedule::kPingPong:
-      return "pingpong";
-  }
-  return "unknown";
-}
-
-Status moe_expert_ffn_wgmma(const MoeFfnParams& params, cudaStream_t stream, MoeWgmmaStage stage,
-                            MoeWgmmaSchedule schedule) {
+Status moe_expert_ffn_wgmma(const MoeFfnParams& params, cudaStream_t stream, MoeWgmmaStage stage) {
   const MoeExpertWeights& w = params.weights;
   const int64_t W = w.width, I = w.intermediate, R = params.rows;
   const int E = w.num_experts;
-  if (schedule != MoeWgmmaSchedule::kCooperative && schedule != MoeWgmmaSchedule::kPingPong) {
-    return invalid_argument("moe_expert_ffn_wgmma: unknown schedule " + std::to_string(static_cast<int>(schedule)));
-  }
   DS_RETURN_IF_ERROR(detail::validate_moe_ffn_sizes(params, "moe_expert_ffn_wgmma"));
   if (E * 2 * I >= (int64_t{1} << 31) || E * W >= (int64_t{1} << 31)) {
     return invalid_argument("moe_expert_ffn_wgmma: E * 2I and E * width must stay below 2^31 (TMA coordinates)");
   }
-  const bool ping_pong = schedule == MoeWgmmaSchedule::kPingPong;
-  const int col_tile =
-      ping_pong ? Config<MoeWgmmaSchedule::kPingPong>::kColTile : Config<MoeWgmmaSchedule::kCooperative>::kColTile;
-  const int64_t gate_up_tiles = (I + col_tile / 2 - 1) / (col_tile / 2), down_tiles = (W + col_tile - 1) / col_tile;
+  const int64_t gate_up_tiles = (I + kColTile / 2 - 1) / (kColTile / 2), down_tiles = (W + kColTile - 1) / kColTile;
   const int64_t max_row_tiles = (R + kRowTile - 1) / kRowTile + (R < E ? R : E);
-  // Tile indices and t + 2 gridDim.x stay below 2^31.
   if (R < 0 || R > 0x7fffffff ||
-      max_row_tiles * (gate_up_tiles > down_tiles ? gate_up_tiles : down_tiles) > (int64_t{1} << 30)) {
+      max_row_tiles * (gate_up_tiles > down_tiles ? gate_up_tiles : down_tiles) > 0x7fffffff) {
     return invalid_argument("moe_expert_ffn_wgmma: rows out of range (" + std::to_string(R) + ")");
   }
   DS_RETURN_IF_ERROR(detail::validate_moe_ffn_glu(params, "moe_expert_ffn_wgmma"));
@@ -567,15 +381,14 @@ Status moe_expert_ffn_wgmma(const MoeFfnParams& params, cudaStream_t stream, Moe
                  params.situ_beta,      params.situ_linear_beta};
   CUtensorMap gate_up_a, gate_up_b, down_a, down_b;
   const bool run_gate_up = stage != MoeWgmmaStage::kDown, run_down = stage != MoeWgmmaStage::kGateUp;
-  const int b_box_rows = col_tile / 2;
   if (run_gate_up) {
-    Status status = encode_map(encode, &gate_up_a, params.x_sorted, W, R, kRowTile, "x_sorted");
-    if (status) status = encode_map(encode, &gate_up_b, w.gate_up, W, E * 2 * I, b_box_rows, "gate_up");
+    Status status = encode_map(encode, &gate_up_a, params.x_sorted, W, R, "x_sorted");
+    if (status) status = encode_map(encode, &gate_up_b, w.gate_up, W, E * 2 * I, "gate_up");
     if (!status) return status;
   }
   if (run_down) {
-    Status status = encode_map(encode, &down_a, params.activated, I, R, kRowTile, "activated");
-    if (status) status = encode_map(encode, &down_b, w.down, I, E * W, b_box_rows, "down");
+    Status status = encode_map(encode, &down_a, params.activated, I, R, "activated");
+    if (status) status = encode_map(encode, &down_b, w.down, I, E * W, "down");
     if (!status) return status;
   }
   if (run_gate_up) {
@@ -585,10 +398,9 @@ Status moe_expert_ffn_wgmma(const MoeFfnParams& params, cudaStream_t stream, Moe
     gu.N = static_cast<int>(I);
     gu.b_rows = static_cast<int>(2 * I);
     const int grid = static_cast<int>(std::min<int64_t>(sms, max_row_tiles * gate_up_tiles));
-    const Status status =
-        params.glu == GluKind::kSitu
-            ? launch<Mode::kGateUpSitu>(schedule, gate_up_a, gate_up_b, gu, grid, stream, "gate/up")
-            : launch<Mode::kGateUpSwiGlu>(schedule, gate_up_a, gate_up_b, gu, grid, stream, "gate/up");
+    const Status status = params.glu == GluKind::kSitu
+                              ? launch<Mode::kGateUpSitu>(gate_up_a, gate_up_b, gu, grid, stream, "gate/up")
+                              : launch<Mode::kGateUpSwiGlu>(gate_up_a, gate_up_b, gu, grid, stream, "gate/up");
     if (!status) return status;
   }
   if (run_down) {
@@ -598,7 +410,7 @@ Status moe_expert_ffn_wgmma(const MoeFfnParams& params, cudaStream_t stream, Moe
     down.N = static_cast<int>(W);
     down.b_rows = static_cast<int>(W);
     const int grid = static_cast<int>(std::min<int64_t>(sms, max_row_tiles * down_tiles));
-    return launch<Mode::kDown>(schedule, down_a, down_b, down, grid, stream, "down");
+    return launch<Mode::kDown>(down_a, down_b, down, grid, stream, "down");
   }
   return Status::ok();
 }

@@ -13,17 +13,6 @@ namespace deltaserve::kernels::cuda {
 // `activated` rows a previous kGateUp (or kBoth) call wrote.
 enum class MoeWgmmaStage { kBoth, kGateUp, kDown };
 
-// How the two consumer warpgroups of a CTA share the work (design and costs: moe_ffn_wgmma.cu). Same results: every
-// output element is the same fp32 sum over k in the same order.
-//   kCooperative: both warpgroups on every 128 x 256 tile, 64 rows each (no MMA while they store a tile).
-//   kPingPong:    each warpgroup owns whole 128 x 128 tiles and the two take turns issuing MMA, so one's
-//                 epilogue runs under the other's mainloop.
-enum class MoeWgmmaSchedule { kCooperative, kPingPong };
-// The engine's schedule, DELTASERVE_MOE_WGMMA (read once per process): "cooperative" (default, also for unset or
-// unknown values, which are reported on stderr) or "pingpong".
-MoeWgmmaSchedule moe_wgmma_schedule();
-const char* moe_wgmma_schedule_name(MoeWgmmaSchedule schedule);  // "cooperative" | "pingpong"
-
 // Same results and contract as moe_expert_ffn_grouped: activated[r, :] = bf16(glu(x_sorted[r, :] · gate_up[e]^T))
 // (fp32 accumulation and glu math, rounded once), y_sorted[r, :] = activated[r, :] · down[e]^T in fp32, for every
 // row r < offsets[E] of expert e; rows >= offsets[E] are not written. The tile schedule is derived on the device
@@ -34,9 +23,9 @@ const char* moe_wgmma_schedule_name(MoeWgmmaSchedule schedule);  // "cooperative
 // 16-byte aligned, y_sorted 8-byte aligned; E * 2I and E * width below 2^31 (TMA coordinates). Returns
 // kInvalidArgument for inputs outside that contract and kUnimplemented when the current device is not compute
 // capability 9.x or the driver lacks cuTensorMapEncodeTiled, each before anything is launched. R == 0 launches
-// nothing. `schedule` defaults to moe_wgmma_schedule(); an out-of-range value is kInvalidArgument.
-Status moe_expert_ffn_wgmma(const MoeFfnParams& params, cudaStream_t stream, MoeWgmmaStage stage = MoeWgmmaStage::kBoth,
-                            MoeWgmmaSchedule schedule = moe_wgmma_schedule());
+// nothing.
+Status moe_expert_ffn_wgmma(const MoeFfnParams& params, cudaStream_t stream,
+                            MoeWgmmaStage stage = MoeWgmmaStage::kBoth);
 
 namespace detail {
 // Host-side checks of MoeFfnParams that moe_expert_ffn_grouped and moe_expert_ffn_wgmma share (moe_ffn_grouped.cu);
