@@ -17,6 +17,8 @@
 //   prefill: FLOPs of the minimal computation (2 per weight per token for the active weights; MLA attention in the
 //     naive form, causal: 2·(qk_nope+qk_rope + v) per head per (query, key) pair; KDA chunked form
 //     6·d² + 3·C·d + C² per head per token, C = 64) over the measured bf16 GEMM peak.
+// Prefill: the median of 5 timed prefills (3 above 32k tokens), each of a new request, after one warm-up prefill of
+// up to two passes in the first case (lazy module loads and first-call set-up stay out of the timing).
 // Contexts are set up with CudaBackend::assume_context (zero states and rows: the same work as real ones).
 // Decode runs twice per case on the same backend: ",graph" (CUDA graphs on; shapes that are not graph-eligible run
 // eagerly and say so on stderr and in graph_replayed_steps) and ",eager". The per-phase GPU profile of one eager
@@ -320,7 +322,7 @@ struct Bench {
   }
 
   // Prefills `tokens` tokens in chunks of the backend's max batch (after one warm-up prefill of up to two chunks in
-  // the first call); returns seconds (or nullopt when skipped).
+  // the first call), several times; returns the median seconds (or nullopt when skipped).
   std::optional<double> prefill(int64_t tokens, int64_t chunk, std::optional<double> projected) {
     const std::string name = args.label + ",T=" + std::to_string(tokens) + ",chunk=" + std::to_string(chunk);
     if (projected && *projected > args.max_prefill_seconds) {
@@ -335,21 +337,31 @@ struct Bench {
       prefill_passes(warm, prompt, std::min(tokens, 2 * chunk), chunk, name + " warm-up prefill chunk");
       prefill_warmed = true;
     }
-    engine::RequestState state = model->new_state();
-    const auto start = Clock::now();
-    prefill_passes(state, prompt, tokens, chunk, name + " prefill chunk");
-    const double seconds = seconds_since(start);
-    // TTFT adds the first decode step of this request (the cluster's N-1 prefill + 1 decode).
-    const int32_t next = 42;
-    engine::SequenceInput first{&state, {&next, 1}, false};
-    const auto decode_start = Clock::now();
-    check(cuda->forward_on_device({&first, 1}), name + " first decode step");
-    check(cuda->synchronize(), "synchronize");
-    const double ttft = seconds + seconds_since(decode_start);
+    // Medians of several timed prefills (5 up to 32k tokens, 3 above), each of a new request.
+    const int runs = tokens <= 32768 ? 5 : 3;
+    std::vector<double> prefill_s, ttft_s;
+    engine::RequestState state;
+    for (int run = 0; run < runs; ++run) {
+      state = model->new_state();  // gives the previous run's slot and pages back
+      const auto start = Clock::now();
+      prefill_passes(state, prompt, tokens, chunk, name + " prefill chunk");
+      prefill_s.push_back(seconds_since(start));
+      // TTFT adds the first decode step of this request (the cluster's N-1 prefill + 1 decode).
+      const int32_t next = 42;
+      engine::SequenceInput first{&state, {&next, 1}, false};
+      const auto decode_start = Clock::now();
+      check(cuda->forward_on_device({&first, 1}), name + " first decode step");
+      check(cuda->synchronize(), "synchronize");
+      ttft_s.push_back(prefill_s.back() + seconds_since(decode_start));
+    }
+    std::sort(prefill_s.begin(), prefill_s.end());
+    std::sort(ttft_s.begin(), ttft_s.end());
+    const double seconds = prefill_s[prefill_s.size() / 2], ttft = ttft_s[ttft_s.size() / 2];
     const double flops = prefill_flops(config, bytes, tokens);
     const double limit_s = flops / gemm_peak;
-    std::fprintf(stderr, "%s: %.3f s, %.0f tokens/s (FLOP limit %.3f s), TTFT %.3f s\n", name.c_str(), seconds,
-                 static_cast<double>(tokens) / seconds, limit_s, ttft);
+    std::fprintf(stderr, "%s: %.3f s (median of %d, %.3f-%.3f), %.0f tokens/s (FLOP limit %.3f s), TTFT %.3f s\n",
+                 name.c_str(), seconds, runs, prefill_s.front(), prefill_s.back(), static_cast<double>(tokens) / seconds,
+                 limit_s, ttft);
     emit("engine_prefill", name, "tokens_per_s", static_cast<double>(tokens) / seconds, "tokens/s",
          static_cast<double>(tokens) / limit_s, limit_s / seconds);
     emit("engine_prefill", name, "achieved_flops", flops / seconds / 1e12, "TFLOP/s", gemm_peak / 1e12,
