@@ -360,8 +360,8 @@ struct Bench {
     const double flops = prefill_flops(config, bytes, tokens);
     const double limit_s = flops / gemm_peak;
     std::fprintf(stderr, "%s: %.3f s (median of %d, %.3f-%.3f), %.0f tokens/s (FLOP limit %.3f s), TTFT %.3f s\n",
-                 name.c_str(), seconds, runs, prefill_s.front(), prefill_s.back(), static_cast<double>(tokens) / seconds,
-                 limit_s, ttft);
+                 name.c_str(), seconds, runs, prefill_s.front(), prefill_s.back(),
+                 static_cast<double>(tokens) / seconds, limit_s, ttft);
     emit("engine_prefill", name, "tokens_per_s", static_cast<double>(tokens) / seconds, "tokens/s",
          static_cast<double>(tokens) / limit_s, limit_s / seconds);
     emit("engine_prefill", name, "achieved_flops", flops / seconds / 1e12, "TFLOP/s", gemm_peak / 1e12,
