@@ -12,20 +12,24 @@ bin=build/gpu/engine/cuda/engine_gpu_bench
 cmake --build build/gpu -j16 --target engine_gpu_bench >>"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
 common=(--commit "$commit" --date "$date" --machine nvidia-h200)
 # Decode as a decode worker runs it (8192-token passes, the default: more memory for states and pages), prefill as
-# a prefill worker would (--gpu-max-batch-tokens 16384: the MoE GEMMs get 512 rows per expert instead of 256).
+# a prefill worker would (--gpu-max-batch-tokens 16384 or 32768: the MoE GEMMs get 512 or 1024 rows per expert
+# instead of 256).
 echo "== Kimi-Linear-48B (random weights): decode, 8192-token passes"
 timeout 330 "$bin" --config tests/data/configs/kimi-linear-48b-a3b.config.json --label kimi-linear-48b \
   --batches 1,2,4,8,32,128,256 --prompts "" "${common[@]}" \
   >"$out/engine_48b.jsonl" 2>"$out/engine_48b.err"
 echo "rc=$?"; cat "$out/engine_48b.err"
-echo "== Kimi-Linear-48B (random weights): prefill, 16384-token passes"
-timeout 200 "$bin" --config tests/data/configs/kimi-linear-48b-a3b.config.json --label kimi-linear-48b \
-  --contexts "" --prompts 4096,32768,131072 --prefill-chunk 16384 --no-ceilings "${common[@]}" \
-  >"$out/engine_48b_prefill.jsonl" 2>"$out/engine_48b_prefill.err"
-echo "rc=$?"; cat "$out/engine_48b_prefill.err"
+for chunk in 16384 32768; do
+  echo "== Kimi-Linear-48B (random weights): prefill, $chunk-token passes"
+  timeout 200 "$bin" --config tests/data/configs/kimi-linear-48b-a3b.config.json --label kimi-linear-48b \
+    --contexts "" --prompts 4096,32768,131072 --prefill-chunk $chunk --no-ceilings "${common[@]}" \
+    >"$out/engine_48b_prefill_$chunk.jsonl" 2>"$out/engine_48b_prefill_$chunk.err"
+  echo "rc=$?"; cat "$out/engine_48b_prefill_$chunk.err"
+done
 echo "== K3 layer shapes (2 layers: KDA+MoE, MLA+MoE)"
 timeout 150 "$bin" --config tests/data/configs/kimi-k3-shape.config.json --kinds kda,mla --first-dense 0 \
   --label k3-2-layers --no-ceilings --prompts 4096,32768 --memory-fraction 0.95 "${common[@]}" \
   >"$out/engine_k3.jsonl" 2>"$out/engine_k3.err"
 echo "rc=$?"; cat "$out/engine_k3.err"
-cat "$out/engine_48b.jsonl" "$out/engine_48b_prefill.jsonl" "$out/engine_k3.jsonl" >"$out/engine_gpu.jsonl"
+cat "$out/engine_48b.jsonl" "$out/engine_48b_prefill_16384.jsonl" "$out/engine_48b_prefill_32768.jsonl" \
+  "$out/engine_k3.jsonl" >"$out/engine_gpu.jsonl"
