@@ -364,11 +364,12 @@ Status CudaBackend::Impl::run_moe(const DeviceMoe& moe, int64_t T) {
   const int64_t shared_I = moe.shared.gate_up != nullptr ? moe.shared.intermediate : 0;
 
   // Decode batches (<= kSmallBatchMoeTokens tokens, no LatentMoE): the whole layer in three launches
-  // (kernels/cuda/moe.hpp, moe_small_batch_*). The kernels take up to 16 tokens, but on the H200 at Kimi-48B dims
-  // (MoeDecodeLayerGpu.Timing, 2026-12-01) they beat the chain below only up to 4 tokens: 65.6 vs 86.8 us at T=1,
-  // 102 vs 120 at 2, 160 vs 160 at 4, 282 vs 263 at 8, 503 vs 420 at 16. Its temporaries are fewer than the chain's
-  // (no x_sorted / y_sorted), so whatever the arena was planned for fits; checked anyway, since the router's partial
-  // sums grow with E.
+  // (kernels/cuda/moe.hpp, moe_small_batch_*). The kernels take up to 16 tokens. On the H200 at Kimi-48B dims
+  // (MoeDecodeLayerGpu.Timing, 2026-12-01, v2) the layer alone beats the chain below up to 8 tokens: 63.1 vs 87.0 us
+  // at T=1, 99.0 vs 120.1 at 2, 146.7 vs 160.5 at 4, 243.6 vs 263.3 at 8, 525 vs 419 at 16; but with 8 tokens the
+  // 48B engine's decode step was slower through it (8.86 against 8.54 ms at batch 8, ctx 4k), so it stops at 4. Its
+  // temporaries are fewer than the chain's (no x_sorted / y_sorted), so whatever the arena was planned for fits;
+  // checked anyway, since the router's partial sums grow with E.
   constexpr int64_t kSmallBatchMoeTokens = 4;
   if (!latent && width == hidden && T <= kSmallBatchMoeTokens && kc::moe_small_batch_enabled() &&
       kc::moe_small_batch_fits(T, static_cast<int>(k), static_cast<int>(E), hidden, I, shared_I)) {
