@@ -262,28 +262,11 @@ const EnvironmentKernel& environment_kernel() {
   return parsed;
 }
 
-Status cuda_status(cudaError_t error, const char* who) {
-  if (error == cudaSuccess) return Status::ok();
-  (void)cudaGetLastError();  // the launch error is not sticky; clear it so launch_status of later calls is clean
-  return internal_error(std::string(who) + ": launch: " + cudaGetErrorName(error) + " (" + cudaGetErrorString(error) +
-                        ")");
-}
-
 Status launch_cols1(const DecodeArgs& args, const KdaDecodeParams& p, cudaStream_t stream) {
-  cudaLaunchAttribute attribute = {};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = 0;
-  config.stream = stream;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
   const int early = p.early_state_loads ? 1 : 0;
-  DS_RETURN_IF_ERROR(
-      cuda_status(cudaLaunchKernelEx(&config, kda_decode_cols1_kernel, args, early), "kda_decode_step (cols1)"));
-  return launch_status("kda_decode_step (cols1)");
+  return launch_kernel_ex(true, kda_decode_cols1_kernel,
+                          dim3(static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch)), dim3(kThreads), 0,
+                          stream, "kda_decode_step (cols1)", args, early);
 }
 
 }  // namespace

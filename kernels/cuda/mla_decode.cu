@@ -415,25 +415,12 @@ bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
 }
 
-// cudaLaunchKernelEx with the programmatic-stream-serialization attribute (unless DELTASERVE_MLA_PDL=0).
+// Launched with programmatic dependent launch unless DELTASERVE_MLA_PDL=0.
 template <typename... Params, typename... Args>
 Status launch_with_pdl(void (*kernel)(Params...), dim3 grid, int threads, size_t smem, cudaStream_t stream,
                        const char* who, Args... args) {
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = dim3(static_cast<unsigned>(threads));
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  config.attrs = attribute;
-  config.numAttrs = pdl_from_env() ? 1 : 0;
-  if (cudaError_t e = cudaLaunchKernelEx(&config, kernel, args...); e != cudaSuccess) {
-    (void)cudaGetLastError();
-    return internal_error(std::string(who) + ": launch: " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
-  }
-  return launch_status(who);
+  return launch_kernel_ex(pdl_from_env(), kernel, grid, dim3(static_cast<unsigned>(threads)), smem, stream, who,
+                          args...);
 }
 
 Status set_smem(const void* kernel, size_t bytes, const char* who) {

@@ -249,25 +249,11 @@ __device__ __forceinline__ void allow_dependent_grids() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
 
-// cudaLaunchKernelEx with cudaLaunchAttributeProgrammaticStreamSerialization (graph-capturable).
+// Every launch of v2 uses programmatic dependent launch (launch_status.hpp).
 template <typename... Params, typename... Args>
 Status launch_with_pdl(void (*kernel)(Params...), unsigned grid, unsigned threads, size_t smem, cudaStream_t stream,
                        const char* who, Args... args) {
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(grid);
-  config.blockDim = dim3(threads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  if (const cudaError_t e = cudaLaunchKernelEx(&config, kernel, args...); e != cudaSuccess) {
-    (void)cudaGetLastError();
-    return internal_error(std::string(who) + ": launch: " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
-  }
-  return launch_status(who);
+  return launch_kernel_ex(true, kernel, dim3(grid), dim3(threads), smem, stream, who, args...);
 }
 
 // ---- v1 (moe_small_batch_v1.cu) --------------------------------------------------------------------------------
