@@ -17,6 +17,7 @@
 
 #include <cuda_bf16.h>
 
+#include "kernels/cuda/bf16_stream.cuh"
 #include "kernels/cuda/kda.hpp"
 #include "kernels/cuda/mma_sm80.cuh"
 
@@ -93,12 +94,10 @@ constexpr int kPrepThreads = 256;  // thread (c, half): key channel c, tokens [3
 constexpr size_t kPrepSmem =
     size_t{kC} * kLdD * 2 * 2 + size_t{kKinvRows} * kLdD * 2 + size_t{kC} * kLdF * 4 + kC * 4 + 4 * kD * 4;
 
-// Four bf16 of a row (8-byte aligned) as floats.
+// Four bf16 of a row (8-byte aligned) as floats (exact conversions).
 __device__ __forceinline__ float4 load_bf16x4(const bf16* src) {
   const uint2 raw = *reinterpret_cast<const uint2*>(src);
-  const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-  const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-  return make_float4(lo.x, lo.y, hi.x, hi.y);
+  return make_float4(bf16_low(raw.x), bf16_high(raw.x), bf16_low(raw.y), bf16_high(raw.y));
 }
 
 // Sums v[j] over the warp's 32 lanes for all eight j at once (a transposed butterfly: 9 shuffles instead of 40).
