@@ -6,6 +6,7 @@
 //                    --commit C --date D
 //                    [--batches 1,8,32,128,256] [--contexts 4096,32768] [--prompts 4096,32768,131072]
 //                    [--memory-fraction 0.92] [--max-prefill-seconds 90] [--prefill-chunk 8192]
+//                    [--profiler-step]
 //
 // Output: JSON lines in the bench/results format on stdout; progress on stderr.
 //
@@ -23,6 +24,8 @@
 // Decode runs twice per case on the same backend: ",graph" (CUDA graphs on; shapes that are not graph-eligible run
 // eagerly and say so on stderr and in graph_replayed_steps) and ",eager". The per-phase GPU profile of one eager
 // decode step (B=1 and B=256 at context 4096) and of one eager 32k prefill goes to stderr.
+// --profiler-step: one more graph-mode decode step per case between cudaProfilerStart and cudaProfilerStop, so that
+// `ncu --profile-from-start off` sees exactly the kernels of one step.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -36,6 +39,7 @@
 #include <vector>
 
 #include <cublas_v2.h>
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
 #include "engine/cuda/cuda_backend.hpp"
@@ -56,6 +60,7 @@ struct Args {
   double memory_fraction = 0.92, max_prefill_seconds = 90;
   int64_t prefill_chunk = 8192;  // the backend's max_batch_tokens: rows of one prefill pass
   bool ceilings = true;
+  bool profiler_step = false;  // one graph-mode decode step per case inside cudaProfilerStart/Stop
 };
 
 std::vector<int64_t> parse_list(const std::string& text) {
@@ -294,6 +299,13 @@ struct Bench {
       if (graphs)
         emit("engine_decode", mode, "graph_replayed_steps", static_cast<double>(replayed) / steps, "fraction");
     }
+    if (g_args->profiler_step) {
+      cuda->set_cuda_graphs(true);
+      check_cuda(cudaProfilerStart(), "cudaProfilerStart");
+      step();
+      check(cuda->synchronize(), "synchronize");
+      check_cuda(cudaProfilerStop(), "cudaProfilerStop");
+    }
     // Per-phase GPU time of one eager step (stderr) at B=1 and B=256, context 4096.
     if (context == 4096 && (batch == 1 || batch == 256)) {
       cuda->enable_profile(true);
@@ -425,6 +437,8 @@ int main(int argc, char** argv) {
       args.prefill_chunk = std::stoll(value());
     else if (flag == "--no-ceilings")
       args.ceilings = false;
+    else if (flag == "--profiler-step")
+      args.profiler_step = true;
     else
       die("unknown flag " + flag);
   }
