@@ -229,6 +229,7 @@ Status moe_combine(const float* y_sorted, const MoePlan& plan, const float* weig
 // after that wait), as mla_decode and kda_decode_step do; plain launches always do.
 constexpr int64_t kMoeSmallBatchMaxTokens = 16;
 constexpr int64_t kMoeSmallBatchMaxAssignments = 256;  // T * top_k
+constexpr int64_t kMoeSmallBatchSplitTokens = 4;       // v2 splits its down launch up to this many tokens
 
 enum class MoeSmallBatchKernel { kDefault, kV1, kV2 };
 // "v1", "v2" ("default" for kDefault).
@@ -269,6 +270,10 @@ struct MoeSmallBatchParams {
   unsigned int* counter = nullptr;
   // Which kernels run; moe_small_batch_route and moe_small_batch_experts must get the same value.
   MoeSmallBatchKernel kernel = MoeSmallBatchKernel::kDefault;
+  // v2's down launch for T <= kMoeSmallBatchSplitTokens: each 16-column tile by two CTAs, each streaming half of
+  // the experts (the same sums: results are bitwise those of the unsplit launch). 0: split unless the environment
+  // says DELTASERVE_MOE_DOWN_SPLIT=0 (read once); 1: never; 2: split. Route and experts must get the same value.
+  int down_split = 0;
 };
 
 // Whether the small-batch path takes these shapes (the engine's choice; the launchers check the rest).

@@ -161,6 +161,12 @@ __global__ void __launch_bounds__(kThreads, 2) small_batch_router_kernel(const _
   }
   grid_dependency_wait();
   allow_dependent_grids();
+  // The split down launch's arrival counts (launch 3 starts after this grid completes).
+  if (a.down_arrivals != nullptr) {
+    for (int i = static_cast<int>(blockIdx.x) * kThreads + tid; i < a.down_tiles; i += a.router_ctas * kThreads) {
+      a.down_arrivals[i] = 0u;
+    }
+  }
 
   if (e < a.E) {
     float acc[kMaxTokens];
@@ -225,6 +231,26 @@ bool env_disabled(const char* name) {
 
 constexpr MoeSmallBatchKernel kKernels[] = {MoeSmallBatchKernel::kV1, MoeSmallBatchKernel::kV2};
 
+// DELTASERVE_MOE_DOWN_SPLIT=0 (or off), read once: v2's down launch unsplit whatever the token count.
+bool environment_allows_down_split() {
+  static const bool allowed = !env_disabled("DELTASERVE_MOE_DOWN_SPLIT");
+  return allowed;
+}
+
+// Tiles of v2's down launch and the bytes of the split's exchange area (plan-row outputs, then arrival counts).
+int down_tiles(int64_t hidden) {
+  return static_cast<int>((hidden + moe_small_batch_detail::kDownTileColumns - 1) /
+                          moe_small_batch_detail::kDownTileColumns);
+}
+size_t down_ys_bytes(int64_t tokens, int top_k, int64_t hidden) {
+  return round16(static_cast<size_t>(down_tiles(hidden)) * static_cast<size_t>(tokens * top_k + tokens) *
+                 moe_small_batch_detail::kDownTileColumns * sizeof(float));
+}
+size_t down_split_bytes(int64_t tokens, int top_k, int64_t hidden) {
+  if (tokens > kMoeSmallBatchSplitTokens) return 0;
+  return down_ys_bytes(tokens, top_k, hidden) + round16(static_cast<size_t>(down_tiles(hidden)) * sizeof(unsigned));
+}
+
 // DELTASERVE_MOE_SMALL_BATCH_KERNEL, read once per process: kDefault when unset or empty; `valid` false for an
 // unknown name.
 struct EnvironmentKernel {
@@ -269,6 +295,7 @@ Status check(const MoeSmallBatchParams& p, const char* who) {
       p.kernel != MoeSmallBatchKernel::kV2) {
     return invalid_argument(name + ": unknown kernel");
   }
+  if (p.down_split < 0 || p.down_split > 2) return invalid_argument(name + ": down_split must be 0, 1 or 2");
   if (p.glu == GluKind::kSitu && !(p.situ_beta > 0.0f && p.situ_linear_beta > 0.0f)) {
     return invalid_argument(name + ": SiTU betas must be positive");
   }
@@ -355,6 +382,18 @@ LayerArgs make_args(const MoeSmallBatchParams& p, MoeSmallBatchKernel kernel) {
   a.slot_first = v2 ? a.num_active + 1 : nullptr;
   a.slot_count = v2 ? a.slot_first + a.active_capacity : nullptr;
   a.counter = p.counter;
+  // The split down launch (v2, few tokens): its exchange area follows the active list.
+  const bool split = v2 && a.T <= kMoeSmallBatchSplitTokens &&
+                     (p.down_split == 2 || (p.down_split == 0 && environment_allows_down_split()));
+  a.down_split = split ? 2 : 1;
+  a.down_tiles = down_tiles(p.hidden);
+  a.down_ys = nullptr;
+  a.down_arrivals = nullptr;
+  if (split) {
+    char* area = ws + partial_bytes + round16(static_cast<size_t>(3 * a.active_capacity + 1) * sizeof(int32_t));
+    a.down_ys = reinterpret_cast<float*>(area);
+    a.down_arrivals = reinterpret_cast<unsigned int*>(area + down_ys_bytes(a.T, a.k, p.hidden));
+  }
   return a;
 }
 
@@ -415,7 +454,7 @@ size_t moe_small_batch_workspace_bytes(int64_t tokens, int top_k, int num_expert
   // The active list, its count, and v2's first row and row count per active slot.
   const int64_t capacity = std::min<int64_t>(num_experts, tokens * top_k);
   return round16(static_cast<size_t>(slices * tokens * num_experts) * sizeof(float)) +
-         round16(static_cast<size_t>(3 * capacity + 1) * sizeof(int32_t));
+         round16(static_cast<size_t>(3 * capacity + 1) * sizeof(int32_t)) + down_split_bytes(tokens, top_k, hidden);
 }
 
 Status moe_small_batch_route(const MoeSmallBatchParams& params, cudaStream_t stream) {

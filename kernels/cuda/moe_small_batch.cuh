@@ -25,6 +25,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kMaxTokens = static_cast<int>(kMoeSmallBatchMaxTokens);
 constexpr int kMaxAssignments = static_cast<int>(kMoeSmallBatchMaxAssignments);
 constexpr size_t kSharedLimit = 48 * 1024;  // default dynamic + static limit of launch 1: no opt-in attribute
+constexpr int kDownTileColumns = 16;        // output columns of one v2 down tile (an m16 tile of weight rows)
 
 struct GluArgs {
   int situ;
@@ -82,6 +83,12 @@ struct LayerArgs {
   int32_t* slot_first;
   int32_t* slot_count;
   unsigned int* counter;
+  // v2's split down launch (down_split 2; 1: unsplit, the pointers null): per 16-column tile of the output, every
+  // plan row's expert output [tiles][R + T][16] as the CTA that computed it wrote it, and the tile's arrival count
+  // [tiles] (zeroed by launch 1 after its wait).
+  int down_split, down_tiles;
+  float* down_ys;
+  unsigned int* down_arrivals;
 };
 
 // ---- launch 1: router partial sums and the plan (both generations) ----------------------------------------------

@@ -197,6 +197,8 @@ struct DeviceLayer {
     x_sorted.upload(std::vector<__nv_bfloat16>(x_sorted.size(), bf16_nan()));
     activated.upload(std::vector<__nv_bfloat16>(activated.size(), bf16_nan()));
     shared_activated.upload(std::vector<__nv_bfloat16>(shared_activated.size(), bf16_nan()));
+    // Every workspace byte 0xff: what launch 1 must initialise (the split down launch's arrival counts) it does.
+    workspace.upload(std::vector<unsigned char>(workspace.size(), 0xffu));
     reset_residual(h);
   }
   void reset_residual(const HostLayer& h) {
@@ -561,6 +563,19 @@ void run_layer_case_with(const SmallCase& c) {
   const std::vector<float> again = residual_delta(d.residual, h, c, "second run");
   for (size_t i = 0; i < delta.size(); ++i) ASSERT_EQ(again[i], delta[i]) << "second eager run differs at " << i;
 
+  // v2's down launch split over two CTAs a tile (the default up to kMoeSmallBatchSplitTokens) and unsplit: the
+  // same sums in the same order, so bitwise the same.
+  if (c.kernel == MoeSmallBatchKernel::kV2) {
+    for (const int split : {1, 2}) {
+      SCOPED_TRACE("down_split " + std::to_string(split));
+      d.p.down_split = split;
+      ASSERT_NO_FATAL_FAILURE(d.run_poisoned(h, moe_small_batch_layer, "layer, down_split"));
+      const std::vector<float> other = residual_delta(d.residual, h, c, "down_split");
+      for (size_t i = 0; i < delta.size(); ++i) ASSERT_EQ(other[i], delta[i]) << "down_split run differs at " << i;
+    }
+    d.p.down_split = 0;
+  }
+
   // The previous chain on the same logits, and the CPU.
   ChainBuffers b(c);
   d.reset_residual(h);
@@ -770,6 +785,9 @@ TEST(MoeSmallBatch, RejectsBadInputs) {
   p.counter = nullptr;
   expect_invalid(p, "no counter");
   p = d.p;
+  p.down_split = 3;
+  expect_invalid(p, "down_split 3");
+  p = d.p;
   p.workspace_bytes -= 1;
   expect_invalid(p, "small workspace");
   p = d.p;
@@ -879,24 +897,28 @@ TEST(MoeDecodeLayerGpu, Timing) {
     // Graph replays of v2, v1 and the previous chain.
     cudaStream_t stream = nullptr;
     DS_CUDA_OK(cudaStreamCreate(&stream));
-    double us[3] = {0.0, 0.0, 0.0};
-    for (const int variant : {0, 1, 2}) {
-      d.p.kernel = variant == 0 ? MoeSmallBatchKernel::kV2 : MoeSmallBatchKernel::kV1;
+    // 0: v2 (down split at T <= kMoeSmallBatchSplitTokens), 1: v1, 2: the previous chain, 3: v2 unsplit.
+    double us[4] = {0.0, 0.0, 0.0, 0.0};
+    for (const int variant : {0, 1, 2, 3}) {
+      d.p.kernel = variant == 1 ? MoeSmallBatchKernel::kV1 : MoeSmallBatchKernel::kV2;
+      d.p.down_split = variant == 3 ? 1 : 2;
       double ms = 0.0;
       ASSERT_NO_FATAL_FAILURE(time_graph_replays(
           stream, cudaStreamCaptureModeThreadLocal, 10, kReplays,
-          [&](cudaStream_t s) { return variant < 2 ? moe_small_batch_layer(d.p, s) : run_previous(s); }, &ms));
+          [&](cudaStream_t s) { return variant != 2 ? moe_small_batch_layer(d.p, s) : run_previous(s); }, &ms));
       us[variant] = 1e3 * ms;
     }
+    d.p.down_split = 0;
     d.expect_counter_zero("timing replays");
     const double expert_bytes = 3.0 * W * c.inter * 2.0;
     const double bytes = active * expert_bytes + 3.0 * W * Is * 2.0 + static_cast<double>(c.E) * W * 4.0;
     const double floor_us = 1e6 * bytes / kCopyBandwidth;
     std::printf(
-        "[ moe decode layer ] T=%2lld: v2 %7.1f us, v1 %7.1f us (%.2fx), previous chain %7.1f us (%.2fx); %3d experts "
-        "+ shared + router = %6.1f MB -> %6.1f us at 4.26 TB/s: v2 at %.2f, v1 at %.2f, previous at %.2f of it\n",
-        static_cast<long long>(T), us[0], us[1], us[1] / us[0], us[2], us[2] / us[0], active, bytes / 1e6, floor_us,
-        floor_us / us[0], floor_us / us[1], floor_us / us[2]);
+        "[ moe decode layer ] T=%2lld: v2 %7.1f us (down unsplit %7.1f), v1 %7.1f us (%.2fx), previous chain %7.1f us "
+        "(%.2fx); %3d experts + shared + router = %6.1f MB -> %6.1f us at 4.26 TB/s: v2 at %.2f (unsplit %.2f), v1 at "
+        "%.2f, previous at %.2f of it\n",
+        static_cast<long long>(T), us[0], us[3], us[1], us[1] / us[0], us[2], us[2] / us[0], active, bytes / 1e6,
+        floor_us, floor_us / us[0], floor_us / us[3], floor_us / us[1], floor_us / us[2]);
     DS_CUDA_OK(cudaStreamDestroy(stream));
   }
 }
