@@ -65,7 +65,7 @@ struct MlaWriteParams {
   const float* norm_weight = nullptr;  // [kv_lora] fp32
   float eps = 1e-5f;
   int kv_lora_rank = 0, qk_rope = 0;
-  const int64_t* slot_mapping = nullptr;  // device [T]
+  const int64_t* slot_mapping = nullptr;                      // device [T]
   MlaDecodeKernel decode_kernel = MlaDecodeKernel::kDefault;  // v1: plain launch; v2: PDL (same rows, bitwise)
 };
 // Asynchronous, graph-capturable. Slots at or past num_pages * page_size are skipped too (never written).

@@ -122,10 +122,10 @@ Status mla_write_rows(const MlaWriteParams& p, cudaStream_t stream) {
   }
   if (detail::mla_resolve_decode_kernel(p.decode_kernel) == MlaDecodeKernel::kV2) {
     return launch_kernel_ex(detail::mla_pdl_from_env(), mla_write_rows_pdl_kernel,
-                            dim3(static_cast<unsigned>(p.num_tokens)), dim3(kWriteThreads), 0, stream,
-                            "mla_write_rows", p.pool.pages, p.pool.num_pages, p.pool.num_layers, p.pool.page_size,
-                            p.pool.row_stride, p.layer, p.kv, p.kv_stride, p.norm_weight, p.eps, p.kv_lora_rank,
-                            p.qk_rope, p.slot_mapping);
+                            dim3(static_cast<unsigned>(p.num_tokens)), dim3(kWriteThreads), 0, stream, "mla_write_rows",
+                            p.pool.pages, p.pool.num_pages, p.pool.num_layers, p.pool.page_size, p.pool.row_stride,
+                            p.layer, p.kv, p.kv_stride, p.norm_weight, p.eps, p.kv_lora_rank, p.qk_rope,
+                            p.slot_mapping);
   }
   mla_write_rows_kernel<<<static_cast<unsigned>(p.num_tokens), kWriteThreads, 0, stream>>>(
       p.pool.pages, p.pool.num_pages, p.pool.num_layers, p.pool.page_size, p.pool.row_stride, p.layer, p.kv,

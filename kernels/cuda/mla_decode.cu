@@ -25,6 +25,13 @@
 //                 latent rows, then out = o_lat · W_UVᵀ on tensor cores with the latent split into two bf16 terms
 //                 (hi + lo, about 16 mantissa bits: the fp32 result up to summation order). W_UV fragments are read
 //                 into registers before the wait.
+//   3'. (v2, at most kMlaSplitKCombineMaxTokens tokens) split-K combine: per (16 tokens, head) a cluster of up to 8
+//                 CTAs, each merging 64 latent columns and multiplying them by its 64-column slice of W_UV, the
+//                 slices' products added in a fixed order over distributed shared memory (see the kernel). Kimi-48B,
+//                 batch 1: 256 CTAs of 24 KB instead of 32 of 192 KB (H200 Nsight, v1 combine: 14.0 us for 7.1 MB).
+// MlaDecodeKernel selects the generation (MlaAttentionParams::decode_kernel, else DELTASERVE_MLA_DECODE_KERNEL=v1|v2,
+// default v2): v1 runs steps 1, 2, 3; v2 runs 1, 2 and 3' up to 16 tokens, 3 past that. Both combines write bf16
+// instead of fp32 when MlaAttentionParams::out_bf16 is set (the rounding of the same fp32 value).
 // MlaAttentionParams::fp32_attention replaces step 2 by the fp32 CUDA-core kernel; legacy_tc_attention (or
 // DELTASERVE_MLA_TC=legacy) runs the original three kernels instead (both in mla_decode_reference.cu).
 // DELTASERVE_MLA_PDL=0 launches without the PDL attribute (griddepcontrol.wait then returns at once: plain stream
@@ -490,10 +497,10 @@ __global__ void __launch_bounds__(kSkThreads, 2)
         for (int k = 0; k < kSkSplitSlots; ++k) {
           const int tt = tt0 + u, s = part + kSkParts * k;
           w[u][k] = tt < tokens && s < splits && col_in ? s_weight[tt * kMlaMaxSplits + s] : 0.0f;
-          x[u][k] = w[u][k] != 0.0f ? __ldg(reinterpret_cast<const float4*>(
-                                          partial_o + ((t0 + tt) * splits + s) * split_stride +
-                                          static_cast<int64_t>(h) * kv_lora + col))
-                                    : zero4;
+          x[u][k] = w[u][k] != 0.0f
+                        ? __ldg(reinterpret_cast<const float4*>(partial_o + ((t0 + tt) * splits + s) * split_stride +
+                                                                static_cast<int64_t>(h) * kv_lora + col))
+                        : zero4;
         }
       }
 #pragma unroll
@@ -589,8 +596,8 @@ bool aligned16(const void* p) {
 template <typename... Params, typename... Args>
 Status launch_with_pdl(void (*kernel)(Params...), dim3 grid, int threads, size_t smem, cudaStream_t stream,
                        const char* who, Args... args) {
-  return launch_kernel_ex(detail::mla_pdl_from_env(), kernel, grid, dim3(static_cast<unsigned>(threads)), smem, stream, who,
-                          args...);
+  return launch_kernel_ex(detail::mla_pdl_from_env(), kernel, grid, dim3(static_cast<unsigned>(threads)), smem, stream,
+                          who, args...);
 }
 
 // The split-K combine in clusters of ceil(kv_lora / kSkCols) CTAs along x, with PDL unless DELTASERVE_MLA_PDL=0.
@@ -605,8 +612,8 @@ Status launch_split_k_combine(const MlaAttentionParams& p, const MlaAttentionArg
   attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attributes[1].val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(slices, static_cast<unsigned>(p.num_heads),
-                        static_cast<unsigned>((num_tokens + kSkTokens - 1) / kSkTokens));
+  config.gridDim =
+      dim3(slices, static_cast<unsigned>(p.num_heads), static_cast<unsigned>((num_tokens + kSkTokens - 1) / kSkTokens));
   config.blockDim = dim3(kSkThreads);
   config.dynamicSmemBytes = 0;
   config.stream = stream;

@@ -586,9 +586,9 @@ Status launch_mla_legacy(const MlaAttentionParams& p, MlaAttentionArgs args, flo
   if (Status s = launch_status(who); !s.is_ok()) return s;
 
   const dim3 combine_grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(p.num_heads));
-  mla_combine_legacy_kernel<<<combine_grid, kCombineThreads, 0, stream>>>(
-      args.partial_o, args.partial_ml, p.kv_b, p.num_heads, p.kv_lora_rank, p.qk_nope, p.v_head, args.splits, p.out,
-      p.out_bf16);
+  mla_combine_legacy_kernel<<<combine_grid, kCombineThreads, 0, stream>>>(args.partial_o, args.partial_ml, p.kv_b,
+                                                                          p.num_heads, p.kv_lora_rank, p.qk_nope,
+                                                                          p.v_head, args.splits, p.out, p.out_bf16);
   return launch_status(who);
 }
 
