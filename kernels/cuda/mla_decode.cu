@@ -431,10 +431,14 @@ constexpr int kSkTokenStep = 4;                          // tokens whose partial
 constexpr int kSkVRounds = (kMlaMaxVHead / 16 + kSkWarps - 1) / kSkWarps;  // 16-row W_UV blocks per warp at most
 static_assert(kSkParts * (kSkCols / 4) == kSkThreads, "merge: one (column quad, partition) per thread");
 static_assert(kSkMaxSlices <= 8, "portable cluster size");
+// Registers per thread at most: at one or two tokens the attention kernel before it (mla_split_attention_mma_kernel<1>,
+// 136 registers x 256 threads, one CTA an SM) leaves 120 x 256 of the SM's 64 K registers, so a CTA of this kernel
+// fits beside it and, launched with PDL, loads its W_UV slice while the attention still runs (ptxas: no spills).
+constexpr int kSkMaxRegisters = 120;
 
 // grid (slices, H, ceil(T / kSkTokens)) in clusters of (slices, 1, 1), block kSkThreads; kv_b 16-byte aligned.
 // Writes out_bf16 when it is set, else out.
-__global__ void __launch_bounds__(kSkThreads, 2)
+__global__ void __maxnreg__(kSkMaxRegisters)
     mla_combine_split_k_kernel(const float* __restrict__ partial_o, const float2* __restrict__ partial_ml,
                                const __nv_bfloat16* __restrict__ kv_b, int64_t num_tokens, int num_heads, int kv_lora,
                                int nope, int v_head, int splits, float* __restrict__ out,
