@@ -192,9 +192,10 @@ size_t mla_prefill_workspace_bytes(int num_heads, int kv_lora_rank, int qk_nope,
                                    int64_t max_tokens, int block_rows);
 
 // Context splits the attention kernels use for a batch of num_tokens query tokens with contexts up to max_context:
-// at least 128 rows per split, and about one wave of (token, split) CTAs on the 132 SMs (1 at 132 tokens and
-// more; Kimi-48B ctx 4096: 32 at T <= 4, 16 at T = 8, 2 at T = 64); at most kMlaMaxSplits. Exposed for tests and
-// benchmarks; mla_attention_workspace_bytes accounts for it.
+// at least 128 rows per split (DELTASERVE_MLA_MIN_SPLIT_ROWS=32|64|256 changes that for the process: an A/B knob),
+// and about one wave of (token, split) CTAs on the 132 SMs (1 at 132 tokens and more; Kimi-48B ctx 4096: 32 at
+// T <= 4, 16 at T = 8, 2 at T = 64); at most kMlaMaxSplits. Exposed for tests and benchmarks;
+// mla_attention_workspace_bytes accounts for it.
 constexpr int kMlaMaxSplits = 64;
 int mla_num_splits(int64_t num_tokens, int max_context);
 // Heads per CTA of the default tensor-core attention kernel: 32, or 16 or 8 where num_tokens x splits x head groups

@@ -65,7 +65,7 @@ using detail::MlaAttentionArgs;
 
 constexpr int kSms = 132;                   // H200
 constexpr int kFullWaveCtas = 119;          // about 90% of one wave: enough attention CTAs (one fits an SM)
-constexpr int kMinSplitRows = 128;          // rows per context split at least (4 tiles)
+constexpr int kMinSplitRows = 128;          // rows per context split at least (4 tiles), by default
 constexpr int kLegacyTargetCtas = 2 * 132;  // the legacy split heuristic (DELTASERVE_MLA_TC=legacy)
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -592,6 +592,24 @@ bool legacy_tc_from_env() {
   return legacy;
 }
 
+// Rows per context split at least: kMinSplitRows, or DELTASERVE_MLA_MIN_SPLIT_ROWS = 32, 64, 128 or 256 (read once
+// per process; other values are ignored). Fewer rows per split shorten each attention CTA's chain of tiles at small
+// batches (Kimi-48B, T = 1, ctx 4096: 64 splits of 2 tiles with 16-head groups instead of 32 splits of 4 tiles with
+// 8-head groups, every row read by 2 CTAs instead of 4) for twice the latent partials (4 MB instead of 2 MB, written
+// and read back by the combine). Not measured yet: a knob for the H200 A/B run; both kernel generations follow it.
+int min_split_rows() {
+  static const int rows = [] {
+    const char* e = std::getenv("DELTASERVE_MLA_MIN_SPLIT_ROWS");
+    if (e == nullptr) return kMinSplitRows;
+    const std::string value = e;
+    for (int allowed : {32, 64, 128, 256}) {
+      if (value == std::to_string(allowed)) return allowed;
+    }
+    return kMinSplitRows;
+  }();
+  return rows;
+}
+
 bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
 }
@@ -655,10 +673,10 @@ int mla_num_splits(int64_t num_tokens, int max_context) {
     const int64_t by_occupancy = (kLegacyTargetCtas + num_tokens - 1) / num_tokens;
     return static_cast<int>(std::clamp<int64_t>(std::min(by_length, by_occupancy), 1, kMlaMaxSplits));
   }
-  // >= kMinSplitRows rows per split, and about one wave of (token, split) CTAs (one attention CTA fits an SM; the
+  // >= min_split_rows() rows per split, and about one wave of (token, split) CTAs (one attention CTA fits an SM; the
   // head groups of mla_decode_head_group fill the wave further at one or two tokens). The split count is a host
   // choice shared with the workspace size, so the per-call legacy_tc_attention flag does not change it.
-  const int64_t by_length = (static_cast<int64_t>(max_context) + kMinSplitRows - 1) / kMinSplitRows;
+  const int64_t by_length = (static_cast<int64_t>(max_context) + min_split_rows() - 1) / min_split_rows();
   const int64_t by_occupancy = std::max<int64_t>(1, kSms / num_tokens);
   return static_cast<int>(std::clamp<int64_t>(std::min(by_length, by_occupancy), 1, kMlaMaxSplits));
 }
