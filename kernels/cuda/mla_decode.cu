@@ -431,9 +431,11 @@ constexpr int kSkTokenStep = 4;                          // tokens whose partial
 constexpr int kSkVRounds = (kMlaMaxVHead / 16 + kSkWarps - 1) / kSkWarps;  // 16-row W_UV blocks per warp at most
 static_assert(kSkParts * (kSkCols / 4) == kSkThreads, "merge: one (column quad, partition) per thread");
 static_assert(kSkMaxSlices <= 8, "portable cluster size");
-// Registers per thread at most: at one or two tokens the attention kernel before it (mla_split_attention_mma_kernel<1>,
-// 136 registers x 256 threads, one CTA an SM) leaves 120 x 256 of the SM's 64 K registers, so a CTA of this kernel
-// fits beside it and, launched with PDL, loads its W_UV slice while the attention still runs (ptxas: no spills).
+// Registers per thread at most: where the attention kernel before it runs one m tile (8- or 16-head groups: one or
+// two tokens by default; mla_split_attention_mma_kernel<1>, 136 registers x 256 threads, one CTA an SM) it leaves
+// 120 x 256 of the SM's 64 K registers, so a CTA of this kernel fits beside it and, launched with PDL, loads its W_UV
+// slice while the attention still runs (ptxas at 120: no spills; the fit is exact, so it ends if either kernel
+// needs more registers).
 constexpr int kSkMaxRegisters = 120;
 
 // grid (slices, H, ceil(T / kSkTokens)) in clusters of (slices, 1, 1), block kSkThreads; kv_b 16-byte aligned.

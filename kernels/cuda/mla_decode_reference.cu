@@ -5,7 +5,8 @@
 //   the original tensor-core pipeline (MlaAttentionParams::legacy_tc_attention, DELTASERVE_MLA_TC=legacy): absorb
 //     with one CTA per (8 tokens, head), split attention with 64-row tiles double-buffered by cp.async and a
 //     page-table lookup plus two int64 divisions per 16-byte vector and thread, combine with one CTA per
-//     (token, head). Unchanged since it was the default; a bypass of the default kernels without a rebuild.
+//     (token, head). Unchanged since it was the default (but for the combine's optional bf16 store,
+//     MlaAttentionParams::out_bf16); a bypass of the default kernels without a rebuild.
 // Both write the partials of mla_attention.cuh (MlaAttentionArgs) and read the real context lengths on the device.
 #include <algorithm>
 #include <cmath>
