@@ -41,6 +41,17 @@ struct MlaPagePool {
 // sequence n's page ids in token order (token position t lives in page block_tables[n][t / page_size], slot
 // t % page_size). Entries past a sequence's length may hold anything (even -1).
 
+// Which generation of the absorbed decode kernels mla_decode (and mla_write_rows) run; see mla_decode.cu's file
+// comment. v1: the kernels as of 2026-11-30 (absorb, split attention, combine with one CTA per (32 tokens, head);
+// mla_write_rows a plain launch). v2: the same absorb and attention; at up to kMlaSplitKCombineMaxTokens tokens the
+// combine runs as clusters of up to 8 CTAs per (16 tokens, head), each merging 64 latent columns and multiplying them
+// by its 64-column slice of W_UV, the partial products added in a fixed order through distributed shared memory
+// (256 CTAs at Kimi-48B dims instead of 32; deterministic); mla_write_rows launched with programmatic dependent
+// launch, its norm weight read before the wait. Both agree up to rounding (summation order of the W_UV product).
+// kDefault: the environment variable DELTASERVE_MLA_DECODE_KERNEL=v1|v2 (read once per process) if set, else v2.
+enum class MlaDecodeKernel : int { kDefault = 0, kV1 = 1, kV2 = 2 };
+constexpr int kMlaSplitKCombineMaxTokens = 16;
+
 // Writes new cache rows for T tokens of layer `layer`: row t = [rms_norm(kv[t, :kv_lora]) * norm_weight ‖
 // kv[t, kv_lora:width]] as bf16 (cpu::rms_norm semantics, fp32 math) at pool position slot_mapping[t]
 // (= page * page_size + offset; < 0: token skipped). kv fp32 [T, width] with row stride kv_stride (the kv_a_proj
@@ -54,9 +65,12 @@ struct MlaWriteParams {
   const float* norm_weight = nullptr;  // [kv_lora] fp32
   float eps = 1e-5f;
   int kv_lora_rank = 0, qk_rope = 0;
-  const int64_t* slot_mapping = nullptr;  // device [T]
+  const int64_t* slot_mapping = nullptr;                      // device [T]
+  MlaDecodeKernel decode_kernel = MlaDecodeKernel::kDefault;  // v1: plain launch; v2: PDL (same rows, bitwise)
 };
 // Asynchronous, graph-capturable. Slots at or past num_pages * page_size are skipped too (never written).
+// v2 (MlaWriteParams::decode_kernel) launches with programmatic dependent launch: it may start while the kernel
+// before it drains and waits for it (griddepcontrol.wait) before reading kv and slot_mapping or writing the pool.
 [[nodiscard]] Status mla_write_rows(const MlaWriteParams& params, cudaStream_t stream);
 
 // The two ways mla_prefill computes the same attention (model.md §4):
@@ -116,7 +130,11 @@ struct MlaAttentionParams {
   const __nv_bfloat16* q = nullptr;  // [T, H, qk_nope + qk_rope], row stride q_stride (elements) per token
   int64_t q_stride = 0;
   const __nv_bfloat16* kv_b = nullptr;  // kv_b_proj [H * (qk_nope + v_head), kv_lora]: per head W_UK rows then W_UV
-  float* out = nullptr;                 // [T, H, v_head] fp32
+  float* out = nullptr;                 // [T, H, v_head] fp32; may be null when out_bf16 is set
+  // mla_decode only (mla_prefill rejects it): when set, the output is written here as bf16 (round to nearest of the
+  // fp32 value `out` would hold) and `out` is not written: [T, H, v_head], no padding. Saves the engine's separate
+  // fp32 -> bf16 conversion launch.
+  __nv_bfloat16* out_bf16 = nullptr;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   // false (default): scores and P·V on tensor cores (q̃ and the softmax weights rounded to bf16, fp32 accumulate);
@@ -130,6 +148,8 @@ struct MlaAttentionParams {
   // up to rounding (accumulation order). The default kernels launch with programmatic dependent launch;
   // DELTASERVE_MLA_PDL=0 turns that off.
   bool legacy_tc_attention = false;
+  // Which kernel generation runs (see MlaDecodeKernel); legacy_tc_attention runs its own kernels whatever it says.
+  MlaDecodeKernel decode_kernel = MlaDecodeKernel::kDefault;
 
   // mla_prefill only: which form it runs (see MlaPrefillForm) and what the naive form needs. The naive form plans
   // on the host from host copies of cu_q [N + 1] and context_lens [N] (the same values as the device arrays; read
@@ -172,9 +192,10 @@ size_t mla_prefill_workspace_bytes(int num_heads, int kv_lora_rank, int qk_nope,
                                    int64_t max_tokens, int block_rows);
 
 // Context splits the attention kernels use for a batch of num_tokens query tokens with contexts up to max_context:
-// at least 128 rows per split, and about one wave of (token, split) CTAs on the 132 SMs (1 at 132 tokens and
-// more; Kimi-48B ctx 4096: 32 at T <= 4, 16 at T = 8, 2 at T = 64); at most kMlaMaxSplits. Exposed for tests and
-// benchmarks; mla_attention_workspace_bytes accounts for it.
+// at least 128 rows per split (DELTASERVE_MLA_MIN_SPLIT_ROWS=32|64|256 changes that for the process: an A/B knob),
+// and about one wave of (token, split) CTAs on the 132 SMs (1 at 132 tokens and more; Kimi-48B ctx 4096: 32 at
+// T <= 4, 16 at T = 8, 2 at T = 64); at most kMlaMaxSplits. Exposed for tests and benchmarks;
+// mla_attention_workspace_bytes accounts for it.
 constexpr int kMlaMaxSplits = 64;
 int mla_num_splits(int64_t num_tokens, int max_context);
 // Heads per CTA of the default tensor-core attention kernel: 32, or 16 or 8 where num_tokens x splits x head groups

@@ -20,6 +20,12 @@ Status mla_attention_launch(const MlaAttentionParams& params, bool decode, const
 // Shared check of a page pool (`who`: launcher name for messages).
 Status validate_mla_pool(const MlaPagePool& pool, int layer, const char* who);
 
+// kV1 or kV2: `requested`, or for kDefault the environment variable DELTASERVE_MLA_DECODE_KERNEL (read once per
+// process): "v1" -> kV1, unset or anything else -> kV2.
+MlaDecodeKernel mla_resolve_decode_kernel(MlaDecodeKernel requested);
+// false when DELTASERVE_MLA_PDL=0 (read once per process): the kernels then launch without the PDL attribute.
+bool mla_pdl_from_env();
+
 // What every split-attention kernel reads: one CTA per (query token, context split, group of head_group heads).
 struct MlaAttentionArgs {
   const __nv_bfloat16* pages;

@@ -25,6 +25,13 @@
 //                 latent rows, then out = o_lat · W_UVᵀ on tensor cores with the latent split into two bf16 terms
 //                 (hi + lo, about 16 mantissa bits: the fp32 result up to summation order). W_UV fragments are read
 //                 into registers before the wait.
+//   3'. (v2, at most kMlaSplitKCombineMaxTokens tokens) split-K combine: per (16 tokens, head) a cluster of up to 8
+//                 CTAs, each merging 64 latent columns and multiplying them by its 64-column slice of W_UV, the
+//                 slices' products added in a fixed order over distributed shared memory (see the kernel). Kimi-48B,
+//                 batch 1: 256 CTAs of 24 KB instead of 32 of 192 KB (H200 Nsight, v1 combine: 14.0 us for 7.1 MB).
+// MlaDecodeKernel selects the generation (MlaAttentionParams::decode_kernel, else DELTASERVE_MLA_DECODE_KERNEL=v1|v2,
+// default v2): v1 runs steps 1, 2, 3; v2 runs 1, 2 and 3' up to 16 tokens, 3 past that. Both combines write bf16
+// instead of fp32 when MlaAttentionParams::out_bf16 is set (the rounding of the same fp32 value).
 // MlaAttentionParams::fp32_attention replaces step 2 by the fp32 CUDA-core kernel; legacy_tc_attention (or
 // DELTASERVE_MLA_TC=legacy) runs the original three kernels instead (both in mla_decode_reference.cu).
 // DELTASERVE_MLA_PDL=0 launches without the PDL attribute (griddepcontrol.wait then returns at once: plain stream
@@ -39,6 +46,8 @@
 #include <cstdlib>
 #include <string>
 
+#include <cooperative_groups.h>
+
 #include "kernels/cuda/launch_status.hpp"
 #include "kernels/cuda/mla.hpp"
 #include "kernels/cuda/mla_attention.cuh"
@@ -48,6 +57,7 @@
 namespace deltaserve::kernels::cuda {
 namespace {
 
+namespace cg = cooperative_groups;
 using detail::attn_layout;
 using detail::kAttnThreads;
 using detail::mla_split_attention_mma_kernel;
@@ -55,7 +65,7 @@ using detail::MlaAttentionArgs;
 
 constexpr int kSms = 132;                   // H200
 constexpr int kFullWaveCtas = 119;          // about 90% of one wave: enough attention CTAs (one fits an SM)
-constexpr int kMinSplitRows = 128;          // rows per context split at least (4 tiles)
+constexpr int kMinSplitRows = 128;          // rows per context split at least (4 tiles), by default
 constexpr int kLegacyTargetCtas = 2 * 132;  // the legacy split heuristic (DELTASERVE_MLA_TC=legacy)
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -211,7 +221,7 @@ __device__ __forceinline__ void split_bf16(float x, float y, uint32_t& hi, uint3
 __global__ void __launch_bounds__(kCombineThreads, 1)
     mla_combine_kernel(const float* __restrict__ partial_o, const float2* __restrict__ partial_ml,
                        const __nv_bfloat16* __restrict__ kv_b, int64_t num_tokens, int num_heads, int kv_lora, int nope,
-                       int v_head, int splits, float* __restrict__ out) {
+                       int v_head, int splits, float* __restrict__ out, __nv_bfloat16* __restrict__ out_bf16) {
   extern __shared__ __align__(16) float combine_smem[];
   float* s_lat = combine_smem;                               // [kCombineTokens][kCombineLd]
   float* s_weight = s_lat + kCombineTokens * kCombineLd;     // [kCombineTokens][kMlaMaxSplits]
@@ -381,15 +391,197 @@ __global__ void __launch_bounds__(kCombineThreads, 1)
           for (int half = 0; half < 2; ++half) {
             const int tt = m2 * 16 + g + 8 * half;
             if (tt >= tokens) continue;
-            float* dst = out + ((t0 + tt) * num_heads + h) * v_head;
-            if (v < v_head) dst[v] = acc[m2][nt][2 * half];
-            if (v + 1 < v_head) dst[v + 1] = acc[m2][nt][2 * half + 1];
+            const int64_t at = ((t0 + tt) * num_heads + h) * v_head;
+            if (out_bf16 != nullptr) {
+              if (v < v_head) out_bf16[at + v] = __float2bfloat16(acc[m2][nt][2 * half]);
+              if (v + 1 < v_head) out_bf16[at + v + 1] = __float2bfloat16(acc[m2][nt][2 * half + 1]);
+            } else {
+              if (v < v_head) out[at + v] = acc[m2][nt][2 * half];
+              if (v + 1 < v_head) out[at + v + 1] = acc[m2][nt][2 * half + 1];
+            }
           }
         }
       }
     }
     __syncthreads();  // s_red is reused by the next round
   }
+}
+
+// ---- 3'. split-K combine + W_UV at small batches (v2) ------------------------------------------------------------
+// Per (16 tokens, head) one cluster of slices = ceil(kv_lora / 64) CTAs (8 at kv_lora 512). CTA r owns latent
+// columns 64 r .. 64 r + 64: it merges the splits for those columns only (Σ_s weight_s · partial_o[t, s, h, cols],
+// weights as above) and multiplies them by W_UV_h[:, cols] on tensor cores (the fragment layout and hi/lo split of
+// the combine above; M = tokens, N = v, K = its 64 columns) into a [16][v_head] fp32 partial product in its shared
+// memory. After a cluster barrier, CTA r adds the slices' products in the order 0, 1, ..., slices - 1 (read over
+// distributed shared memory) for its share of the outputs and writes them; a second barrier keeps every CTA's
+// shared memory alive until the others have read it. No atomics: the same result every run.
+// Kimi-48B, T = 1: 256 CTAs with 16 KB of W_UV and 8 KB of partials each, instead of 32 CTAs with 128 KB + 64 KB
+// (the 4 MB of W_UV pulled by every SM rather than a quarter of them). Used up to kMlaSplitKCombineMaxTokens tokens;
+// past that the combine above reads W_UV once per 32 tokens, where this kernel would read it once per 16.
+constexpr int kSkThreads = 256;
+constexpr int kSkWarps = kSkThreads / 32;
+constexpr int kSkTokens = 16;                            // one m16 tile per cluster
+constexpr int kSkCols = 64;                              // latent columns per CTA: two 32-column blocks
+constexpr int kSkMaxSlices = kMlaMaxKvLora / kSkCols;    // 8: the portable cluster size
+constexpr int kSkLd = kSkCols + 4;                       // floats per latent row: float4 fragment loads conflict-free
+constexpr int kSkLdProd = kMlaMaxVHead + 8;              // floats per partial-product row
+constexpr int kSkParts = 16;                             // split partitions of the merge: the lanes of a half warp
+constexpr int kSkSplitSlots = kMlaMaxSplits / kSkParts;  // splits per partition at most
+constexpr int kSkTokenStep = 4;                          // tokens whose partial loads are in flight together
+constexpr int kSkVRounds = (kMlaMaxVHead / 16 + kSkWarps - 1) / kSkWarps;  // 16-row W_UV blocks per warp at most
+static_assert(kSkParts * (kSkCols / 4) == kSkThreads, "merge: one (column quad, partition) per thread");
+static_assert(kSkMaxSlices <= 8, "portable cluster size");
+// Registers per thread at most: where the attention kernel before it runs one m tile (8- or 16-head groups: one or
+// two tokens by default; mla_split_attention_mma_kernel<1>, 136 registers x 256 threads, one CTA an SM) it leaves
+// 120 x 256 of the SM's 64 K registers, so a CTA of this kernel fits beside it and, launched with PDL, loads its W_UV
+// slice while the attention still runs (ptxas at 120: no spills; the fit is exact, so it ends if either kernel
+// needs more registers).
+constexpr int kSkMaxRegisters = 120;
+
+// grid (slices, H, ceil(T / kSkTokens)) in clusters of (slices, 1, 1), block kSkThreads; kv_b 16-byte aligned.
+// Writes out_bf16 when it is set, else out.
+__global__ void __maxnreg__(kSkMaxRegisters)
+    mla_combine_split_k_kernel(const float* __restrict__ partial_o, const float2* __restrict__ partial_ml,
+                               const __nv_bfloat16* __restrict__ kv_b, int64_t num_tokens, int num_heads, int kv_lora,
+                               int nope, int v_head, int splits, float* __restrict__ out,
+                               __nv_bfloat16* __restrict__ out_bf16) {
+  __shared__ __align__(16) float s_weight[kSkTokens * kMlaMaxSplits];
+  __shared__ __align__(16) float s_lat[kSkTokens * kSkLd];
+  __shared__ __align__(16) float s_prod[kSkTokens * kSkLdProd];
+  cg::cluster_group cluster = cg::this_cluster();
+  const int slice = static_cast<int>(cluster.block_rank()), slices = static_cast<int>(cluster.num_blocks());
+  const int h = blockIdx.y;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.z) * kSkTokens;
+  const int tokens = static_cast<int>(min(static_cast<int64_t>(kSkTokens), num_tokens - t0));
+  const int c0 = slice * kSkCols;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, tq = lane & 3;
+  const int v_blocks = (v_head + 15) / 16;
+  const __nv_bfloat16* w_uv = kv_b + (static_cast<int64_t>(h) * (nope + v_head) + nope) * kv_lora;  // [v, kv_lora]
+
+  // W_UV fragments, before the wait: v block warp + kSkWarps * round, rows v0 + g (wa) and v0 + 8 + g (wb),
+  // columns c0 + 32 b + 8 tq .. + 8 (zero past v_head and kv_lora; kv_lora is a multiple of 8).
+  uint4 wa[kSkVRounds][2], wb[kSkVRounds][2];
+#pragma unroll
+  for (int round = 0; round < kSkVRounds; ++round) {
+    const int v0 = (warp + kSkWarps * round) * 16, ra = v0 + g, rb = v0 + 8 + g;
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const int c = c0 + 32 * b + 8 * tq;
+      const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+      wa[round][b] = c < kv_lora && ra < v_head
+                         ? __ldg(reinterpret_cast<const uint4*>(w_uv + static_cast<int64_t>(ra) * kv_lora + c))
+                         : zero;
+      wb[round][b] = c < kv_lora && rb < v_head
+                         ? __ldg(reinterpret_cast<const uint4*>(w_uv + static_cast<int64_t>(rb) * kv_lora + c))
+                         : zero;
+    }
+  }
+  detail::mla_wait_for_previous_grid();
+  detail::mla_allow_next_grid();
+
+  for (int tt = warp; tt < tokens; tt += kSkWarps) {
+    detail::mla_split_weights(partial_ml, t0 + tt, h, num_heads, splits, lane, s_weight + tt * kMlaMaxSplits);
+  }
+  for (int i = tokens * kSkLd + tid; i < kSkTokens * kSkLd; i += kSkThreads) s_lat[i] = 0.0f;  // rows past the batch
+  __syncthreads();
+
+  // Merged latent columns: thread (quad, part) sums splits part, part + 16, ... of column quad `quad` for 4 tokens
+  // at a time (their loads in flight together), then the 16 partitions add by a fixed butterfly in the half warp.
+  {
+    const int part = lane % kSkParts, quad = warp * (32 / kSkParts) + lane / kSkParts;
+    const int col = c0 + 4 * quad;
+    const bool col_in = col < kv_lora;
+    const int64_t split_stride = static_cast<int64_t>(num_heads) * kv_lora;
+    const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int tt0 = 0; tt0 < tokens; tt0 += kSkTokenStep) {
+      float w[kSkTokenStep][kSkSplitSlots];
+      float4 x[kSkTokenStep][kSkSplitSlots];
+#pragma unroll
+      for (int u = 0; u < kSkTokenStep; ++u) {
+#pragma unroll
+        for (int k = 0; k < kSkSplitSlots; ++k) {
+          const int tt = tt0 + u, s = part + kSkParts * k;
+          w[u][k] = tt < tokens && s < splits && col_in ? s_weight[tt * kMlaMaxSplits + s] : 0.0f;
+          x[u][k] = w[u][k] != 0.0f
+                        ? __ldg(reinterpret_cast<const float4*>(partial_o + ((t0 + tt) * splits + s) * split_stride +
+                                                                static_cast<int64_t>(h) * kv_lora + col))
+                        : zero4;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kSkTokenStep; ++u) {
+        float4 acc = zero4;
+#pragma unroll
+        for (int k = 0; k < kSkSplitSlots; ++k) {
+          acc.x = fmaf(w[u][k], x[u][k].x, acc.x);
+          acc.y = fmaf(w[u][k], x[u][k].y, acc.y);
+          acc.z = fmaf(w[u][k], x[u][k].z, acc.z);
+          acc.w = fmaf(w[u][k], x[u][k].w, acc.w);
+        }
+#pragma unroll
+        for (int offset = 1; offset < kSkParts; offset <<= 1) {
+          acc.x += __shfl_xor_sync(0xffffffffu, acc.x, offset);
+          acc.y += __shfl_xor_sync(0xffffffffu, acc.y, offset);
+          acc.z += __shfl_xor_sync(0xffffffffu, acc.z, offset);
+          acc.w += __shfl_xor_sync(0xffffffffu, acc.w, offset);
+        }
+        if (part == 0 && tt0 + u < tokens) *reinterpret_cast<float4*>(&s_lat[(tt0 + u) * kSkLd + 4 * quad]) = acc;
+      }
+    }
+  }
+  __syncthreads();
+
+  // This slice's product o_lat[:, cols] · W_UV[:, cols]ᵀ into s_prod (rows past the batch hold zeros' products).
+#pragma unroll
+  for (int round = 0; round < kSkVRounds; ++round) {
+    const int vb = warp + kSkWarps * round;
+    if (vb >= v_blocks) break;
+    float acc[2][4] = {};
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        const int col = 32 * b + 8 * tq + 4 * s;
+        const uint32_t a0 = s == 0 ? wa[round][b].x : wa[round][b].z, a1 = s == 0 ? wa[round][b].y : wa[round][b].w;
+        const uint32_t b0 = s == 0 ? wb[round][b].x : wb[round][b].z, b1 = s == 0 ? wb[round][b].y : wb[round][b].w;
+        const float4 x_lo = *reinterpret_cast<const float4*>(&s_lat[g * kSkLd + col]);
+        const float4 x_hi = *reinterpret_cast<const float4*>(&s_lat[(g + 8) * kSkLd + col]);
+        uint32_t hi[4], lo[4];
+        split_bf16(x_lo.x, x_lo.y, hi[0], lo[0]);
+        split_bf16(x_hi.x, x_hi.y, hi[1], lo[1]);
+        split_bf16(x_lo.z, x_lo.w, hi[2], lo[2]);
+        split_bf16(x_hi.z, x_hi.w, hi[3], lo[3]);
+        detail::mma_bf16_16816(acc[0], hi, a0, a1);
+        detail::mma_bf16_16816(acc[0], lo, a0, a1);
+        detail::mma_bf16_16816(acc[1], hi, b0, b1);
+        detail::mma_bf16_16816(acc[1], lo, b0, b1);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const int v = vb * 16 + nt * 8 + 2 * tq;
+      *reinterpret_cast<float2*>(&s_prod[g * kSkLdProd + v]) = make_float2(acc[nt][0], acc[nt][1]);
+      *reinterpret_cast<float2*>(&s_prod[(g + 8) * kSkLdProd + v]) = make_float2(acc[nt][2], acc[nt][3]);
+    }
+  }
+
+  cluster.sync();  // every slice's s_prod written and visible to the cluster
+  for (int e = slice * kSkThreads + tid; e < tokens * v_head; e += slices * kSkThreads) {
+    const int tt = e / v_head, v = e - tt * v_head;
+    float sum = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kSkMaxSlices; ++r) {
+      if (r < slices) sum += cluster.map_shared_rank(s_prod, r)[tt * kSkLdProd + v];
+    }
+    const int64_t at = ((t0 + tt) * num_heads + h) * v_head + v;
+    if (out_bf16 != nullptr) {
+      out_bf16[at] = __float2bfloat16(sum);
+    } else {
+      out[at] = sum;
+    }
+  }
+  cluster.sync();  // the other slices have read this CTA's s_prod
 }
 
 // ---- launch ---------------------------------------------------------------------------------------------------
@@ -402,13 +594,22 @@ bool legacy_tc_from_env() {
   return legacy;
 }
 
-// DELTASERVE_MLA_PDL=0: launch without programmatic dependent launch.
-bool pdl_from_env() {
-  static const bool pdl = [] {
-    const char* e = std::getenv("DELTASERVE_MLA_PDL");
-    return e == nullptr || std::string(e) != "0";
+// Rows per context split at least: kMinSplitRows, or DELTASERVE_MLA_MIN_SPLIT_ROWS = 32, 64, 128 or 256 (read once
+// per process; other values are ignored). Fewer rows per split shorten each attention CTA's chain of tiles at small
+// batches (Kimi-48B, T = 1, ctx 4096: 64 splits of 2 tiles with 16-head groups instead of 32 splits of 4 tiles with
+// 8-head groups, every row read by 2 CTAs instead of 4) for twice the latent partials (4 MB instead of 2 MB, written
+// and read back by the combine). Not measured yet: a knob for the H200 A/B run; both kernel generations follow it.
+int min_split_rows() {
+  static const int rows = [] {
+    const char* e = std::getenv("DELTASERVE_MLA_MIN_SPLIT_ROWS");
+    if (e == nullptr) return kMinSplitRows;
+    const std::string value = e;
+    for (int allowed : {32, 64, 128, 256}) {
+      if (value == std::to_string(allowed)) return allowed;
+    }
+    return kMinSplitRows;
   }();
-  return pdl;
+  return rows;
 }
 
 bool aligned16(const void* p) {
@@ -419,8 +620,39 @@ bool aligned16(const void* p) {
 template <typename... Params, typename... Args>
 Status launch_with_pdl(void (*kernel)(Params...), dim3 grid, int threads, size_t smem, cudaStream_t stream,
                        const char* who, Args... args) {
-  return launch_kernel_ex(pdl_from_env(), kernel, grid, dim3(static_cast<unsigned>(threads)), smem, stream, who,
-                          args...);
+  return launch_kernel_ex(detail::mla_pdl_from_env(), kernel, grid, dim3(static_cast<unsigned>(threads)), smem, stream,
+                          who, args...);
+}
+
+// The split-K combine in clusters of ceil(kv_lora / kSkCols) CTAs along x, with PDL unless DELTASERVE_MLA_PDL=0.
+Status launch_split_k_combine(const MlaAttentionParams& p, const MlaAttentionArgs& args, int64_t num_tokens,
+                              cudaStream_t stream, const char* who) {
+  const unsigned slices = static_cast<unsigned>((p.kv_lora_rank + kSkCols - 1) / kSkCols);
+  cudaLaunchAttribute attributes[2] = {};
+  attributes[0].id = cudaLaunchAttributeClusterDimension;
+  attributes[0].val.clusterDim.x = slices;
+  attributes[0].val.clusterDim.y = 1;
+  attributes[0].val.clusterDim.z = 1;
+  attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[1].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim =
+      dim3(slices, static_cast<unsigned>(p.num_heads), static_cast<unsigned>((num_tokens + kSkTokens - 1) / kSkTokens));
+  config.blockDim = dim3(kSkThreads);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  config.attrs = attributes;
+  config.numAttrs = detail::mla_pdl_from_env() ? 2 : 1;
+  if (const cudaError_t error =
+          cudaLaunchKernelEx(&config, mla_combine_split_k_kernel, static_cast<const float*>(args.partial_o),
+                             static_cast<const float2*>(args.partial_ml), p.kv_b, num_tokens, p.num_heads,
+                             p.kv_lora_rank, p.qk_nope, p.v_head, args.splits, p.out, p.out_bf16);
+      error != cudaSuccess) {
+    (void)cudaGetLastError();
+    return internal_error(std::string(who) + ": split-K combine launch: " + cudaGetErrorName(error) + " (" +
+                          cudaGetErrorString(error) + ")");
+  }
+  return launch_status(who);
 }
 
 Status set_smem(const void* kernel, size_t bytes, const char* who) {
@@ -443,10 +675,10 @@ int mla_num_splits(int64_t num_tokens, int max_context) {
     const int64_t by_occupancy = (kLegacyTargetCtas + num_tokens - 1) / num_tokens;
     return static_cast<int>(std::clamp<int64_t>(std::min(by_length, by_occupancy), 1, kMlaMaxSplits));
   }
-  // >= kMinSplitRows rows per split, and about one wave of (token, split) CTAs (one attention CTA fits an SM; the
+  // >= min_split_rows() rows per split, and about one wave of (token, split) CTAs (one attention CTA fits an SM; the
   // head groups of mla_decode_head_group fill the wave further at one or two tokens). The split count is a host
   // choice shared with the workspace size, so the per-call legacy_tc_attention flag does not change it.
-  const int64_t by_length = (static_cast<int64_t>(max_context) + kMinSplitRows - 1) / kMinSplitRows;
+  const int64_t by_length = (static_cast<int64_t>(max_context) + min_split_rows() - 1) / min_split_rows();
   const int64_t by_occupancy = std::max<int64_t>(1, kSms / num_tokens);
   return static_cast<int>(std::clamp<int64_t>(std::min(by_length, by_occupancy), 1, kMlaMaxSplits));
 }
@@ -478,6 +710,23 @@ size_t mla_attention_workspace_bytes(int num_heads, int kv_lora_rank, int qk_rop
 }
 
 namespace detail {
+
+MlaDecodeKernel mla_resolve_decode_kernel(MlaDecodeKernel requested) {
+  if (requested != MlaDecodeKernel::kDefault) return requested;
+  static const MlaDecodeKernel from_env = [] {
+    const char* e = std::getenv("DELTASERVE_MLA_DECODE_KERNEL");
+    return e != nullptr && std::string(e) == "v1" ? MlaDecodeKernel::kV1 : MlaDecodeKernel::kV2;
+  }();
+  return from_env;
+}
+
+bool mla_pdl_from_env() {
+  static const bool pdl = [] {
+    const char* e = std::getenv("DELTASERVE_MLA_PDL");
+    return e == nullptr || std::string(e) != "0";
+  }();
+  return pdl;
+}
 
 Status validate_mla_pool(const MlaPagePool& pool, int layer, const char* who) {
   const std::string w = who;
@@ -538,12 +787,17 @@ Status mla_attention_launch(const MlaAttentionParams& p, bool decode, const char
   if (p.q_stride < static_cast<int64_t>(p.num_heads) * (p.qk_nope + p.qk_rope)) {
     return invalid_argument(w + ": q_stride " + std::to_string(p.q_stride) + " < H * (qk_nope + qk_rope)");
   }
+  if (!decode && p.out_bf16 != nullptr) return invalid_argument(w + ": out_bf16 is for mla_decode only");
+  if (p.decode_kernel != MlaDecodeKernel::kDefault && p.decode_kernel != MlaDecodeKernel::kV1 &&
+      p.decode_kernel != MlaDecodeKernel::kV2) {
+    return invalid_argument(w + ": unknown decode_kernel " + std::to_string(static_cast<int>(p.decode_kernel)));
+  }
   if (p.num_tokens == 0) return Status::ok();
   if (p.cu_q == nullptr || p.context_lens == nullptr || p.block_tables == nullptr || p.q == nullptr ||
-      p.kv_b == nullptr || p.out == nullptr || p.workspace == nullptr) {
+      p.kv_b == nullptr || (p.out == nullptr && p.out_bf16 == nullptr) || p.workspace == nullptr) {
     return invalid_argument(w +
-                            ": a device pointer (cu_q, context_lens, block_tables, q, kv_b, out, workspace) "
-                            "is null");
+                            ": a device pointer (cu_q, context_lens, block_tables, q, kv_b, out or out_bf16, "
+                            "workspace) is null");
   }
   if (!aligned16(p.workspace)) return invalid_argument(w + ": workspace is not 16-byte aligned");
   if (!aligned16(p.kv_b)) return invalid_argument(w + ": kv_b is not 16-byte aligned");
@@ -607,13 +861,16 @@ Status mla_attention_launch(const MlaAttentionParams& p, bool decode, const char
     if (Status s = launch_with_pdl(kernel, grid, kAttnThreads, smem, stream, who, args, w_uv); !s.is_ok()) return s;
   }
 
+  if (mla_resolve_decode_kernel(p.decode_kernel) == MlaDecodeKernel::kV2 && T <= kMlaSplitKCombineMaxTokens) {
+    return launch_split_k_combine(p, args, T, stream, who);
+  }
   const size_t combine_smem = combine_smem_bytes();
   if (Status s = set_smem(reinterpret_cast<const void*>(mla_combine_kernel), combine_smem, who); !s.is_ok()) return s;
   const dim3 combine_grid(static_cast<unsigned>((T + kCombineTokens - 1) / kCombineTokens),
                           static_cast<unsigned>(p.num_heads));
   return launch_with_pdl(mla_combine_kernel, combine_grid, kCombineThreads, combine_smem, stream, who,
                          static_cast<const float*>(args.partial_o), static_cast<const float2*>(args.partial_ml), p.kv_b,
-                         T, p.num_heads, p.kv_lora_rank, p.qk_nope, p.v_head, splits, p.out);
+                         T, p.num_heads, p.kv_lora_rank, p.qk_nope, p.v_head, splits, p.out, p.out_bf16);
 }
 
 }  // namespace detail

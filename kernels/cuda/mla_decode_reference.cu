@@ -5,7 +5,8 @@
 //   the original tensor-core pipeline (MlaAttentionParams::legacy_tc_attention, DELTASERVE_MLA_TC=legacy): absorb
 //     with one CTA per (8 tokens, head), split attention with 64-row tiles double-buffered by cp.async and a
 //     page-table lookup plus two int64 divisions per 16-byte vector and thread, combine with one CTA per
-//     (token, head). Unchanged since it was the default; a bypass of the default kernels without a rebuild.
+//     (token, head). Unchanged since it was the default (but for the combine's optional bf16 store,
+//     MlaAttentionParams::out_bf16); a bypass of the default kernels without a rebuild.
 // Both write the partials of mla_attention.cuh (MlaAttentionArgs) and read the real context lengths on the device.
 #include <algorithm>
 #include <cmath>
@@ -506,7 +507,7 @@ __global__ void __launch_bounds__(kTcThreads, 1) mla_split_attention_tc_legacy_k
 __global__ void __launch_bounds__(kCombineThreads)
     mla_combine_legacy_kernel(const float* __restrict__ partial_o, const float2* __restrict__ partial_ml,
                               const __nv_bfloat16* __restrict__ kv_b, int num_heads, int kv_lora, int nope, int v_head,
-                              int splits, float* __restrict__ out) {
+                              int splits, float* __restrict__ out, __nv_bfloat16* __restrict__ out_bf16) {
   __shared__ float s_latent[kMlaMaxKvLora];
   __shared__ float s_weight[kMlaMaxSplits];
   const int64_t t = blockIdx.x;
@@ -530,7 +531,14 @@ __global__ void __launch_bounds__(kCombineThreads)
 #pragma unroll 4
     for (int c = lane; c < kv_lora; c += 32) acc = fmaf(__bfloat162float(w_row[c]), s_latent[c], acc);
     acc = warp_sum(acc);
-    if (lane == 0) out[(t * num_heads + h) * v_head + v] = acc;
+    if (lane == 0) {
+      const int64_t at = (t * num_heads + h) * v_head + v;
+      if (out_bf16 != nullptr) {
+        out_bf16[at] = __float2bfloat16(acc);
+      } else {
+        out[at] = acc;
+      }
+    }
   }
 }
 
@@ -579,8 +587,9 @@ Status launch_mla_legacy(const MlaAttentionParams& p, MlaAttentionArgs args, flo
   if (Status s = launch_status(who); !s.is_ok()) return s;
 
   const dim3 combine_grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(p.num_heads));
-  mla_combine_legacy_kernel<<<combine_grid, kCombineThreads, 0, stream>>>(
-      args.partial_o, args.partial_ml, p.kv_b, p.num_heads, p.kv_lora_rank, p.qk_nope, p.v_head, args.splits, p.out);
+  mla_combine_legacy_kernel<<<combine_grid, kCombineThreads, 0, stream>>>(args.partial_o, args.partial_ml, p.kv_b,
+                                                                          p.num_heads, p.kv_lora_rank, p.qk_nope,
+                                                                          p.v_head, args.splits, p.out, p.out_bf16);
   return launch_status(who);
 }
 

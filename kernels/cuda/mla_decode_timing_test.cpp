@@ -1,8 +1,11 @@
-// Time of one mla_decode call at Kimi-Linear-48B dims (32 heads, kv_lora 512, rope 64, nope 128, v 128, 64-token
-// pages), ctest label gpu. For batch B in {1, 2, 8, 64, 256} and context in {4096, 32768} (every request its own,
-// shuffled pages of one random page pool), the call is captured in a CUDA graph and replayed 200 times between two
-// events, on the default kernels and on the legacy ones (legacy_tc_attention); one line per shape gives both
-// times, the bytes a call must move (cache rows + W_UK + W_UV + q + out) and their ratio to 4.26 TB/s.
+// Time of one MLA decode layer's cache write and attention (mla_write_rows then mla_decode) at Kimi-Linear-48B dims
+// (32 heads, kv_lora 512, rope 64, nope 128, v 128, 64-token pages), ctest label gpu. For batch B in {1, 2, 8, 64,
+// 256} and context in {4096, 32768} (every request its own, shuffled pages of one random page pool; the written row
+// is each request's last position, rewritten with the same values on every replay), the two calls are captured in
+// one CUDA graph and replayed 200 times between two events, on four variants: v1 (MlaDecodeKernel::kV1, the kernels
+// before v2), v2 (kV2), v2 with the bf16 output (out_bf16; it saves the engine's to_bf16 launch, which the other
+// variants do not count) and legacy (legacy_tc_attention). One line per shape gives the times, the bytes a layer
+// must move (cache rows read + W_UK + W_UV + q + out + the new rows) and their ratio to 4.26 TB/s.
 // Correctness only: each output is compared once with the fp32 CUDA-core reference path (fp32_attention) with the
 // tensor-core tolerance of mla_test.cpp, |x - ref| <= 2e-2 + 1e-2 |ref|. No speed is asserted.
 #include <algorithm>
@@ -80,10 +83,39 @@ TEST(MlaDecodeGpu, Timing) {
   cudaStream_t stream = nullptr;
   DS_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
 
+  // The new rows: fp32 kv_a outputs and the latent norm weight.
+  DeviceBuffer<float> kv_rows_d(static_cast<size_t>(max_batch) * kWidth), norm_d(kKvLora);
+  {
+    std::vector<float> kv_rows(kv_rows_d.size()), norm(kKvLora);
+    for (float& x : kv_rows) x = values.next();
+    for (float& x : norm) x = 1.0f + 0.1f * values.next();
+    kv_rows_d.upload(kv_rows);
+    norm_d.upload(norm);
+  }
+  DeviceBuffer<int64_t> slots_d(max_batch);
+  DeviceBuffer<__nv_bfloat16> out_bf16_d(out_d.size());
+
   for (int context : {4096, 32768}) {
     for (int batch : {1, 2, 8, 64, 256}) {
       SCOPED_TRACE("B=" + std::to_string(batch) + " context=" + std::to_string(context));
       contexts_d.upload(std::vector<int32_t>(batch, context));
+      std::vector<int64_t> slots(batch);
+      for (int n = 0; n < batch; ++n) {  // position context - 1 of sequence n
+        const int64_t position = context - 1;
+        const int64_t page = table[static_cast<size_t>(n) * pages_per_seq + position / kPageSize];
+        slots[n] = page * kPageSize + position % kPageSize;
+      }
+      slots_d.upload(slots);
+      MlaWriteParams w;
+      w.pool = MlaPagePool{pool_d.get(), num_pages, 1, kPageSize, kWidth, kWidth};
+      w.layer = 0;
+      w.num_tokens = batch;
+      w.kv = kv_rows_d.get();
+      w.kv_stride = kWidth;
+      w.norm_weight = norm_d.get();
+      w.kv_lora_rank = kKvLora;
+      w.qk_rope = kRope;
+      w.slot_mapping = slots_d.get();
       MlaAttentionParams p;
       p.num_heads = kHeads;
       p.kv_lora_rank = kKvLora;
@@ -91,7 +123,7 @@ TEST(MlaDecodeGpu, Timing) {
       p.qk_rope = kRope;
       p.v_head = kVHead;
       p.softmax_scale = 1.0f / std::sqrt(static_cast<float>(kQWidth));
-      p.pool = MlaPagePool{pool_d.get(), num_pages, 1, kPageSize, kWidth, kWidth};
+      p.pool = w.pool;
       p.num_seqs = batch;
       p.num_tokens = batch;
       p.cu_q = cu_q_d.get();
@@ -105,24 +137,42 @@ TEST(MlaDecodeGpu, Timing) {
       p.workspace = ws_d.get();
       p.workspace_bytes = ws_bytes;
 
-      // Reference: the fp32 CUDA-core attention path.
+      // Reference: the rows written once, then the fp32 CUDA-core attention path.
+      Status status = mla_write_rows(w, stream);
+      ASSERT_TRUE(status.is_ok()) << status.to_string();
       p.out = ref_d.get();
       p.fp32_attention = true;
-      Status status = mla_decode(p, stream);
+      status = mla_decode(p, stream);
       ASSERT_TRUE(status.is_ok()) << status.to_string();
       p.fp32_attention = false;
-      double us[2] = {0.0, 0.0};  // default, legacy
-      for (int legacy = 0; legacy < 2; ++legacy) {
-        p.legacy_tc_attention = legacy == 1;
-        p.out = out_d.get();
+      const char* names[4] = {"v1", "v2", "v2 bf16 out", "legacy"};
+      double us[4] = {0.0, 0.0, 0.0, 0.0};
+      for (int variant = 0; variant < 4; ++variant) {
+        const bool bf16_out = variant == 2;
+        w.decode_kernel = variant == 1 || variant == 2 ? MlaDecodeKernel::kV2 : MlaDecodeKernel::kV1;
+        p.decode_kernel = w.decode_kernel;
+        p.legacy_tc_attention = variant == 3;
+        p.out = bf16_out ? nullptr : out_d.get();
+        p.out_bf16 = bf16_out ? out_bf16_d.get() : nullptr;
         DS_CUDA_OK(cudaMemsetAsync(out_d.get(), 0xff, out_d.size() * sizeof(float), stream));  // NaN
+        DS_CUDA_OK(cudaMemsetAsync(out_bf16_d.get(), 0xff, out_bf16_d.size() * sizeof(__nv_bfloat16), stream));
         double ms = 0.0;
         ASSERT_NO_FATAL_FAILURE(time_graph_replays(
-            stream, cudaStreamCaptureModeGlobal, 1, kReplays, [&](cudaStream_t s) { return mla_decode(p, s); }, &ms));
-        us[legacy] = 1e3 * ms;
+            stream, cudaStreamCaptureModeGlobal, 1, kReplays,
+            [&](cudaStream_t s) {
+              if (Status written = mla_write_rows(w, s); !written.is_ok()) return written;
+              return mla_decode(p, s);
+            },
+            &ms));
+        us[variant] = 1e3 * ms;
         DS_CUDA_OK(cudaStreamSynchronize(stream));
         DS_CUDA_OK(cudaGetLastError());
-        const std::vector<float> out = out_d.download(), ref = ref_d.download();
+        std::vector<float> out = out_d.download();
+        if (bf16_out) {
+          const std::vector<__nv_bfloat16> out_bf16 = out_bf16_d.download();
+          for (size_t i = 0; i < out.size(); ++i) out[i] = __bfloat162float(out_bf16[i]);
+        }
+        const std::vector<float> ref = ref_d.download();
         const size_t n = static_cast<size_t>(batch) * kHeads * kVHead;
         size_t failures = 0;
         double max_err = 0.0;
@@ -130,21 +180,23 @@ TEST(MlaDecodeGpu, Timing) {
           const double err = std::isfinite(out[i]) ? std::fabs(static_cast<double>(out[i]) - ref[i]) : INFINITY;
           max_err = std::max(max_err, err);
           if (err > 2e-2 + 1e-2 * std::fabs(ref[i]) && failures++ < 3) {
-            ADD_FAILURE() << (legacy ? "legacy" : "default") << " at token " << i / (kHeads * kVHead) << " head "
-                          << i / kVHead % kHeads << " col " << i % kVHead << ": " << out[i] << " vs fp32 " << ref[i];
+            ADD_FAILURE() << names[variant] << " at token " << i / (kHeads * kVHead) << " head " << i / kVHead % kHeads
+                          << " col " << i % kVHead << ": " << out[i] << " vs fp32 " << ref[i];
           }
         }
-        EXPECT_EQ(failures, 0u) << (legacy ? "legacy" : "default") << " max abs err " << max_err;
+        EXPECT_EQ(failures, 0u) << names[variant] << " max abs err " << max_err;
       }
       const double bytes = static_cast<double>(batch) * context * kWidth * 2 +
                            2.0 * kHeads * kNope * kKvLora * 2 +  // W_UK and W_UV (nope == v_head)
-                           static_cast<double>(batch) * kHeads * (kQWidth * 2 + kVHead * 4);
+                           static_cast<double>(batch) * kHeads * (kQWidth * 2 + kVHead * 4) +
+                           static_cast<double>(batch) * kWidth * (4 + 2);  // kv rows read, new cache rows written
       const double limit_us = bytes / kCopyBandwidth * 1e6;
       std::printf(
-          "  [MlaDecodeGpu.Timing] B=%d ctx=%d: default %.2f us (splits %d, heads per CTA %d), legacy %.2f us; "
-          "%.2f MB -> %.2f us at 4.26 TB/s: default %.2f, legacy %.2f of it\n",
-          batch, context, us[0], mla_num_splits(batch, context), mla_decode_head_group(batch, kHeads, context), us[1],
-          bytes / 1e6, limit_us, limit_us / us[0], limit_us / us[1]);
+          "  [MlaDecodeGpu.Timing] B=%d ctx=%d (splits %d, heads per CTA %d): write_rows + mla_decode v1 %.2f us, "
+          "v2 %.2f us, v2 bf16 out %.2f us, legacy %.2f us; %.2f MB -> %.2f us at 4.26 TB/s: v1 %.2f, v2 %.2f, "
+          "v2 bf16 out %.2f of it\n",
+          batch, context, mla_num_splits(batch, context), mla_decode_head_group(batch, kHeads, context), us[0], us[1],
+          us[2], us[3], bytes / 1e6, limit_us, limit_us / us[0], limit_us / us[1], limit_us / us[2]);
     }
   }
   cudaStreamDestroy(stream);

@@ -22,6 +22,7 @@
 #include <numeric>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/cpu/basic_ops.hpp"
@@ -75,9 +76,11 @@ struct Batch {
   std::vector<int> q_lens;
   std::vector<int> contexts;
   int page_size = 64;
-  int max_context = 0;        // 0: the largest context (at least 1)
-  bool write_kernel = false;  // rows produced by mla_write_rows from fp32 kv (read back for the CPU side)
-  int naive_block_rows = 0;   // > 0: the naive form's workspace holds blocks of this many rows (several blocks)
+  int max_context = 0;              // 0: the largest context (at least 1)
+  bool write_kernel = false;        // rows produced by mla_write_rows from fp32 kv (read back for the CPU side)
+  int naive_block_rows = 0;         // > 0: the naive form's workspace holds blocks of this many rows (several blocks)
+  bool decode_only = false;         // mla_decode modes only (no mla_prefill)
+  bool absorbed_reference = false;  // cpu::mla_attention_absorbed (about 100x fewer FLOPs at Kimi dims) as reference
 };
 
 std::string batch_name(const Batch& b) {
@@ -199,13 +202,15 @@ void check_attention(const MlaShape& shape, const Batch& batch, uint32_t seed) {
 
   // CPU reference.
   const cpu::MlaDims dims{H, kv, nope, rope, v_head, scale};
-  const std::vector<float> expected = mla_reference(dims, q, cu_q, batch.q_lens, batch.contexts, caches, width, kv_b);
+  const std::vector<float> expected =
+      mla_reference(dims, q, cu_q, batch.q_lens, batch.contexts, caches, width, kv_b, batch.absorbed_reference);
 
   // GPU.
   const size_t out_size = static_cast<size_t>(T) * H * v_head, out_pad = 64;
   DeviceBuffer<__nv_bfloat16> pool_d(pool_size), q_d(q_host.size()), kv_b_d(kv_b.size());
   DeviceBuffer<int32_t> cu_q_d(N + 1), ctx_d(std::max(N, 1)), table_d(table.size());
   DeviceBuffer<float> out_d(out_size + out_pad);
+  DeviceBuffer<__nv_bfloat16> out_bf16_d(out_size + out_pad);
   pool_d.upload(pool);
   q_d.upload(q_host);
   kv_b_d.upload(to_bf16(kv_b));
@@ -232,26 +237,48 @@ void check_attention(const MlaShape& shape, const Batch& batch, uint32_t seed) {
   CublasHandle cublas;
   ASSERT_EQ(cublasCreate(&cublas.handle), CUBLAS_STATUS_SUCCESS);
   const bool decode_shaped = std::all_of(batch.q_lens.begin(), batch.q_lens.end(), [](int l) { return l <= 1; });
-  std::vector<float> decode_out;    // mla_decode on tensor cores, launched directly
-  std::vector<float> naive_v2_out;  // mode 4's output: mode 8 (the v1 flash kernel) must match it bitwise
-  for (int mode = 0; mode < 9; ++mode) {
-    // 0, 1: mla_decode tensor-core / fp32; 2, 3: mla_prefill absorbed tensor-core / fp32; 4: mla_prefill naive
-    // (forced, own workspace); 5: mla_prefill kAuto with the host tables and the absorbed-sized workspace;
-    // 6, 7: mla_decode / mla_prefill absorbed on the legacy tensor-core kernel (legacy_tc_attention, the bypass of
-    // the default one); 8: mla_prefill naive forced on the v1 flash kernel (mode 4 runs v2 explicitly).
-    const bool decode = mode < 2 || mode == 6, fp32 = mode < 4 && (mode % 2) == 1;
+  std::vector<float> decode_out;     // mla_decode v1 on tensor cores, launched directly (mode 0)
+  std::vector<float> decode_v2_out;  // the same on the v2 kernels (mode 9): the graph replay must match it bitwise
+  std::vector<float> legacy_out;     // mode 6
+  std::vector<float> naive_v2_out;   // mode 4's output: mode 8 (the v1 flash kernel) must match it bitwise
+  for (int mode = 0; mode < 13; ++mode) {
+    // 0, 1: mla_decode tensor-core (v1 kernels) / fp32; 2, 3: mla_prefill absorbed tensor-core / fp32; 4:
+    // mla_prefill naive (forced, own workspace); 5: mla_prefill kAuto with the host tables and the absorbed-sized
+    // workspace; 6, 7: mla_decode / mla_prefill absorbed on the legacy tensor-core kernel (legacy_tc_attention, the
+    // bypass of the default one); 8: mla_prefill naive forced on the v1 flash kernel (mode 4 runs v2 explicitly);
+    // 9: mla_decode on the v2 kernels (within 2e-4 + 1e-3 |v1| of mode 0: only the W_UV product's summation order
+    // differs); 10, 11, 12: mla_decode v2 / v1 / legacy with the bf16 output (out null), bitwise the bf16 rounding
+    // of modes 9 / 0 / 6.
+    const bool bf16_out = mode >= 10;
+    const bool decode = mode < 2 || mode == 6 || mode >= 9, fp32 = mode < 4 && (mode % 2) == 1;
     const bool host_tables = mode == 4 || mode == 5 || mode == 8;
     const bool naive_forced = mode == 4 || mode == 8;
     if (decode && !decode_shaped) continue;
-    const char* names[] = {
-        "mla_decode tensor-core", "mla_decode fp32",  "mla_prefill tensor-core",       "mla_prefill fp32",
-        "mla_prefill naive",      "mla_prefill auto", "mla_decode tensor-core legacy", "mla_prefill tensor-core legacy",
-        "mla_prefill naive v1"};
+    if (!decode && batch.decode_only) continue;
+    const char* names[] = {"mla_decode tensor-core v1",
+                           "mla_decode fp32",
+                           "mla_prefill tensor-core",
+                           "mla_prefill fp32",
+                           "mla_prefill naive",
+                           "mla_prefill auto",
+                           "mla_decode tensor-core legacy",
+                           "mla_prefill tensor-core legacy",
+                           "mla_prefill naive v1",
+                           "mla_decode tensor-core v2",
+                           "mla_decode tensor-core v2 bf16 out",
+                           "mla_decode tensor-core v1 bf16 out",
+                           "mla_decode tensor-core legacy bf16 out"};
     const std::string name = names[mode];
     SCOPED_TRACE(name);
     out_d.upload(std::vector<float>(out_size + out_pad, NAN));
+    out_bf16_d.upload(std::vector<__nv_bfloat16>(out_size + out_pad, bf16_nan()));
+    p.out = bf16_out ? nullptr : out_d.get();
+    p.out_bf16 = bf16_out ? out_bf16_d.get() : nullptr;
+    p.decode_kernel = mode == 0 || mode == 11   ? MlaDecodeKernel::kV1
+                      : mode == 9 || mode == 10 ? MlaDecodeKernel::kV2
+                                                : MlaDecodeKernel::kDefault;
     p.fp32_attention = fp32;
-    p.legacy_tc_attention = mode == 6 || mode == 7;
+    p.legacy_tc_attention = mode == 6 || mode == 7 || mode == 12;
     p.prefill_form =
         !host_tables ? MlaPrefillForm::kAbsorbed : (naive_forced ? MlaPrefillForm::kNaive : MlaPrefillForm::kAuto);
     p.naive_kernel = mode == 4 ? MlaNaiveKernel::kV2 : mode == 8 ? MlaNaiveKernel::kV1 : MlaNaiveKernel::kDefault;
@@ -264,10 +291,44 @@ void check_attention(const MlaShape& shape, const Batch& batch, uint32_t seed) {
     ASSERT_TRUE(status.is_ok()) << status.to_string();
     DS_CUDA_OK(cudaDeviceSynchronize());
     DS_CUDA_OK(cudaGetLastError());
-    const std::vector<float> out = out_d.download();
+    std::vector<float> out = out_d.download();
+    if (bf16_out) {
+      for (size_t i = 0; i < out.size(); ++i) {
+        ASSERT_TRUE(std::isnan(out[i])) << "fp32 out written at " << i << " while out_bf16 is set";
+      }
+      const std::vector<__nv_bfloat16> out_bf16 = out_bf16_d.download();
+      const std::vector<float>& fp32_run = mode == 10 ? decode_v2_out : mode == 11 ? decode_out : legacy_out;
+      ASSERT_GE(fp32_run.size(), out_size);
+      size_t differing = 0;
+      for (size_t i = 0; i < out.size(); ++i) {
+        out[i] = __bfloat162float(out_bf16[i]);
+        if (i >= out_size) continue;
+        const uint16_t want = __nv_bfloat16_raw(__float2bfloat16(fp32_run[i])).x,
+                       got = __nv_bfloat16_raw(out_bf16[i]).x;
+        if (want != got && differing++ < 5) {
+          ADD_FAILURE() << "bf16 output " << i << ": " << got << " != bf16 of the fp32 run's " << fp32_run[i];
+        }
+      }
+      EXPECT_EQ(differing, 0u) << "bf16 outputs that are not the rounding of the fp32 run's";
+    }
     if (mode == 0) decode_out = out;
     if (mode == 4) naive_v2_out = out;
+    if (mode == 6) legacy_out = out;
     if (mode == 8) expect_bitwise_equal_v1_v2(out, naive_v2_out, out_size, H, v_head, cu_q);
+    if (mode == 9) {
+      decode_v2_out = out;
+      size_t far = 0;
+      double max_diff = 0.0;
+      for (size_t i = 0; i < out_size; ++i) {
+        const double diff = std::fabs(static_cast<double>(out[i]) - decode_out[i]);
+        max_diff = std::isfinite(diff) ? std::max(max_diff, diff) : INFINITY;
+        if (!(diff <= 2e-4 + 1e-3 * std::fabs(decode_out[i])) && far++ < 5) {
+          ADD_FAILURE() << "v2 vs v1 at " << i << ": " << out[i] << " vs " << decode_out[i];
+        }
+      }
+      std::printf("  [v2 vs v1] max abs diff %.3g\n", max_diff);
+      EXPECT_EQ(far, 0u) << "v2 outputs farther than 2e-4 + 1e-3 |v1| from v1's";
+    }
     compare_outputs(name, out, expected, out_size, fp32, [&](size_t i) {
       const int64_t t = static_cast<int64_t>(i / (static_cast<size_t>(H) * v_head));
       const int h = static_cast<int>(i / v_head % H), c = static_cast<int>(i % v_head);
@@ -285,12 +346,16 @@ void check_attention(const MlaShape& shape, const Batch& batch, uint32_t seed) {
       ASSERT_TRUE(std::isnan(out[i])) << "output padding written at " << i - out_size << " past the end";
     }
   }
-  // mla_decode captured in a CUDA graph (global capture mode) and replayed: bit-identical to the direct launch.
+  // mla_decode (v2 kernels) captured in a CUDA graph (global capture mode) and replayed: bit-identical to the direct
+  // launch.
   if (decode_shaped && T > 0) {
     SCOPED_TRACE("mla_decode captured in a CUDA graph");
     cudaStream_t stream = nullptr;
     DS_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     out_d.upload(std::vector<float>(out_size + out_pad, NAN));
+    p.out = out_d.get();
+    p.out_bf16 = nullptr;
+    p.decode_kernel = MlaDecodeKernel::kV2;
     p.fp32_attention = false;
     p.legacy_tc_attention = false;
     p.workspace = ws_d.get();
@@ -300,8 +365,8 @@ void check_attention(const MlaShape& shape, const Batch& batch, uint32_t seed) {
     const std::vector<float> out = out_d.download();
     cudaStreamDestroy(stream);
     for (size_t i = 0; i < out_size; ++i) {
-      ASSERT_EQ(std::memcmp(&out[i], &decode_out[i], sizeof(float)), 0)
-          << "graph replay differs at " << i << ": " << out[i] << " vs " << decode_out[i];
+      ASSERT_EQ(std::memcmp(&out[i], &decode_v2_out[i], sizeof(float)), 0)
+          << "graph replay differs at " << i << ": " << out[i] << " vs " << decode_v2_out[i];
     }
   }
 }
@@ -398,6 +463,42 @@ TEST(MlaDecode, SmallHeadGroupsOfK3AndOddShapes) {
   check_attention(kOdd, Batch{{1}, {1500}}, 26);
   check_attention(kTiny, Batch{{1}, {4097}}, 27);
   check_attention(kTiny, Batch{{1, 1, 1}, {65, 1, 640}, 16}, 28);
+}
+
+// The v2 kernels next to v1, the bf16 output and the CPU reference at the batches they target: 1, 3, 8 and 16 (the
+// split-K cluster combine, up to kMlaSplitKCombineMaxTokens), 17 and 64 (the 32-token combine), contexts 1, 17,
+// 512 and 4096 (check_attention runs every decode mode: v1, v2, bf16 outputs, legacy, graph replay). Decode modes
+// only, against cpu::mla_attention_absorbed: the naive reference would spend minutes at these sizes.
+Batch decode_batch(std::vector<int> contexts, int page_size = 64) {
+  Batch b{ones(contexts.size()), std::move(contexts), page_size};
+  b.decode_only = true;
+  b.absorbed_reference = true;
+  return b;
+}
+
+TEST(MlaDecode, Kimi48BV2BatchesAndContexts) {
+  ASSERT_EQ(kMlaSplitKCombineMaxTokens, 16);
+  for (int batch : {1, 3, 8}) {
+    for (int context : {1, 17, 512, 4096}) {
+      check_attention(kKimi48B, decode_batch(std::vector<int>(batch, context)), 200 + 7 * batch + context % 13);
+    }
+  }
+  // 16 and 17 tokens (the last split-K batch and the first past it), 64 tokens; the four contexts in turn (bound
+  // 4096), page size 16 for one of them (tiles over two pages).
+  for (int batch : {16, 17, 64}) {
+    std::vector<int> contexts(batch);
+    for (int n = 0; n < batch; ++n) contexts[n] = std::vector<int>{1, 17, 512, 4096}[n % 4];
+    check_attention(kKimi48B, decode_batch(contexts, batch == 17 ? 16 : 64), 300 + batch);
+  }
+  check_attention(kKimi48B, decode_batch(std::vector<int>(64, 512)), 364);
+}
+
+TEST(MlaDecode, V2SplitKOddShapes) {
+  // Slices of the split-K combine: kv_lora 96 -> 2 CTAs a cluster (the second one half empty), v_head 40 -> 3 W_UV
+  // blocks; kv_lora 32 -> clusters of 1; K3's 96 heads; 8 tokens over several splits each.
+  check_attention(kOdd, decode_batch({1, 17, 512, 4096, 3, 700, 64, 65}), 400);
+  check_attention(kTiny, decode_batch({1, 17, 512, 4096, 3}), 401);
+  check_attention(kK3, decode_batch({4096, 17, 1}), 402);
 }
 
 // ---- prefill ---------------------------------------------------------------------------------------------------
@@ -604,10 +705,27 @@ void check_write_rows(const MlaShape& shape, uint32_t seed) {
   p.kv_lora_rank = kv;
   p.qk_rope = rope;
   p.slot_mapping = slots_d.get();
-  const Status status = mla_write_rows(p, nullptr);
-  ASSERT_TRUE(status.is_ok()) << status.to_string();
-  DS_CUDA_OK(cudaDeviceSynchronize());
-  const std::vector<__nv_bfloat16> pool = pool_d.download();
+  // v1 (plain launch) and v2 (PDL, weights before the wait): the same arithmetic, so bitwise equal pools.
+  std::vector<__nv_bfloat16> pool;
+  for (MlaDecodeKernel kernel : {MlaDecodeKernel::kV1, MlaDecodeKernel::kV2}) {
+    SCOPED_TRACE(kernel == MlaDecodeKernel::kV1 ? "v1" : "v2");
+    pool_d.upload(std::vector<__nv_bfloat16>(pool_size, bf16_nan()));
+    p.decode_kernel = kernel;
+    const Status status = mla_write_rows(p, nullptr);
+    ASSERT_TRUE(status.is_ok()) << status.to_string();
+    DS_CUDA_OK(cudaDeviceSynchronize());
+    if (kernel == MlaDecodeKernel::kV1) {
+      pool = pool_d.download();
+      continue;
+    }
+    const std::vector<__nv_bfloat16> pool_v2 = pool_d.download();
+    size_t differing = 0;
+    for (size_t i = 0; i < pool_size; ++i) {
+      const uint16_t a = __nv_bfloat16_raw(pool[i]).x, b = __nv_bfloat16_raw(pool_v2[i]).x;
+      if (a != b && differing++ < 5) ADD_FAILURE() << "pool element " << i << ": v1 " << a << " v2 " << b;
+    }
+    EXPECT_EQ(differing, 0u) << "pool elements where the v1 and v2 write kernels differ";
+  }
 
   std::vector<bool> written(pool_size, false);
   int mismatches = 0;
@@ -643,6 +761,7 @@ void check_write_rows(const MlaShape& shape, uint32_t seed) {
 TEST(MlaWriteRows, MatchesRmsNormAndLayout) {
   check_write_rows(kTiny, 70);
   check_write_rows(kKimi48B, 71);
+  check_write_rows(MlaShape{2, 1024, 16, 64, 16}, 72);  // kv_lora past v2's 512 register-held columns
 }
 
 // ---- validation (no GPU work: every call below must be rejected before launching) ------------------------------
@@ -714,6 +833,7 @@ TEST(MlaAttentionValidation, RejectsBadHostInputs) {
       {"workspace small", [](MlaAttentionParams& p) { p.workspace_bytes -= 1; }},
       {"workspace misaligned", [](MlaAttentionParams& p) { p.workspace = fake_device<void>(4100); }},
       {"kv_b misaligned", [](MlaAttentionParams& p) { p.kv_b = fake_device<__nv_bfloat16>(4104); }},
+      {"decode_kernel 3", [](MlaAttentionParams& p) { p.decode_kernel = static_cast<MlaDecodeKernel>(3); }},
   };
   for (const Bad& bad : cases) {
     MlaAttentionParams p = valid_attention_params();
@@ -722,6 +842,23 @@ TEST(MlaAttentionValidation, RejectsBadHostInputs) {
     const Status prefill = mla_prefill(p, nullptr);
     EXPECT_EQ(decode.code(), StatusCode::kInvalidArgument) << bad.what << ": " << decode.to_string();
     EXPECT_EQ(prefill.code(), StatusCode::kInvalidArgument) << bad.what << ": " << prefill.to_string();
+  }
+  // out_bf16: enough for mla_decode (out may then be null; checked up to the workspace size here), rejected by
+  // mla_prefill in every form.
+  {
+    MlaAttentionParams p = valid_attention_params();
+    p.out_bf16 = fake_device<__nv_bfloat16>(8192);
+    p.out = nullptr;
+    p.workspace_bytes -= 1;  // stops mla_decode's validation before any launch
+    const Status decode = mla_decode(p, nullptr);
+    EXPECT_EQ(decode.code(), StatusCode::kInvalidArgument) << decode.to_string();
+    EXPECT_NE(decode.to_string().find("workspace_bytes"), std::string::npos) << decode.to_string();
+    for (MlaPrefillForm form : {MlaPrefillForm::kAuto, MlaPrefillForm::kAbsorbed, MlaPrefillForm::kNaive}) {
+      p.prefill_form = form;
+      const Status prefill = mla_prefill(p, nullptr);
+      EXPECT_EQ(prefill.code(), StatusCode::kInvalidArgument) << prefill.to_string();
+      EXPECT_NE(prefill.to_string().find("out_bf16"), std::string::npos) << prefill.to_string();
+    }
   }
   // The naive form, forced: rejected (no launch) without its host tables or cuBLAS handle, with host tables that
   // do not match num_tokens or the block table, with head dims it does not support, or a workspace below one block.

@@ -121,20 +121,20 @@ inline std::vector<__nv_bfloat16> padded_q(const std::vector<float>& q, int64_t 
   return host;
 }
 
-// cpu::mla_attention_naive per sequence (q_lens[n] queries at the end of contexts[n] rows); [T, H, v_head], zero
-// for the rows of empty sequences.
+// cpu::mla_attention_naive (or, with `absorbed`, cpu::mla_attention_absorbed) per sequence (q_lens[n] queries at the
+// end of contexts[n] rows); [T, H, v_head], zero for the rows of empty sequences.
 inline std::vector<float> mla_reference(const cpu::MlaDims& dims, const std::vector<float>& q,
                                         const std::vector<int32_t>& cu_q, const std::vector<int>& q_lens,
                                         const std::vector<int>& contexts, const std::vector<std::vector<float>>& caches,
-                                        int width, const std::vector<float>& kv_b) {
+                                        int width, const std::vector<float>& kv_b, bool absorbed = false) {
   const size_t H = static_cast<size_t>(dims.num_heads), q_width = static_cast<size_t>(dims.qk_nope + dims.qk_rope);
   const size_t v_head = static_cast<size_t>(dims.v_head);
   std::vector<float> expected(static_cast<size_t>(cu_q.back()) * H * v_head, 0.0f);
   for (size_t n = 0; n < q_lens.size(); ++n) {
     if (q_lens[n] == 0) continue;
-    cpu::mla_attention_naive(dims, q.data() + static_cast<size_t>(cu_q[n]) * H * q_width, q_lens[n],
-                             contexts[n] - q_lens[n], caches[n].data(), width, contexts[n], kv_b.data(),
-                             expected.data() + static_cast<size_t>(cu_q[n]) * H * v_head);
+    (absorbed ? cpu::mla_attention_absorbed : cpu::mla_attention_naive)(
+        dims, q.data() + static_cast<size_t>(cu_q[n]) * H * q_width, q_lens[n], contexts[n] - q_lens[n],
+        caches[n].data(), width, contexts[n], kv_b.data(), expected.data() + static_cast<size_t>(cu_q[n]) * H * v_head);
   }
   return expected;
 }
