@@ -315,6 +315,12 @@ Status CudaBackend::Impl::run_mla(const DeviceLayer& layer, const PassTables& t)
   a.q_stride = H * qk;
   a.kv_b = w.kv_b;
   a.out = attention;
+  // Decode without an output gate: the attention writes the bf16 input of o_proj itself (no conversion launch).
+  const bool bf16_out = t.pure_decode && !m.use_output_gate;
+  if (bf16_out) {
+    a.out = nullptr;
+    a.out_bf16 = gated;
+  }
   DS_RETURN_IF_ERROR(ensure_mla_workspace(
       kc::mla_attention_workspace_bytes(a.num_heads, a.kv_lora_rank, a.qk_rope, T, t.max_context)));
   a.workspace = mla_workspace.data();
@@ -336,7 +342,7 @@ Status CudaBackend::Impl::run_mla(const DeviceLayer& layer, const PassTables& t)
     DS_RETURN_IF_ERROR(arena_check("MLA gate"));
     DS_RETURN_IF_ERROR(gemm.run(x, hidden, w.g_proj, T, hidden, v_width, gate, v_width));
     DS_RETURN_IF_ERROR(kc::sigmoid_gate(attention, gate, T * v_width, gated, stream()));
-  } else {
+  } else if (!bf16_out) {
     DS_RETURN_IF_ERROR(kc::to_bf16(attention, T * v_width, gated, stream()));
   }
   return gemm.run(gated, v_width, w.o_proj, T, v_width, hidden, residual, hidden, /*accumulate=*/true);
