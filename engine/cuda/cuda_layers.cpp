@@ -299,10 +299,10 @@ Status CudaBackend::Impl::run_mla(const DeviceLayer& layer, const PassTables& t,
                                          : gemm.run_shared_input(input, T, hidden, {kv_a}));
     } else {
       const GemmTarget q_target{w.q_proj, H * qk, q, H * qk};
-      DS_RETURN_IF_ERROR(gate != nullptr
-                             ? gemm.run_shared_input(input, T, hidden,
-                                                     {kv_a, q_target, GemmTarget{w.g_proj, v_width, gate, v_width}})
-                             : gemm.run_shared_input(input, T, hidden, {kv_a, q_target}));
+      DS_RETURN_IF_ERROR(
+          gate != nullptr
+              ? gemm.run_shared_input(input, T, hidden, {kv_a, q_target, GemmTarget{w.g_proj, v_width, gate, v_width}})
+              : gemm.run_shared_input(input, T, hidden, {kv_a, q_target}));
     }
   } else {
     DS_RETURN_IF_ERROR(gemm.run(x, hidden, w.qa_kva, T, hidden, projected, qa_kv, projected));

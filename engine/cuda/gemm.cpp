@@ -95,6 +95,10 @@ bool Gemm::skinny_rows(int64_t rows) {
   return rows <= kSkinnyRows && kc::skinny_gemm_enabled(kc::SkinnyGemmInput::kBf16);
 }
 
+bool Gemm::fuses_input_norm(int64_t rows) {
+  return skinny_rows(rows) && kc::skinny_gemm_default_kernel() != kc::SkinnyGemmKernel::kV1;
+}
+
 namespace {
 
 // One skinny launch for every target of x (x, x_stride, rows, in already set in *p); false when it does not apply.

@@ -75,6 +75,9 @@ class Gemm {
                                         std::initializer_list<GemmTarget> targets);
   // Whether GEMMs of `rows` rows take the skinny path (enabled, rows small enough), shapes permitting.
   [[nodiscard]] static bool skinny_rows(int64_t rows);
+  // Whether run_shared_input on a GemmNormInput of `rows` rows normalises in the GEMM launch (skinny path with the
+  // v2 kernel), shapes permitting: then the caller skips its separate rms_norm.
+  [[nodiscard]] static bool fuses_input_norm(int64_t rows);
   // fp32 throughout (router logits).
   [[nodiscard]] Status run_f32(const float* x, int64_t x_stride, const float* w, int64_t rows, int64_t in, int64_t out,
                                float* y, int64_t y_stride);

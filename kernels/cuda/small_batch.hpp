@@ -58,10 +58,11 @@ struct SkinnyGemmParams {
   int num_outputs = 0;      // [1, kSkinnyGemmMaxOutputs]
   bool y_bf16 = false;      // every output bf16 (rounded once) instead of fp32
   bool accumulate = false;  // fp32 outputs of bf16 input only (fp32 input: plain fp32 output); no bf16 output
-  bool norm_x = false;                // v2: x fp32 [rows, >= in], normalised on the fly (see above); x_offset 0
+  bool norm_x = false;      // v2: x fp32 [rows, >= in], normalised on the fly (see above); x_offset 0
   const float* norm_weight = nullptr;  // fp32 [in] or nullptr (= 1)
   float norm_eps = 0.0f;
   SkinnyGemmKernel kernel = SkinnyGemmKernel::kDefault;
+  int split_k = 0;  // v2: warps per row group, 1, 2, 4 or 8; 0 chooses from the row groups and resident warps
 };
 
 // The kernel kDefault resolves to (DELTASERVE_SKINNY_GEMM_KERNEL, read once): kV1, kV2 or kV2NoPdl.

@@ -228,9 +228,9 @@ Status launch_rows(SkinnyGemmArgs& args, cudaStream_t stream) {
 struct SkinnyGemmArgsV2 {
   SkinnyGemmParams p;
   int64_t group_begin[kSkinnyGemmMaxOutputs + 1];
-  int64_t x_cols;                          // columns of each staged x row: max over outputs of x_offset + in
-  int split;                               // warps per row group (1, 2, 4 or 8; divides kWarps)
-  bool y_bf16[kSkinnyGemmMaxOutputs];      // per output (params.y_bf16 || output.y_bf16)
+  int64_t x_cols;                      // columns of each staged x row: max over outputs of x_offset + in
+  int split;                           // warps per row group (1, 2, 4 or 8; divides kWarps)
+  bool y_bf16[kSkinnyGemmMaxOutputs];  // per output (params.y_bf16 || output.y_bf16)
 };
 
 // Programmatic dependent launch (sm_90): wait for the grid before this one on the stream (complete, writes
@@ -502,11 +502,12 @@ Status launch_v2(SkinnyGemmArgsV2& args, bool programmatic, cudaStream_t stream)
     per_sm = 1;
   }
   const int64_t resident_ctas = int64_t{per_sm} * sm_count();
-  args.split = choose_split(groups, resident_ctas * kWarps, (args.p.in + kChunk - 1) / kChunk);
+  args.split = args.p.split_k != 0 ? args.p.split_k
+                                   : choose_split(groups, resident_ctas * kWarps, (args.p.in + kChunk - 1) / kChunk);
   const int64_t teams = kWarps / args.split;
   const int64_t grid = std::min<int64_t>((groups + teams - 1) / teams, resident_ctas);
-  return launch_kernel_ex(programmatic, kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads), shared_bytes,
-                          stream, "skinny_gemm", args);
+  return launch_kernel_ex(programmatic, kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads), shared_bytes, stream,
+                          "skinny_gemm", args);
 }
 
 template <int M>
@@ -571,6 +572,7 @@ bool skinny_gemm_supported(const SkinnyGemmParams& p) {
   if (p.y_bf16 && p.accumulate) return false;
   // The fused norm: v2, at most 4 rows (the decode batches of the engine's skinny path).
   if (p.norm_x && (v1 || p.rows > 4)) return false;
+  if (p.split_k != 0 && (v1 || (p.split_k != 1 && p.split_k != 2 && p.split_k != 4 && p.split_k != 8))) return false;
   int64_t x_cols = p.in;
   for (int o = 0; o < p.num_outputs; ++o) {
     const SkinnyGemmOutput& out = p.outputs[o];
