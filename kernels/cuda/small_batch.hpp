@@ -27,9 +27,11 @@ inline constexpr int64_t kSkinnyGemmMaxSharedBytes = 200 * 1024;
 enum class SkinnyGemmInput { kBf16, kFp32 };
 
 // Which kernel skinny_gemm runs. kDefault: the environment variable DELTASERVE_SKINNY_GEMM_KERNEL (read once):
-// "v1" the original kernel and plain launch; "v2-nopdl" v2 launched without programmatic dependent launch; unset
-// or anything else v2. Tests and timing cases pick one explicitly.
-enum class SkinnyGemmKernel { kDefault, kV1, kV2, kV2NoPdl };
+// "v1" the original kernel and plain launch; "v2-nopdl" v2 launched without programmatic dependent launch; "v2-r1"
+// v2 with one weight row per warp group and 9 slabs in flight at <= 4 rows (tail balance); unset or anything else
+// v2. Tests and timing cases pick one explicitly. DELTASERVE_SKINNY_GEMM_SPLIT=1|2|4|8 (read once) forces v2's
+// split-K where split_k is 0.
+enum class SkinnyGemmKernel { kDefault, kV1, kV2, kV2NoPdl, kV2R1 };
 
 // One weight matrix of a skinny GEMM and where its product goes.
 struct SkinnyGemmOutput {
@@ -65,7 +67,7 @@ struct SkinnyGemmParams {
   int split_k = 0;  // v2: warps per row group, 1, 2, 4 or 8; 0 chooses from the row groups and resident warps
 };
 
-// The kernel kDefault resolves to (DELTASERVE_SKINNY_GEMM_KERNEL, read once): kV1, kV2 or kV2NoPdl.
+// The kernel kDefault resolves to (DELTASERVE_SKINNY_GEMM_KERNEL, read once): never kDefault.
 [[nodiscard]] SkinnyGemmKernel skinny_gemm_default_kernel();
 
 // Whether skinny_gemm handles these shapes and alignments (rows, in % (16 / element size), 16-byte

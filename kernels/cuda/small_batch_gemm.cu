@@ -16,6 +16,9 @@
 //   * split-K over the warps of a CTA when the row groups leave warps idle (choose_split);
 //   * per-output bf16 / fp32 outputs and x column offsets: MLA's kv_a (fp32) and q_proj (bf16) in one launch, KDA's
 //     f_b and g_b (the two halves of `low`) in one launch.
+// Variants for measurement (small_batch.hpp): v2-nopdl (plain launch), v2-r1 (one row per group, 9 slabs in flight:
+// finer tail), DELTASERVE_SKINNY_GEMM_SPLIT (a fixed split). SkinnyGemmGpu.Timing prints all of them next to v1.
+// Not measured yet on the H200 (written without a GPU).
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -474,10 +477,20 @@ int choose_split(int64_t groups, int64_t resident_warps, int64_t chunks) {
   return best;
 }
 
-template <class TIn, int M, bool kNorm>
+// DELTASERVE_SKINNY_GEMM_SPLIT (read once): 1, 2, 4 or 8 forces the split of every v2 launch that does not set
+// split_k (measurements); unset or anything else: choose_split.
+int split_from_env() {
+  static const int split = [] {
+    const char* value = std::getenv("DELTASERVE_SKINNY_GEMM_SPLIT");
+    if (value == nullptr) return 0;
+    const int forced = std::atoi(value);
+    return forced == 1 || forced == 2 || forced == 4 || forced == 8 ? forced : 0;
+  }();
+  return split;
+}
+
+template <class TIn, int M, int R, int U, bool kNorm>
 Status launch_v2(SkinnyGemmArgsV2& args, bool programmatic, cudaStream_t stream) {
-  constexpr int R = M <= 4 ? 2 : 4;
-  constexpr int U = M <= 4 ? 4 : (M == 8 ? 2 : 1);
   constexpr int kChunk = 32 * (16 / static_cast<int>(sizeof(TIn))) * U;
   int64_t groups = 0;
   for (int o = 0; o < args.p.num_outputs; ++o) {
@@ -502,24 +515,34 @@ Status launch_v2(SkinnyGemmArgsV2& args, bool programmatic, cudaStream_t stream)
     per_sm = 1;
   }
   const int64_t resident_ctas = int64_t{per_sm} * sm_count();
-  args.split = args.p.split_k != 0 ? args.p.split_k
-                                   : choose_split(groups, resident_ctas * kWarps, (args.p.in + kChunk - 1) / kChunk);
+  const int forced = args.p.split_k != 0 ? args.p.split_k : split_from_env();
+  args.split = forced != 0 ? forced : choose_split(groups, resident_ctas * kWarps, (args.p.in + kChunk - 1) / kChunk);
   const int64_t teams = kWarps / args.split;
   const int64_t grid = std::min<int64_t>((groups + teams - 1) / teams, resident_ctas);
   return launch_kernel_ex(programmatic, kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads), shared_bytes, stream,
                           "skinny_gemm", args);
 }
 
+// Weight rows per group and slabs in flight as v1 (launch_bucket); kV2R1 takes R = 1 with U = 9 at <= 4 rows (bf16):
+// twice the row groups (finer tail: the fused KDA projection's 12.5k rows are 1.5 waves of R = 2 groups) with the
+// 9 slabs of a 2304-wide row in flight.
 template <int M>
-Status launch_rows_v2(SkinnyGemmArgsV2& args, bool programmatic, cudaStream_t stream) {
-  if (args.p.input == SkinnyGemmInput::kFp32) return launch_v2<float, M, false>(args, programmatic, stream);
+Status launch_rows_v2(SkinnyGemmArgsV2& args, SkinnyGemmKernel kernel, cudaStream_t stream) {
+  constexpr int R = M <= 4 ? 2 : 4;
+  constexpr int U = M <= 4 ? 4 : (M == 8 ? 2 : 1);
+  const bool programmatic = kernel != SkinnyGemmKernel::kV2NoPdl;
+  if (args.p.input == SkinnyGemmInput::kFp32) return launch_v2<float, M, R, U, false>(args, programmatic, stream);
   if constexpr (M <= 4) {
-    if (args.p.norm_x) return launch_v2<__nv_bfloat16, M, true>(args, programmatic, stream);
+    if (kernel == SkinnyGemmKernel::kV2R1) {
+      if (args.p.norm_x) return launch_v2<__nv_bfloat16, M, 1, 9, true>(args, programmatic, stream);
+      return launch_v2<__nv_bfloat16, M, 1, 9, false>(args, programmatic, stream);
+    }
+    if (args.p.norm_x) return launch_v2<__nv_bfloat16, M, R, U, true>(args, programmatic, stream);
   }
-  return launch_v2<__nv_bfloat16, M, false>(args, programmatic, stream);
+  return launch_v2<__nv_bfloat16, M, R, U, false>(args, programmatic, stream);
 }
 
-Status skinny_gemm_v2(const SkinnyGemmParams& params, bool programmatic, cudaStream_t stream) {
+Status skinny_gemm_v2(const SkinnyGemmParams& params, SkinnyGemmKernel kernel, cudaStream_t stream) {
   SkinnyGemmArgsV2 args{};
   args.p = params;
   args.x_cols = params.in;
@@ -530,15 +553,15 @@ Status skinny_gemm_v2(const SkinnyGemmParams& params, bool programmatic, cudaStr
   }
   switch (bucket_rows(params.rows)) {
     case 1:
-      return launch_rows_v2<1>(args, programmatic, stream);
+      return launch_rows_v2<1>(args, kernel, stream);
     case 2:
-      return launch_rows_v2<2>(args, programmatic, stream);
+      return launch_rows_v2<2>(args, kernel, stream);
     case 4:
-      return launch_rows_v2<4>(args, programmatic, stream);
+      return launch_rows_v2<4>(args, kernel, stream);
     case 8:
-      return launch_rows_v2<8>(args, programmatic, stream);
+      return launch_rows_v2<8>(args, kernel, stream);
     default:
-      return launch_rows_v2<16>(args, programmatic, stream);
+      return launch_rows_v2<16>(args, kernel, stream);
   }
 }
 
@@ -553,6 +576,7 @@ SkinnyGemmKernel skinny_gemm_default_kernel() {
     const char* value = std::getenv("DELTASERVE_SKINNY_GEMM_KERNEL");
     if (value != nullptr && std::strcmp(value, "v1") == 0) return SkinnyGemmKernel::kV1;
     if (value != nullptr && std::strcmp(value, "v2-nopdl") == 0) return SkinnyGemmKernel::kV2NoPdl;
+    if (value != nullptr && std::strcmp(value, "v2-r1") == 0) return SkinnyGemmKernel::kV2R1;
     return SkinnyGemmKernel::kV2;
   }();
   return kernel;
@@ -623,7 +647,7 @@ Status skinny_gemm(const SkinnyGemmParams& params, cudaStream_t stream) {
   // Outputs with n == 0 get no groups (their pointers are never touched).
   const SkinnyGemmKernel kernel =
       params.kernel == SkinnyGemmKernel::kDefault ? skinny_gemm_default_kernel() : params.kernel;
-  if (kernel != SkinnyGemmKernel::kV1) return skinny_gemm_v2(params, kernel == SkinnyGemmKernel::kV2, stream);
+  if (kernel != SkinnyGemmKernel::kV1) return skinny_gemm_v2(params, kernel, stream);
   SkinnyGemmArgs args{};
   args.p = params;
   switch (bucket_rows(params.rows)) {

@@ -5,7 +5,7 @@
 // carry NaN past `in` that must never be read. Every case runs the v1 and the v2 kernel (v2 only for its own fields).
 // SkinnyGemmV2.*: forced split-K, per-output x offsets and output types against the same reference; the fused input
 // norm bitwise against rms_norm + the GEMM; programmatic dependent launch in a captured graph against the eager run.
-// SkinnyGemm.Bandwidth48B (default kernel) and SkinnyGemmGpu.Timing (v1 and v2 side by side, graph replays) print
+// SkinnyGemm.Bandwidth48B (default kernel) and SkinnyGemmGpu.Timing (v1, v2, v2-nopdl, v2-r1, graph replays) print
 // the achieved weight bandwidth at the Kimi-Linear-48B decode shapes for the lead to read; they assert nothing about
 // speed.
 #include "kernels/cuda/small_batch.hpp"
@@ -90,6 +90,19 @@ std::string describe(const Case& c) {
                                        << bound[worst_row * n + worst_col];
 }
 
+const char* kernel_name(SkinnyGemmKernel kernel) {
+  switch (kernel) {
+    case SkinnyGemmKernel::kV1:
+      return "v1";
+    case SkinnyGemmKernel::kV2NoPdl:
+      return "v2-nopdl";
+    case SkinnyGemmKernel::kV2R1:
+      return "v2-r1";
+    default:
+      return "v2";
+  }
+}
+
 int64_t offset_of(const Case& c, size_t o) {
   return c.x_offsets.empty() ? 0 : c.x_offsets[o];
 }
@@ -98,7 +111,7 @@ bool bf16_of(const Case& c, size_t o) {
 }
 
 void run_case_with(const Case& c, SkinnyGemmKernel kernel) {
-  SCOPED_TRACE(describe(c) + (kernel == SkinnyGemmKernel::kV1 ? " kernel v1" : " kernel v2"));
+  SCOPED_TRACE(describe(c) + " kernel " + kernel_name(kernel));
   std::mt19937 rng(c.seed);
   int64_t x_cols = c.in;  // columns of x the outputs read
   for (size_t o = 0; o < c.outs.size(); ++o) x_cols = std::max(x_cols, offset_of(c, o) + c.in);
@@ -205,10 +218,11 @@ void run_case_with(const Case& c, SkinnyGemmKernel kernel) {
   }
 }
 
-// Both kernels (v1 only where the case uses none of the v2-only fields).
+// Every kernel (v1 only where the case uses none of the v2-only fields).
 void run_case(const Case& c) {
   if (c.x_offsets.empty() && c.out_bf16.empty() && c.split_k == 0) run_case_with(c, SkinnyGemmKernel::kV1);
   run_case_with(c, SkinnyGemmKernel::kV2);
+  run_case_with(c, SkinnyGemmKernel::kV2R1);
 }
 
 TEST(SkinnyGemm, SingleOutputEveryRowCount) {
@@ -460,9 +474,10 @@ TEST(SkinnyGemmV2, FusedNormBitwise) {
       for (int split : {1, 2}) {
         for (bool accumulate : {false, true}) {
           for (bool with_weight : {true, false}) {
+            const SkinnyGemmKernel kernel = with_weight ? SkinnyGemmKernel::kV2 : SkinnyGemmKernel::kV2R1;
             SCOPED_TRACE("in " + std::to_string(in) + " rows " + std::to_string(rows) + " split " +
                          std::to_string(split) + " accumulate " + std::to_string(accumulate) + " weight " +
-                         std::to_string(with_weight));
+                         std::to_string(with_weight) + " kernel " + kernel_name(kernel));
             std::mt19937 rng(static_cast<uint32_t>(in * 31 + rows * 7 + split * 3 + accumulate));
             const int64_t x_stride = in + 3, n32 = 97, n16 = 130, y32_stride = n32 + 2, y16_stride = n16 + 1;
             const std::vector<float> values = normal_vector(rng, rows * in, 0.3f, 2.0f);
@@ -486,7 +501,7 @@ TEST(SkinnyGemmV2, FusedNormBitwise) {
 
             // Accumulating GEMMs take fp32 outputs only: the bf16 output is dropped then.
             SkinnyGemmParams p;
-            p.kernel = SkinnyGemmKernel::kV2;
+            p.kernel = kernel;
             p.split_k = split;
             p.rows = rows;
             p.in = in;
@@ -807,7 +822,8 @@ TEST(SkinnyGemmGpu, Timing) {
     ASSERT_EQ(cudaMemset(x32.get(), 0, x32.size() * 4), cudaSuccess);
     ASSERT_EQ(cudaMemset(norm.get(), 0, norm.size() * 4), cudaSuccess);
     for (int64_t rows : {1, 4}) {
-      for (SkinnyGemmKernel kernel : {SkinnyGemmKernel::kV1, SkinnyGemmKernel::kV2}) {
+      for (SkinnyGemmKernel kernel :
+           {SkinnyGemmKernel::kV1, SkinnyGemmKernel::kV2, SkinnyGemmKernel::kV2NoPdl, SkinnyGemmKernel::kV2R1}) {
         const bool v1 = kernel == SkinnyGemmKernel::kV1;
         // Output o of weight copy `copy`; y columns [offset, offset + n) of a [rows, total_n] buffer.
         auto output = [&](int copy, size_t o, int64_t row_offset) {
@@ -869,8 +885,8 @@ TEST(SkinnyGemmGpu, Timing) {
         double ms = 0.0;
         ASSERT_NO_FATAL_FAILURE(time_graph_replays(stream.get(), cudaStreamCaptureModeGlobal, 2, 10, passes, &ms));
         const double seconds = ms * 1e-3 / kLaunches;
-        std::printf("SkinnyGemmGpu.Timing %-36s rows %lld %s: %8.2f us  %5.1f%% of 4.26 TB/s\n", shape.name,
-                    static_cast<long long>(rows), v1 ? "v1" : "v2", seconds * 1e6,
+        std::printf("SkinnyGemmGpu.Timing %-36s rows %lld %-8s: %8.2f us  %5.1f%% of 4.26 TB/s\n", shape.name,
+                    static_cast<long long>(rows), kernel_name(kernel), seconds * 1e6,
                     100.0 * static_cast<double>(weight_bytes) / seconds / kCopyBytesPerS);
       }
     }
