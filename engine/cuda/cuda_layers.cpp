@@ -1,6 +1,8 @@
 // The layers of CudaBackend's forward pass: KDA (fused decode, chunked prefill for head size 128, the generic
 // recurrence otherwise), MLA, MoE and the dense FFN. Each reads the normed input rows (bf16, fp32 for the router)
-// and adds its output to the residual stream (the o_proj / down / combine GEMMs accumulate in place).
+// and adds its output to the residual stream (the o_proj / down / combine GEMMs accumulate in place). At decode
+// batches of the skinny path the attention layers get the un-normalised fp32 rows instead and their projections
+// apply the input norm in the same launch (Gemm::fuses_input_norm).
 #include <algorithm>
 #include <cmath>
 #include <string>

@@ -52,8 +52,8 @@ struct SkinnyGemmOutput {
 // bitwise the rows rms_norm (ops.hpp) writes as bf16 (same reduction order); rows <= 4.
 struct SkinnyGemmParams {
   SkinnyGemmInput input = SkinnyGemmInput::kBf16;
-  const void* x = nullptr;  // [rows, in] of `input`, row stride x_stride (any alignment)
-  int64_t x_stride = 0;     // >= in
+  const void* x = nullptr;  // [rows, in] of `input` (fp32 with norm_x), row stride x_stride (any alignment)
+  int64_t x_stride = 0;     // >= in, and >= x_offset + in of every output
   int64_t rows = 0;         // [0, kSkinnyGemmMaxRows]
   int64_t in = 0;           // > 0, a multiple of 8 (bf16) or 4 (fp32): 16-byte weight rows
   SkinnyGemmOutput outputs[kSkinnyGemmMaxOutputs];
