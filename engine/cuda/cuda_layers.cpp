@@ -1,6 +1,8 @@
 // The layers of CudaBackend's forward pass: KDA (fused decode, chunked prefill for head size 128, the generic
 // recurrence otherwise), MLA, MoE and the dense FFN. Each reads the normed input rows (bf16, fp32 for the router)
-// and adds its output to the residual stream (the o_proj / down / combine GEMMs accumulate in place).
+// and adds its output to the residual stream (the o_proj / down / combine GEMMs accumulate in place). At decode
+// batches of the skinny path the attention layers get the un-normalised fp32 rows instead and their projections
+// apply the input norm in the same launch (Gemm::fuses_input_norm).
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -94,7 +96,7 @@ Status CudaBackend::Impl::run_kda_prefill_128(const DeviceLayer& layer, const Pa
   return Status::ok();
 }
 
-Status CudaBackend::Impl::run_kda(const DeviceLayer& layer, const PassTables& t) {
+Status CudaBackend::Impl::run_kda(const DeviceLayer& layer, const PassTables& t, const float* unnormed) {
   const DeviceKda& w = layer.kda;
   const int64_t T = t.rows, hidden = config.hidden_size;
   const int64_t H = shape.heads, d = shape.head_dim, C = H * d, r = d;
@@ -106,8 +108,13 @@ Status CudaBackend::Impl::run_kda(const DeviceLayer& layer, const PassTables& t)
   auto* out = arena.take<__nv_bfloat16>(T * C);  // gated, normalised output: the input of o_proj
   auto* low = arena.take<__nv_bfloat16>(T * low_width);
   DS_RETURN_IF_ERROR(arena_check("KDA"));
-  profiler.mark(Phase::kKdaProjections, stream());
   const bool fused_decode = d == kc::kKdaHeadDim && t.pure_decode;
+  if (unnormed != nullptr && !fused_decode) {  // the unfused projections read `normed`
+    profiler.mark(Phase::kNorms, stream());
+    DS_RETURN_IF_ERROR(kc::rms_norm(unnormed, hidden, layer.input_norm, T, hidden, eps, normed, hidden, stream()));
+    unnormed = nullptr;
+  }
+  profiler.mark(Phase::kKdaProjections, stream());
   if (!fused_decode) DS_RETURN_IF_ERROR(gemm.run(x, hidden, w.fg_a, T, hidden, low_width, low, low_width));
 
   if (fused_decode) {
@@ -119,19 +126,25 @@ Status CudaBackend::Impl::run_kda(const DeviceLayer& layer, const PassTables& t)
     auto* out_gate = arena.take<__nv_bfloat16>(T * C);
     auto* beta_raw = arena.take<__nv_bfloat16>(T * H);
     DS_RETURN_IF_ERROR(arena_check("KDA decode"));
-    // Every projection of x in one launch for small batches (the skinny GEMM; one cuBLAS call each otherwise).
+    // Every projection of x in one launch for small batches (the skinny GEMM; one cuBLAS call each otherwise), on
+    // the input norm of `unnormed` when the caller left it to them.
     const GemmTarget fg_a{w.fg_a, low_width, low, low_width};
     const GemmTarget q_target{w.qkv, C, q, C}, k_target{w.qkv + C * hidden, C, k, C};
     const GemmTarget v_target{w.qkv + 2 * C * hidden, C, v, C}, b_target{w.b_proj, H, beta_raw, H};
+    auto project = [&](std::initializer_list<GemmTarget> targets) -> Status {
+      if (unnormed == nullptr) return gemm.run_shared_input(x, hidden, T, hidden, targets);
+      return gemm.run_shared_input(GemmNormInput{unnormed, hidden, layer.input_norm, eps, normed}, T, hidden, targets);
+    };
+    const GemmTarget f_b{w.f_b, C, gate_raw, C};
     if (low_rank_gate) {
-      DS_RETURN_IF_ERROR(gemm.run_shared_input(x, hidden, T, hidden, {fg_a, q_target, k_target, v_target, b_target}));
-      DS_RETURN_IF_ERROR(gemm.run(low + r, low_width, w.g_b, T, r, C, out_gate, C));
+      DS_RETURN_IF_ERROR(project({fg_a, q_target, k_target, v_target, b_target}));
+      // f_b and g_b on the two halves of `low` in one launch (g_b first where they run one by one).
+      DS_RETURN_IF_ERROR(gemm.run_shared_input(low, low_width, T, r, {GemmTarget{w.g_b, C, out_gate, C, r}, f_b}));
     } else {
       const GemmTarget g_target{w.g_proj, C, out_gate, C};
-      DS_RETURN_IF_ERROR(
-          gemm.run_shared_input(x, hidden, T, hidden, {fg_a, q_target, k_target, v_target, b_target, g_target}));
+      DS_RETURN_IF_ERROR(project({fg_a, q_target, k_target, v_target, b_target, g_target}));
+      DS_RETURN_IF_ERROR(gemm.run_shared_input(low, low_width, T, r, {f_b}));
     }
-    DS_RETURN_IF_ERROR(gemm.run(low, low_width, w.f_b, T, r, C, gate_raw, C));
     kc::KdaDecodeParams p;
     p.batch = static_cast<int>(T);
     p.num_heads = static_cast<int>(H);
@@ -156,8 +169,10 @@ Status CudaBackend::Impl::run_kda(const DeviceLayer& layer, const PassTables& t)
     p.conv_state = pools->conv_pool(layer.slot);
     p.state = pools->state_pool(layer.slot);
     p.out = out;
-    // Valid here: the kernel enqueued just before is the f_b GEMM above (plain launch; it writes gate_raw only), the
-    // slot table was uploaded at the start of the pass and this layer's state last written by its previous step.
+    // Valid here: the kernel enqueued just before is the f_b (+ g_b) GEMM above (it writes gate_raw and out_gate
+    // only; with programmatic dependent launch it lets this kernel start only after its own wait, when everything
+    // before it is complete), the slot table was uploaded at the start of the pass and this layer's state last
+    // written by its previous step.
     // Measured 3.83 against 4.46 us per layer at B = 1, 77.7 against 79.9 at B = 64 (KdaDecodeGpu.VariantsTiming).
     p.early_state_loads = true;
     profiler.mark(Phase::kKdaRecurrence, stream());
@@ -255,7 +270,7 @@ Status CudaBackend::Impl::run_kda(const DeviceLayer& layer, const PassTables& t)
 
 // ---- MLA ----------------------------------------------------------------------------------------------------
 
-Status CudaBackend::Impl::run_mla(const DeviceLayer& layer, const PassTables& t) {
+Status CudaBackend::Impl::run_mla(const DeviceLayer& layer, const PassTables& t, const float* unnormed) {
   const DeviceMla& w = layer.mla;
   const MlaConfig& m = config.mla;
   const int64_t T = t.rows, hidden = config.hidden_size, H = m.num_heads;
@@ -270,13 +285,36 @@ Status CudaBackend::Impl::run_mla(const DeviceLayer& layer, const PassTables& t)
   auto* gated = arena.take<__nv_bfloat16>(T * v_width);
   DS_RETURN_IF_ERROR(arena_check("MLA"));
   profiler.mark(Phase::kMlaProjections, stream());
-  DS_RETURN_IF_ERROR(gemm.run(x, hidden, w.qa_kva, T, hidden, projected, qa_kv, projected));
+  float* gate = nullptr;  // the output gate's pre-activation, projected with the others when they are fused
+  if (unnormed != nullptr) {
+    // Every projection of x (kv_a fp32, q_proj bf16 without q_lora, the gate fp32) in one launch on the input norm
+    // of `unnormed`.
+    if (m.use_output_gate) {
+      gate = arena.take<float>(T * v_width);
+      DS_RETURN_IF_ERROR(arena_check("MLA gate"));
+    }
+    const GemmNormInput input{unnormed, hidden, layer.input_norm, eps, normed};
+    const GemmTarget kv_a{w.qa_kva, projected, qa_kv, projected};
+    if (m.q_lora_rank) {
+      DS_RETURN_IF_ERROR(gate != nullptr ? gemm.run_shared_input(input, T, hidden,
+                                                                 {kv_a, GemmTarget{w.g_proj, v_width, gate, v_width}})
+                                         : gemm.run_shared_input(input, T, hidden, {kv_a}));
+    } else {
+      const GemmTarget q_target{w.q_proj, H * qk, q, H * qk};
+      DS_RETURN_IF_ERROR(
+          gate != nullptr
+              ? gemm.run_shared_input(input, T, hidden, {kv_a, q_target, GemmTarget{w.g_proj, v_width, gate, v_width}})
+              : gemm.run_shared_input(input, T, hidden, {kv_a, q_target}));
+    }
+  } else {
+    DS_RETURN_IF_ERROR(gemm.run(x, hidden, w.qa_kva, T, hidden, projected, qa_kv, projected));
+  }
   if (m.q_lora_rank) {
     auto* q_low = arena.take<__nv_bfloat16>(T * q_lora);
     DS_RETURN_IF_ERROR(arena_check("MLA q_lora"));
     DS_RETURN_IF_ERROR(kc::rms_norm(qa_kv, projected, w.q_a_norm, T, q_lora, eps, q_low, q_lora, stream()));
     DS_RETURN_IF_ERROR(gemm.run(q_low, q_lora, w.q_b, T, q_lora, H * qk, q, H * qk));
-  } else {
+  } else if (unnormed == nullptr) {
     DS_RETURN_IF_ERROR(gemm.run(x, hidden, w.q_proj, T, hidden, H * qk, q, H * qk));
   }
 
@@ -338,9 +376,11 @@ Status CudaBackend::Impl::run_mla(const DeviceLayer& layer, const PassTables& t)
 
   profiler.mark(Phase::kMlaOutput, stream());
   if (m.use_output_gate) {
-    auto* gate = arena.take<float>(T * v_width);
-    DS_RETURN_IF_ERROR(arena_check("MLA gate"));
-    DS_RETURN_IF_ERROR(gemm.run(x, hidden, w.g_proj, T, hidden, v_width, gate, v_width));
+    if (gate == nullptr) {
+      gate = arena.take<float>(T * v_width);
+      DS_RETURN_IF_ERROR(arena_check("MLA gate"));
+      DS_RETURN_IF_ERROR(gemm.run(x, hidden, w.g_proj, T, hidden, v_width, gate, v_width));
+    }
     DS_RETURN_IF_ERROR(kc::sigmoid_gate(attention, gate, T * v_width, gated, stream()));
   } else if (!bf16_out) {
     DS_RETURN_IF_ERROR(kc::to_bf16(attention, T * v_width, gated, stream()));

@@ -358,10 +358,14 @@ Status CudaBackend::Impl::forward_layers(const PassTables& t, const float** fina
       kc::embedding_gather(weights->embed_tokens, config.vocab_size, hidden, t.d_tokens, T, residual, stream()));
 
   // attention(l, x): residual += attention(input_norm(x)); ffn(l, x): residual += ffn(post_attention_norm(x)).
+  // Decode batches of the skinny path skip the separate input norm: the projections normalise x in their launch
+  // (not under DELTASERVE_SKINNY_GEMM_KERNEL=v1, which keeps today's launches).
+  const bool fused_input_norm = t.pure_decode && Gemm::fuses_input_norm(T);
   auto attention = [&](const DeviceLayer& layer, const float* x) -> Status {
+    if (fused_input_norm) return layer.kind == LayerKind::kKda ? run_kda(layer, t, x) : run_mla(layer, t, x);
     profiler.mark(Phase::kNorms, stream());
     DS_RETURN_IF_ERROR(kc::rms_norm(x, hidden, layer.input_norm, T, hidden, eps, normed, hidden, stream()));
-    return layer.kind == LayerKind::kKda ? run_kda(layer, t) : run_mla(layer, t);
+    return layer.kind == LayerKind::kKda ? run_kda(layer, t, nullptr) : run_mla(layer, t, nullptr);
   };
   auto ffn = [&](const DeviceLayer& layer, const float* x) -> Status {
     profiler.mark(Phase::kNorms, stream());

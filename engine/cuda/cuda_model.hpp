@@ -192,11 +192,13 @@ struct CudaBackend::Impl {
   [[nodiscard]] Status run_decode_graph(std::span<SequenceInput> batch, const DecodeGraphKey& key,
                                         std::vector<std::vector<float>>* out, const PassSampling* sampling, bool* ran);
   [[nodiscard]] Status capture_decode_graph(const PassTables& tables, cudaGraphExec_t* exec);
-  [[nodiscard]] Status run_kda(const DeviceLayer& layer, const PassTables& tables);
+  // The attention layers read `normed`, or with `unnormed` (decode batches of the skinny path) the fp32 layer input
+  // whose input_norm their projections apply themselves (Gemm::run_shared_input on GemmNormInput).
+  [[nodiscard]] Status run_kda(const DeviceLayer& layer, const PassTables& tables, const float* unnormed);
   [[nodiscard]] Status run_kda_prefill_128(const DeviceLayer& layer, const PassTables& tables, const __nv_bfloat16* q,
                                            const __nv_bfloat16* k, const __nv_bfloat16* v, const float* gate_raw,
                                            const float* beta, float* beta_group, __nv_bfloat16* o);
-  [[nodiscard]] Status run_mla(const DeviceLayer& layer, const PassTables& tables);
+  [[nodiscard]] Status run_mla(const DeviceLayer& layer, const PassTables& tables, const float* unnormed);
   [[nodiscard]] Status run_moe(const DeviceMoe& moe, int64_t rows);
   [[nodiscard]] Status run_dense_ffn(const DeviceFfn& ffn, const __nv_bfloat16* x, int64_t x_stride, int64_t rows);
   [[nodiscard]] Status ensure_mla_workspace(size_t bytes);

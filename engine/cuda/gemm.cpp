@@ -1,8 +1,10 @@
 #include "engine/cuda/gemm.hpp"
 
+#include <algorithm>
 #include <string>
 
 #include "engine/cuda/cuda_util.hpp"
+#include "kernels/cuda/ops.hpp"
 #include "kernels/cuda/small_batch.hpp"
 
 namespace deltaserve::engine::cuda {
@@ -89,28 +91,78 @@ Status Gemm::run(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* 
   return gemm_ex(x, CUDA_R_16BF, x_stride, w, rows, in, out, y, CUDA_R_16BF, y_stride, 0.0f);
 }
 
+bool Gemm::skinny_rows(int64_t rows) {
+  return rows <= kSkinnyRows && kc::skinny_gemm_enabled(kc::SkinnyGemmInput::kBf16);
+}
+
+bool Gemm::fuses_input_norm(int64_t rows) {
+  return skinny_rows(rows) && kc::skinny_gemm_default_kernel() != kc::SkinnyGemmKernel::kV1;
+}
+
+namespace {
+
+// One skinny launch for every target of x (x, x_stride, rows, in already set in *p); false when it does not apply.
+bool shared_input_params(std::initializer_list<GemmTarget> targets, kc::SkinnyGemmParams* p) {
+  if (targets.size() > static_cast<size_t>(kc::kSkinnyGemmMaxOutputs)) return false;
+  // All bf16: the params-wide flag (what the v1 kernel takes); otherwise per output (v2 only).
+  p->y_bf16 = std::all_of(targets.begin(), targets.end(), [](const GemmTarget& t) { return t.y_bf16; });
+  for (const GemmTarget& target : targets) {
+    kc::SkinnyGemmOutput& out = p->outputs[p->num_outputs++];
+    out = {target.w, target.out, target.y, target.y_stride};
+    out.y_bf16 = target.y_bf16 && !p->y_bf16;
+    out.x_offset = target.x_offset;
+  }
+  return kc::skinny_gemm_supported(*p);
+}
+
+}  // namespace
+
 Status Gemm::run_shared_input(const __nv_bfloat16* x, int64_t x_stride, int64_t rows, int64_t in,
                               std::initializer_list<GemmTarget> targets) {
   if (rows == 0) return Status::ok();
-  kc::SkinnyGemmParams p;
-  if (rows <= kSkinnyRows && kc::skinny_gemm_enabled(kc::SkinnyGemmInput::kBf16) &&
-      targets.size() <= static_cast<size_t>(kc::kSkinnyGemmMaxOutputs) && x != nullptr) {
+  for (const GemmTarget& target : targets) {
+    if (target.w == nullptr || target.y == nullptr) return internal_error("gemm: null pointer in shared-input target");
+  }
+  if (skinny_rows(rows) && x != nullptr) {
+    kc::SkinnyGemmParams p;
     p.x = x;
     p.x_stride = x_stride;
     p.rows = rows;
     p.in = in;
-    p.y_bf16 = true;
-    for (const GemmTarget& target : targets) {
-      if (target.w == nullptr || target.y == nullptr)
-        return internal_error("gemm: null pointer in shared-input target");
-      p.outputs[p.num_outputs++] = {target.w, target.out, target.y, target.y_stride};
-    }
-    if (kc::skinny_gemm_supported(p)) return kc::skinny_gemm(p, stream_);
+    if (shared_input_params(targets, &p)) return kc::skinny_gemm(p, stream_);
   }
   for (const GemmTarget& target : targets) {
-    DS_RETURN_IF_ERROR(run(x, x_stride, target.w, rows, in, target.out, target.y, target.y_stride));
+    if (target.y_bf16) {
+      DS_RETURN_IF_ERROR(run(x + target.x_offset, x_stride, target.w, rows, in, target.out,
+                             static_cast<__nv_bfloat16*>(target.y), target.y_stride));
+    } else {
+      DS_RETURN_IF_ERROR(run(x + target.x_offset, x_stride, target.w, rows, in, target.out,
+                             static_cast<float*>(target.y), target.y_stride));
+    }
   }
   return Status::ok();
+}
+
+Status Gemm::run_shared_input(const GemmNormInput& x, int64_t rows, int64_t in,
+                              std::initializer_list<GemmTarget> targets) {
+  if (rows == 0) return Status::ok();
+  if (x.x == nullptr || x.scratch == nullptr) return internal_error("gemm: null normalised input");
+  for (const GemmTarget& target : targets) {
+    if (target.w == nullptr || target.y == nullptr) return internal_error("gemm: null pointer in shared-input target");
+  }
+  if (skinny_rows(rows)) {
+    kc::SkinnyGemmParams p;
+    p.x = x.x;
+    p.x_stride = x.x_stride;
+    p.rows = rows;
+    p.in = in;
+    p.norm_x = true;
+    p.norm_weight = x.weight;
+    p.norm_eps = x.eps;
+    if (shared_input_params(targets, &p)) return kc::skinny_gemm(p, stream_);
+  }
+  DS_RETURN_IF_ERROR(kc::rms_norm(x.x, x.x_stride, x.weight, rows, in, x.eps, x.scratch, in, stream_));
+  return run_shared_input(x.scratch, in, rows, in, targets);
 }
 
 Status Gemm::run_f32(const float* x, int64_t x_stride, const float* w, int64_t rows, int64_t in, int64_t out, float* y,

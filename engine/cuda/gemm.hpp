@@ -3,7 +3,8 @@
 // bf16 x bf16 with fp32 compute and fp32 or bf16 output; fp32 x fp32 with fp32 compute (no TF32) for the router.
 // GEMMs (bf16, and the fp32 router) of at most kernels::cuda::kSkinnyGemmMaxRows rows run the skinny GEMM
 // (kernels/cuda/small_batch.hpp) instead of cuBLAS when its shape rules hold; DELTASERVE_SKINNY_GEMM=off keeps cuBLAS
-// for every batch size, DELTASERVE_SKINNY_GEMM=bf16 for the router only.
+// for every batch size, DELTASERVE_SKINNY_GEMM=bf16 for the router only; DELTASERVE_SKINNY_GEMM_KERNEL=v1 runs the
+// original skinny kernel (no fused norm, offsets or mixed output types: run_shared_input then falls back).
 #pragma once
 
 #include <cstdint>
@@ -18,12 +19,30 @@
 
 namespace deltaserve::engine::cuda {
 
-// One projection of run_shared_input: y[rows, out] (row stride y_stride) = x · w[out, in]^T, rounded once to bf16.
+// One projection of run_shared_input: y[rows, out] (row stride y_stride) = x[:, x_offset, x_offset + in) ·
+// w[out, in]^T, bf16 (rounded once) or fp32.
 struct GemmTarget {
-  const __nv_bfloat16* w = nullptr;
-  int64_t out = 0;
-  __nv_bfloat16* y = nullptr;
-  int64_t y_stride = 0;
+  GemmTarget(const __nv_bfloat16* w, int64_t out, __nv_bfloat16* y, int64_t y_stride, int64_t x_offset = 0)
+      : w(w), out(out), y(y), y_stride(y_stride), y_bf16(true), x_offset(x_offset) {}
+  GemmTarget(const __nv_bfloat16* w, int64_t out, float* y, int64_t y_stride, int64_t x_offset = 0)
+      : w(w), out(out), y(y), y_stride(y_stride), y_bf16(false), x_offset(x_offset) {}
+  const __nv_bfloat16* w;
+  int64_t out;
+  void* y;
+  int64_t y_stride;
+  bool y_bf16;
+  int64_t x_offset;
+};
+
+// The fp32 rows a shared-input projection normalises itself: its input is bf16(rms_norm(x) * weight), bitwise what
+// kernels::cuda::rms_norm writes. When the fused skinny GEMM does not apply, rms_norm writes that input to `scratch`
+// ([rows, in] bf16) and the plain path runs on it.
+struct GemmNormInput {
+  const float* x = nullptr;  // [rows, in] row stride x_stride
+  int64_t x_stride = 0;
+  const float* weight = nullptr;  // [in] or nullptr (= 1)
+  float eps = 0.0f;
+  __nv_bfloat16* scratch = nullptr;
 };
 
 class Gemm {
@@ -45,10 +64,20 @@ class Gemm {
   // Same, y rounded once to bf16 (never accumulates).
   [[nodiscard]] Status run(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* w, int64_t rows, int64_t in,
                            int64_t out, __nv_bfloat16* y, int64_t y_stride);
-  // Several bf16-output projections of the same x (at most kernels::cuda::kSkinnyGemmMaxOutputs): one skinny
-  // launch when rows <= kSkinnyGemmMaxRows and the shapes allow it, otherwise one run() per target.
+  // Several projections of the same x (at most kernels::cuda::kSkinnyGemmMaxOutputs, each bf16 or fp32, each
+  // from its column offset of x): one skinny launch when skinny_rows(rows) and the shapes allow it, otherwise one
+  // run() per target in the given order.
   [[nodiscard]] Status run_shared_input(const __nv_bfloat16* x, int64_t x_stride, int64_t rows, int64_t in,
                                         std::initializer_list<GemmTarget> targets);
+  // The same on the RMSNorm of fp32 rows (offsets 0): one skinny launch that normalises x itself when the skinny
+  // path takes it (v2 kernel, rows <= 4), otherwise rms_norm into x.scratch, then the projections of that.
+  [[nodiscard]] Status run_shared_input(const GemmNormInput& x, int64_t rows, int64_t in,
+                                        std::initializer_list<GemmTarget> targets);
+  // Whether GEMMs of `rows` rows take the skinny path (enabled, rows small enough), shapes permitting.
+  [[nodiscard]] static bool skinny_rows(int64_t rows);
+  // Whether run_shared_input on a GemmNormInput of `rows` rows normalises in the GEMM launch (skinny path with the
+  // v2 kernel), shapes permitting: then the caller skips its separate rms_norm.
+  [[nodiscard]] static bool fuses_input_norm(int64_t rows);
   // fp32 throughout (router logits).
   [[nodiscard]] Status run_f32(const float* x, int64_t x_stride, const float* w, int64_t rows, int64_t in, int64_t out,
                                float* y, int64_t y_stride);

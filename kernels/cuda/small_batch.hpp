@@ -2,6 +2,10 @@
 // weights at close to the copy rate, serving up to kSkinnyGemmMaxOutputs weight matrices that share one input in a
 // single launch. Row-major, strides in elements. Launchers validate host-visible arguments and return a Status
 // before launching; they never allocate or synchronise (CUDA-graph capturable).
+// Two kernels (SkinnyGemmKernel): v1, the original launch, and v2 (the default), which adds programmatic dependent
+// launch, a fused RMSNorm of fp32 input rows, split-K for shapes with few row groups, per-output bf16 / fp32 outputs
+// and per-output column offsets into x. The v2-only fields below make skinny_gemm_supported false under v1, so
+// callers fall back (to rms_norm + the plain GEMM, or one launch per output).
 #pragma once
 
 #include <cstdint>
@@ -19,34 +23,55 @@ inline constexpr int kSkinnyGemmMaxOutputs = 6;
 inline constexpr int64_t kSkinnyGemmMaxSharedBytes = 200 * 1024;
 
 // Element type of x and of every weight (one for both): bf16 (the projections) or fp32 (the MoE router, no TF32).
+// With SkinnyGemmParams::norm_x, x is fp32 and the weights bf16 (input must be kBf16).
 enum class SkinnyGemmInput { kBf16, kFp32 };
+
+// Which kernel skinny_gemm runs. kDefault: the environment variable DELTASERVE_SKINNY_GEMM_KERNEL (read once):
+// "v1" the original kernel and plain launch; "v2-nopdl" v2 launched without programmatic dependent launch; "v2-r1"
+// v2 with one weight row per warp group and 9 slabs in flight at <= 4 rows (tail balance); unset or anything else
+// v2. Tests and timing cases pick one explicitly. DELTASERVE_SKINNY_GEMM_SPLIT=1|2|4|8 (read once) forces v2's
+// split-K where split_k is 0.
+enum class SkinnyGemmKernel { kDefault, kV1, kV2, kV2NoPdl, kV2R1 };
 
 // One weight matrix of a skinny GEMM and where its product goes.
 struct SkinnyGemmOutput {
   const void* weight =
       nullptr;           // [n, in] of SkinnyGemmParams::input, row stride in (checkpoint layout); 16-byte aligned
   int64_t n = 0;         // output features (may be 0: the output is skipped)
-  void* y = nullptr;     // [rows, n] row stride y_stride: float, or __nv_bfloat16 when y_bf16
+  void* y = nullptr;     // [rows, n] row stride y_stride: float, or __nv_bfloat16 when y_bf16 (here or in params)
   int64_t y_stride = 0;  // >= n
+  bool y_bf16 = false;   // v2: this output bf16 (rounded once); SkinnyGemmParams::y_bf16 makes every output bf16
+  int64_t x_offset = 0;  // v2: this output reads x[:, x_offset, x_offset + in); a multiple of 16 / element size
 };
 
 // y_o[r, :] = x[r, :] · weight_o^T (fp32 accumulation) for each output o, or y_o += ... when accumulate (fp32 y
 // only; beta = 1 of a cuBLAS GEMM). The sum order differs from cuBLAS's (each lane sums a strided eighth of every
-// 256-wide k slab, then a warp reduction), so results agree with it to fp32 rounding, not bitwise.
+// 256-wide k slab, then a warp reduction; v2's split-K adds 2-8 such partial sums in a fixed order), so results
+// agree with it to fp32 rounding, not bitwise; every launch of the same shapes sums in the same order.
+// norm_x (v2): x is fp32 and the GEMM input is bf16(x[r, :] * (1 / sqrt(mean(x[r, :]^2) + norm_eps)) * norm_weight),
+// bitwise the rows rms_norm (ops.hpp) writes as bf16 (same reduction order); rows <= 4.
 struct SkinnyGemmParams {
   SkinnyGemmInput input = SkinnyGemmInput::kBf16;
-  const void* x = nullptr;  // [rows, in] of `input`, row stride x_stride (any alignment)
-  int64_t x_stride = 0;     // >= in
+  const void* x = nullptr;  // [rows, in] of `input` (fp32 with norm_x), row stride x_stride (any alignment)
+  int64_t x_stride = 0;     // >= in, and >= x_offset + in of every output
   int64_t rows = 0;         // [0, kSkinnyGemmMaxRows]
   int64_t in = 0;           // > 0, a multiple of 8 (bf16) or 4 (fp32): 16-byte weight rows
   SkinnyGemmOutput outputs[kSkinnyGemmMaxOutputs];
   int num_outputs = 0;      // [1, kSkinnyGemmMaxOutputs]
   bool y_bf16 = false;      // every output bf16 (rounded once) instead of fp32
-  bool accumulate = false;  // fp32 outputs of bf16 input only (fp32 input: plain fp32 output)
+  bool accumulate = false;  // fp32 outputs of bf16 input only (fp32 input: plain fp32 output); no bf16 output
+  bool norm_x = false;      // v2: x fp32 [rows, >= in], normalised on the fly (see above); x_offset 0
+  const float* norm_weight = nullptr;  // fp32 [in] or nullptr (= 1)
+  float norm_eps = 0.0f;
+  SkinnyGemmKernel kernel = SkinnyGemmKernel::kDefault;
+  int split_k = 0;  // v2: warps per row group, 1, 2, 4 or 8; 0 chooses from the row groups and resident warps
 };
 
+// The kernel kDefault resolves to (DELTASERVE_SKINNY_GEMM_KERNEL, read once): never kDefault.
+[[nodiscard]] SkinnyGemmKernel skinny_gemm_default_kernel();
+
 // Whether skinny_gemm handles these shapes and alignments (rows, in % (16 / element size), 16-byte
-// weights, shared-memory size).
+// weights, shared-memory size) with the kernel params.kernel selects (v1 takes none of the v2-only fields).
 // Callers fall back to cuBLAS when false.
 [[nodiscard]] bool skinny_gemm_supported(const SkinnyGemmParams& params);
 
