@@ -96,7 +96,8 @@ bool Gemm::skinny_rows(int64_t rows) {
 }
 
 bool Gemm::fuses_input_norm(int64_t rows) {
-  return skinny_rows(rows) && kc::skinny_gemm_default_kernel() != kc::SkinnyGemmKernel::kV1;
+  // The input width does not decide between v1 and v2 (only between v2's layouts).
+  return skinny_rows(rows) && kc::skinny_gemm_kernel_for(rows, /*in=*/0) != kc::SkinnyGemmKernel::kV1;
 }
 
 namespace {

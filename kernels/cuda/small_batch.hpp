@@ -27,10 +27,10 @@ inline constexpr int64_t kSkinnyGemmMaxSharedBytes = 200 * 1024;
 enum class SkinnyGemmInput { kBf16, kFp32 };
 
 // Which kernel skinny_gemm runs. kDefault: the environment variable DELTASERVE_SKINNY_GEMM_KERNEL (read once):
-// "v1" the original kernel and plain launch; "v2-nopdl" v2 launched without programmatic dependent launch; "v2-r1"
-// v2 with one weight row per warp group and 9 slabs in flight at <= 4 rows (tail balance); unset or anything else
-// v2. Tests and timing cases pick one explicitly. DELTASERVE_SKINNY_GEMM_SPLIT=1|2|4|8 (read once) forces v2's
-// split-K where split_k is 0.
+// "v1" the original kernel and plain launch; "v2" v2; "v2-nopdl" v2 launched without programmatic dependent launch;
+// "v2-r1" v2 with one weight row per warp group and 9 slabs in flight at <= 4 rows (tail balance); unset or anything
+// else: by shape (skinny_gemm_kernel_for). Tests and timing cases pick one explicitly.
+// DELTASERVE_SKINNY_GEMM_SPLIT=1|2|4|8 (read once) forces v2's split-K where split_k is 0.
 enum class SkinnyGemmKernel { kDefault, kV1, kV2, kV2NoPdl, kV2R1 };
 
 // One weight matrix of a skinny GEMM and where its product goes.
@@ -67,8 +67,13 @@ struct SkinnyGemmParams {
   int split_k = 0;  // v2: warps per row group, 1, 2, 4 or 8; 0 chooses from the row groups and resident warps
 };
 
-// The kernel kDefault resolves to (DELTASERVE_SKINNY_GEMM_KERNEL, read once): never kDefault.
-[[nodiscard]] SkinnyGemmKernel skinny_gemm_default_kernel();
+// The kernel kDefault resolves to for `rows` activation rows of width `in`: the environment's choice when it names
+// one, otherwise by shape, as measured on the H200 (SkinnyGemmGpu.Timing and the 48B decode step, 2026-12-01):
+// v2-r1 at 1 row when 1024 < in <= 2304 (a whole row in flight: the KDA projection 15.6 against v2's 16.7 and v1's
+// 16.4 us, MLA kv_a + q_proj 9.7 against 12.2 and 14.5), v2 at 1 row otherwise (o_proj 7.4 against 8.5, KDA f_b + g_b
+// 3.6 against 5.5) and at 2 rows (decode step at batch 2: 3.92 against 4.10 ms), v1 above 2 rows (at 4 rows v2 is
+// slower: o_proj 18.0 against 13.1 us, the LM head 249 against 193; decode step 5.82 against 5.65 ms). Never kDefault.
+[[nodiscard]] SkinnyGemmKernel skinny_gemm_kernel_for(int64_t rows, int64_t in);
 
 // Whether skinny_gemm handles these shapes and alignments (rows, in % (16 / element size), 16-byte
 // weights, shared-memory size) with the kernel params.kernel selects (v1 takes none of the v2-only fields).

@@ -571,20 +571,26 @@ int64_t element_bytes(SkinnyGemmInput input) {
 
 }  // namespace
 
-SkinnyGemmKernel skinny_gemm_default_kernel() {
-  static const SkinnyGemmKernel kernel = [] {
+SkinnyGemmKernel skinny_gemm_kernel_for(int64_t rows, int64_t in) {
+  // kDefault here: no kernel named (choose by shape).
+  static const SkinnyGemmKernel environment = [] {
     const char* value = std::getenv("DELTASERVE_SKINNY_GEMM_KERNEL");
     if (value != nullptr && std::strcmp(value, "v1") == 0) return SkinnyGemmKernel::kV1;
+    if (value != nullptr && std::strcmp(value, "v2") == 0) return SkinnyGemmKernel::kV2;
     if (value != nullptr && std::strcmp(value, "v2-nopdl") == 0) return SkinnyGemmKernel::kV2NoPdl;
     if (value != nullptr && std::strcmp(value, "v2-r1") == 0) return SkinnyGemmKernel::kV2R1;
-    return SkinnyGemmKernel::kV2;
+    return SkinnyGemmKernel::kDefault;
   }();
-  return kernel;
+  if (environment != SkinnyGemmKernel::kDefault) return environment;
+  if (rows > 2) return SkinnyGemmKernel::kV1;
+  if (rows == 1 && in > 1024 && in <= 2304) return SkinnyGemmKernel::kV2R1;
+  return SkinnyGemmKernel::kV2;
 }
 
 bool skinny_gemm_supported(const SkinnyGemmParams& p) {
   if (p.input != SkinnyGemmInput::kBf16 && p.input != SkinnyGemmInput::kFp32) return false;
-  const SkinnyGemmKernel kernel = p.kernel == SkinnyGemmKernel::kDefault ? skinny_gemm_default_kernel() : p.kernel;
+  const SkinnyGemmKernel kernel =
+      p.kernel == SkinnyGemmKernel::kDefault ? skinny_gemm_kernel_for(p.rows, p.in) : p.kernel;
   const bool v1 = kernel == SkinnyGemmKernel::kV1;
   const int64_t bytes = element_bytes(p.input);
   const int64_t vector = 16 / bytes;
@@ -646,7 +652,7 @@ Status skinny_gemm(const SkinnyGemmParams& params, cudaStream_t stream) {
   }
   // Outputs with n == 0 get no groups (their pointers are never touched).
   const SkinnyGemmKernel kernel =
-      params.kernel == SkinnyGemmKernel::kDefault ? skinny_gemm_default_kernel() : params.kernel;
+      params.kernel == SkinnyGemmKernel::kDefault ? skinny_gemm_kernel_for(params.rows, params.in) : params.kernel;
   if (kernel != SkinnyGemmKernel::kV1) return skinny_gemm_v2(params, kernel, stream);
   SkinnyGemmArgs args{};
   args.p = params;

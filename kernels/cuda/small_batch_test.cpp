@@ -206,8 +206,10 @@ void run_case_with(const Case& c, SkinnyGemmKernel kernel) {
         if (c.accumulate) e += y_initial[o][m * y_stride + col];
         bound[m * n + col] = 1e-5 * sum_abs + 1e-6;
         if (bf16) {
+          // Both sides round once to bf16; sums that differ within the fp32 bound can straddle a rounding midpoint
+          // and round one ulp apart (2^-7 relative at most; seen on the H200: 1.0703125 against 1.0625).
           e = bf16_round(e);
-          bound[m * n + col] += std::ldexp(std::fabs(e), -8);
+          bound[m * n + col] += std::ldexp(std::fabs(e), -7);
         }
       }
     }
