@@ -62,6 +62,29 @@ __device__ __forceinline__ float zero_of(float /*tag*/) {
   return 0.0f;
 }
 
+// The activation rows to shared memory as [M, cols] (rows >= p.rows zero), 16-byte copies when x's rows allow them;
+// every thread of the CTA takes part, the caller synchronises.
+template <class TIn, int M>
+__device__ __forceinline__ void stage_rows(const SkinnyGemmParams& p, TIn* x_shared, int64_t cols) {
+  constexpr int kVector = 16 / sizeof(TIn);
+  const TIn* x = static_cast<const TIn*>(p.x);
+  const bool x_vector = (p.x_stride % kVector == 0) && (reinterpret_cast<uintptr_t>(p.x) % 16 == 0);
+  if (x_vector) {
+    const int64_t chunks_per_row = cols / kVector;
+    for (int64_t i = threadIdx.x; i < M * chunks_per_row; i += blockDim.x) {
+      const int64_t m = i / chunks_per_row, c = i - m * chunks_per_row;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (m < p.rows) v = *reinterpret_cast<const uint4*>(x + m * p.x_stride + c * kVector);
+      *reinterpret_cast<uint4*>(x_shared + m * cols + c * kVector) = v;
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < M * cols; i += blockDim.x) {
+      const int64_t m = i / cols, k = i - m * cols;
+      x_shared[i] = m < p.rows ? x[m * p.x_stride + k] : zero_of(TIn{});
+    }
+  }
+}
+
 // TIn: element of x and weights. M: activation rows (bucket; rows >= params.rows are zero). R: weight rows a warp
 // group. U: slabs in flight.
 template <class TIn, int M, int R, int U, bool kBf16Out, bool kAccumulate>
@@ -71,25 +94,9 @@ __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const __grid_cons
   extern __shared__ __align__(16) unsigned char shared_raw[];
   TIn* x_shared = reinterpret_cast<TIn*>(shared_raw);  // [M, in]
   const SkinnyGemmParams& p = args.p;
-  const TIn* x = static_cast<const TIn*>(p.x);
   const int64_t in = p.in;
 
-  // Activations to shared memory (16-byte copies when x's rows allow them).
-  const bool x_vector = (p.x_stride % kVector == 0) && (reinterpret_cast<uintptr_t>(p.x) % 16 == 0);
-  if (x_vector) {
-    const int64_t chunks_per_row = in / kVector;
-    for (int64_t i = threadIdx.x; i < M * chunks_per_row; i += kThreads) {
-      const int64_t m = i / chunks_per_row, c = i - m * chunks_per_row;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (m < p.rows) v = *reinterpret_cast<const uint4*>(x + m * p.x_stride + c * kVector);
-      *reinterpret_cast<uint4*>(x_shared + m * in + c * kVector) = v;
-    }
-  } else {
-    for (int64_t i = threadIdx.x; i < M * in; i += kThreads) {
-      const int64_t m = i / in, k = i - m * in;
-      x_shared[i] = m < p.rows ? x[m * p.x_stride + k] : zero_of(TIn{});
-    }
-  }
+  stage_rows<TIn, M>(p, x_shared, in);
   __syncthreads();
 
   const int lane = threadIdx.x & 31;
@@ -280,7 +287,6 @@ __device__ __forceinline__ void load_chunk(uint4 (&w)[U][R], const TIn* weight, 
 // to nearest bf16.
 template <class TIn, int M, bool kNorm>
 __device__ __forceinline__ void stage_x(const SkinnyGemmArgsV2& args, TIn* x_shared) {
-  constexpr int kVector = 16 / sizeof(TIn);
   const SkinnyGemmParams& p = args.p;
   const int64_t cols = args.x_cols;
   if constexpr (kNorm) {
@@ -314,22 +320,7 @@ __device__ __forceinline__ void stage_x(const SkinnyGemmArgsV2& args, TIn* x_sha
       }
     }
   } else {
-    const TIn* x = static_cast<const TIn*>(p.x);
-    const bool x_vector = (p.x_stride % kVector == 0) && (reinterpret_cast<uintptr_t>(p.x) % 16 == 0);
-    if (x_vector) {
-      const int64_t chunks_per_row = cols / kVector;
-      for (int64_t i = threadIdx.x; i < M * chunks_per_row; i += kThreads) {
-        const int64_t m = i / chunks_per_row, c = i - m * chunks_per_row;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (m < p.rows) v = *reinterpret_cast<const uint4*>(x + m * p.x_stride + c * kVector);
-        *reinterpret_cast<uint4*>(x_shared + m * cols + c * kVector) = v;
-      }
-    } else {
-      for (int64_t i = threadIdx.x; i < M * cols; i += kThreads) {
-        const int64_t m = i / cols, k = i - m * cols;
-        x_shared[i] = m < p.rows ? x[m * p.x_stride + k] : zero_of(TIn{});
-      }
-    }
+    stage_rows<TIn, M>(p, x_shared, cols);
   }
 }
 
