@@ -28,7 +28,7 @@
 //   * the shared expert's gate/up moved from launch 1 to launch 2, ahead of the routed items: its 9.4 MB stream
 //     while launch 1's last CTA routes (then an L2 prefetch of the shared down rows, launch 3's first item), and
 //     launch 1 carries only the 2.4 MB router, so the routing ends sooner;
-//   * launches 2 and 3 stream through shared-memory rings filled by bulk copies (a producer warp, 3-5 stages of
+//   * launches 2 and 3 stream through shared-memory rings filled by bulk copies (a producer warp, 3-4 stages of
 //     16 rows, 70-150 KB of ring per SM, well above the ~30 KB per SM that 4.26 TB/s needs at ~1 us latency),
 //     persistent over balanced work lists, and multiply on tensor cores (mma.sync m16n8k16: a weight row's bytes
 //     cost two ldmatrix and one mma per 16 k instead of 16 fma and 16 unpacks per token), which also removes (c);
@@ -37,7 +37,10 @@
 // Measured on the H200 (MoeDecodeLayerGpu.Timing, 2026-12-01): 60.2 us at T = 1 with the split down launch (v1
 // 65.5, the byte limit 30.5); launch 1 alone takes 16.9 us, not the ~4 us estimated when this was written. Nsight
 // Compute (cold caches, T = 1): the gate/up kernel at 66 % of DRAM peak with ~148 KB of ring per SM, the unsplit
-// down at 35 % with ~64 KB: far more bytes in flight per SM than the estimate above are needed here.
+// down at 35 % with ~64 KB. Deeper rings did not lift it at T = 1: the down split over twice the CTAs gained 2.8 us
+// (63.0 -> 60.2), a fifth gate/up stage (37 KB more per SM, tried at 8880893) nothing (60.6 against 60.1 us; the
+// 48B step 2.889 against 2.873 ms). A fifth down stage did help at T = 16 (480 against 522 us), which the engine
+// does not run through this layer.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>

@@ -59,14 +59,12 @@ constexpr int kPipelineThreads = kConsumerThreads + 32;
 constexpr int kConsumerBarrier = 1;             // named barrier of the consumer warps (0: __syncthreads)
 constexpr int kTileRows = 16;                   // weight rows per stage: one m16 tile
 constexpr int kColumnsPerItem = kTileRows / 2;  // gate/up: 8 gate rows and the 8 matching up rows
-constexpr int kMaxStages = 5;
+constexpr int kMaxStages = 4;
 constexpr int kMinStages = 3;
 constexpr int kGateUpMaxSegment = 1152;  // k elements per staged row segment (hidden 2304: two)
 constexpr int kDownMaxSegment = 1024;
-// One CTA per SM with room for a launch-1 CTA beside it (~21 KB at Kimi-48B dims): five stages of 37 KB at T <= 2
-// (~199 KB), four above.
-constexpr size_t kGateUpSmemBudget = 204 * 1024;
-constexpr size_t kDownSmemBudget = 112 * 1024;  // two CTAs per SM (144 CTAs at hidden 2304, 132 SMs)
+constexpr size_t kGateUpSmemBudget = 180 * 1024;  // one CTA per SM, room for a launch-1 CTA beside it
+constexpr size_t kDownSmemBudget = 112 * 1024;    // two CTAs per SM (144 CTAs at hidden 2304, 132 SMs)
 // The split down launch (two CTAs a tile: 288 at hidden 2304) fits three CTAs per SM so that it runs in one wave.
 constexpr size_t kDownSplitSmemBudget = 74 * 1024;
 static_assert(kTileRows == kDownTileColumns, "a down tile is one m16 tile of weight rows");
@@ -684,25 +682,13 @@ Pipeline layout(const LayerArgs& a, bool down, int segment, int stages) {
 
 // The largest segment (<= the maximum, a multiple of 16, the k extent split into equal parts) with the most stages
 // (kMinStages..kMaxStages) that fits the launch's shared-memory budget; stages = 0 if none does.
-// The gate/up ring's deepest choice: kMaxStages, or DELTASERVE_MOE_GATE_UP_STAGES=3|4 (read once; the side-by-side
-// measurement of the fifth stage).
-int gate_up_max_stages() {
-  static const int stages = [] {
-    const char* value = std::getenv("DELTASERVE_MOE_GATE_UP_STAGES");
-    if (value != nullptr && std::strcmp(value, "3") == 0) return 3;
-    if (value != nullptr && std::strcmp(value, "4") == 0) return 4;
-    return kMaxStages;
-  }();
-  return stages;
-}
-
 Pipeline plan_pipeline(const LayerArgs& a, bool down) {
   const int k = down ? std::max(a.inter, a.shared_down != nullptr ? a.shared_inter : 0) : a.hidden;
   const int max_segment = down ? kDownMaxSegment : kGateUpMaxSegment;
   const size_t budget = down ? (a.down_split > 1 ? kDownSplitSmemBudget : kDownSmemBudget) : kGateUpSmemBudget;
   for (int parts = (k + max_segment - 1) / max_segment; parts <= k; ++parts) {
     const int segment = ((k + parts - 1) / parts + 15) / 16 * 16;
-    for (int stages = down ? kMaxStages : gate_up_max_stages(); stages >= kMinStages; --stages) {
+    for (int stages = kMaxStages; stages >= kMinStages; --stages) {
       const Pipeline p = layout(a, down, segment, stages);
       if (p.smem_bytes <= budget) return p;
     }
