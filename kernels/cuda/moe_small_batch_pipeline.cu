@@ -37,8 +37,6 @@
 // DRAM peak (23-24 us against 25.7 unsplit): more CTAs in flight were not what it lacked most.
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include <cuda_bf16.h>
