@@ -169,6 +169,7 @@ Result<std::shared_ptr<Backend>> make_backend(const ModelConfig& config, const W
                       std::to_string(budget) + " (memory_fraction " + std::to_string(options.memory_fraction) + " of " +
                       std::to_string(total_bytes) + ", " + std::to_string(free_bytes) + " free)");
   }
+  const int64_t own_before = DeviceMemory::live_bytes();
   DS_ASSIGN_OR_RETURN(impl->weights, load_device_weights(config, source, impl->pools->stream()));
 
   size_t free_before_scratch = 0;
@@ -176,7 +177,15 @@ Result<std::shared_ptr<Backend>> make_backend(const ModelConfig& config, const W
   DS_RETURN_IF_ERROR(allocate_scratch(*impl));
   size_t free_after_scratch = 0;
   DS_CUDA_RETURN(cudaMemGetInfo(&free_after_scratch, &total_bytes));
-  const int64_t used = static_cast<int64_t>(free_bytes) - static_cast<int64_t>(free_after_scratch);
+  // What the weights and the scratch took: the drop in the device's free memory, unless other processes allocated
+  // on the same GPU meanwhile (workers of one node starting together): then this process's own allocations plus
+  // room for the allocator's rounding. Seen on the H200 (tests/gpu/cluster_on_gpu.sh, topology multi): a decode
+  // worker counted the ~14 GB of state pools another worker allocated meanwhile (each takes a tenth of the GPU) as
+  // its own and found -187 MB left for its own pools.
+  constexpr int64_t kAllocatorSlack = int64_t{64} << 20;
+  const int64_t device_drop = static_cast<int64_t>(free_bytes) - static_cast<int64_t>(free_after_scratch);
+  const int64_t own = DeviceMemory::live_bytes() - own_before;
+  const int64_t used = std::min(device_drop, own + kAllocatorSlack);
   const int64_t remaining = budget - used;
 
   // State slots and pages: explicit counts win; otherwise slots take at most half of what is left (and no more

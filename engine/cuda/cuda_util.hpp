@@ -1,6 +1,7 @@
 // Small host-side helpers of the CUDA backend: CUDA/cuBLAS errors as Status, owned device allocations.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -38,6 +39,10 @@ inline constexpr size_t align_up(size_t n, size_t alignment = kDeviceAlignment) 
 // One cudaMalloc'ed block, freed on destruction (on the device current at that time: the backend keeps one).
 class DeviceMemory {
  public:
+  // Bytes held by every live DeviceMemory of this process (all devices): what this process allocated, which the
+  // device-wide cudaMemGetInfo cannot tell apart from other processes' allocations on a shared GPU.
+  static int64_t live_bytes() { return live_bytes_.load(std::memory_order_relaxed); }
+
   DeviceMemory() = default;
   ~DeviceMemory() { reset(); }
   DeviceMemory(const DeviceMemory&) = delete;
@@ -67,10 +72,14 @@ class DeviceMemory {
     }
     data_ = data;
     bytes_ = bytes;
+    live_bytes_.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
     return Status::ok();
   }
   void reset() {
-    if (data_ != nullptr) (void)cudaFree(data_);
+    if (data_ != nullptr) {
+      (void)cudaFree(data_);
+      live_bytes_.fetch_sub(static_cast<int64_t>(bytes_), std::memory_order_relaxed);
+    }
     data_ = nullptr;
     bytes_ = 0;
   }
@@ -83,6 +92,7 @@ class DeviceMemory {
 
  private:
   void* data_ = nullptr;
+  inline static std::atomic<int64_t> live_bytes_{0};
   size_t bytes_ = 0;
 };
 
