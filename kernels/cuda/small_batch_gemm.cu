@@ -180,11 +180,11 @@ int sm_count() {
   return value;
 }
 
-template <class TIn, int M, int R, int U, bool kBf16Out, bool kAccumulate>
-Status launch(const SkinnyGemmArgs& args, cudaStream_t stream) {
-  auto kernel = skinny_gemm_kernel<TIn, M, R, U, kBf16Out, kAccumulate>;
-  const size_t shared_bytes = size_t{M} * static_cast<size_t>(args.p.in) * sizeof(TIn);
-  // Per call (the attribute is per device): a host-side call, legal during graph capture.
+// CTAs of `kernel` (kThreads, `shared_bytes` of dynamic shared memory) resident on the GPU at once, at least one
+// per SM; opts the kernel into more than the default 48 KB of shared memory first when it needs it (per call: the
+// attribute is per device; a host-side call, legal during graph capture).
+template <class Kernel>
+Status resident_ctas(Kernel kernel, size_t shared_bytes, int64_t* ctas) {
   if (shared_bytes > 48 * 1024) {
     const cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                    static_cast<int>(kSkinnyGemmMaxSharedBytes));
@@ -198,9 +198,31 @@ Status launch(const SkinnyGemmArgs& args, cudaStream_t stream) {
     (void)cudaGetLastError();
     per_sm = 1;
   }
+  *ctas = int64_t{per_sm} * sm_count();
+  return Status::ok();
+}
+
+// Row groups of R weight rows per output: group_begin[o] is output o's first, group_begin[num_outputs] the total
+// (returned).
+int64_t plan_row_groups(const SkinnyGemmParams& p, int R, int64_t* group_begin) {
+  int64_t groups = 0;
+  for (int o = 0; o < p.num_outputs; ++o) {
+    group_begin[o] = groups;
+    groups += (p.outputs[o].n + R - 1) / R;
+  }
+  group_begin[p.num_outputs] = groups;
+  return groups;
+}
+
+template <class TIn, int M, int R, int U, bool kBf16Out, bool kAccumulate>
+Status launch(const SkinnyGemmArgs& args, cudaStream_t stream) {
+  auto kernel = skinny_gemm_kernel<TIn, M, R, U, kBf16Out, kAccumulate>;
+  const size_t shared_bytes = size_t{M} * static_cast<size_t>(args.p.in) * sizeof(TIn);
+  int64_t resident = 0;
+  DS_RETURN_IF_ERROR(resident_ctas(kernel, shared_bytes, &resident));
   const int64_t total_groups = args.group_begin[args.p.num_outputs];
   const int64_t needed = (total_groups + kWarps - 1) / kWarps;
-  const int64_t grid = std::min<int64_t>(needed, int64_t{per_sm} * sm_count());
+  const int64_t grid = std::min<int64_t>(needed, resident);
   kernel<<<static_cast<unsigned>(grid), kThreads, shared_bytes, stream>>>(args);
   return launch_status("skinny_gemm");
 }
@@ -213,13 +235,7 @@ template <class TIn, int M, bool kBf16Out, bool kAccumulate>
 Status launch_bucket(SkinnyGemmArgs& args, cudaStream_t stream) {
   constexpr int R = M <= 4 ? 2 : 4;
   constexpr int U = M <= 4 ? 4 : (M == 8 ? 2 : 1);
-  int64_t groups = 0;
-  for (int o = 0; o < args.p.num_outputs; ++o) {
-    args.group_begin[o] = groups;
-    groups += (args.p.outputs[o].n + R - 1) / R;
-  }
-  args.group_begin[args.p.num_outputs] = groups;
-  if (groups == 0) return Status::ok();
+  if (plan_row_groups(args.p, R, args.group_begin) == 0) return Status::ok();
   return launch<TIn, M, R, U, kBf16Out, kAccumulate>(args, stream);
 }
 
@@ -483,33 +499,16 @@ int split_from_env() {
 template <class TIn, int M, int R, int U, bool kNorm>
 Status launch_v2(SkinnyGemmArgsV2& args, bool programmatic, cudaStream_t stream) {
   constexpr int kChunk = 32 * (16 / static_cast<int>(sizeof(TIn))) * U;
-  int64_t groups = 0;
-  for (int o = 0; o < args.p.num_outputs; ++o) {
-    args.group_begin[o] = groups;
-    groups += (args.p.outputs[o].n + R - 1) / R;
-  }
-  args.group_begin[args.p.num_outputs] = groups;
+  const int64_t groups = plan_row_groups(args.p, R, args.group_begin);
   if (groups == 0) return Status::ok();
   auto kernel = skinny_gemm_v2_kernel<TIn, M, R, U, kNorm>;
   const size_t shared_bytes = size_t{M} * static_cast<size_t>(args.x_cols) * sizeof(TIn);
-  if (shared_bytes > 48 * 1024) {
-    const cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                   static_cast<int>(kSkinnyGemmMaxSharedBytes));
-    if (error != cudaSuccess) {
-      return internal_error(std::string("skinny_gemm: cudaFuncSetAttribute: ") + cudaGetErrorName(error));
-    }
-  }
-  int per_sm = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, shared_bytes) != cudaSuccess ||
-      per_sm < 1) {
-    (void)cudaGetLastError();
-    per_sm = 1;
-  }
-  const int64_t resident_ctas = int64_t{per_sm} * sm_count();
+  int64_t resident = 0;
+  DS_RETURN_IF_ERROR(resident_ctas(kernel, shared_bytes, &resident));
   const int forced = args.p.split_k != 0 ? args.p.split_k : split_from_env();
-  args.split = forced != 0 ? forced : choose_split(groups, resident_ctas * kWarps, (args.p.in + kChunk - 1) / kChunk);
+  args.split = forced != 0 ? forced : choose_split(groups, resident * kWarps, (args.p.in + kChunk - 1) / kChunk);
   const int64_t teams = kWarps / args.split;
-  const int64_t grid = std::min<int64_t>((groups + teams - 1) / teams, resident_ctas);
+  const int64_t grid = std::min<int64_t>((groups + teams - 1) / teams, resident);
   return launch_kernel_ex(programmatic, kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads), shared_bytes, stream,
                           "skinny_gemm", args);
 }
