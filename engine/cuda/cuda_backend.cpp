@@ -8,6 +8,7 @@
 #include <cstdlib>
 
 #include "engine/cuda/cuda_model.hpp"
+#include "engine/device_memory_plan.hpp"
 #include "kernels/cuda/kda.hpp"
 #include "kernels/cuda/mla.hpp"
 #include "kernels/cuda/moe.hpp"
@@ -177,35 +178,28 @@ Result<std::shared_ptr<Backend>> make_backend(const ModelConfig& config, const W
   DS_RETURN_IF_ERROR(allocate_scratch(*impl));
   size_t free_after_scratch = 0;
   DS_CUDA_RETURN(cudaMemGetInfo(&free_after_scratch, &total_bytes));
-  // What the weights and the scratch took: the drop in the device's free memory, unless other processes allocated
-  // on the same GPU meanwhile (workers of one node starting together): a drop beyond this process's own
-  // allocations plus room for the allocator's rounding (64 MiB + 1/16 of them) is not all ours, and the own
-  // allocations with that room count instead. Alone on the GPU the drop stays within it: unchanged. Seen on the H200
-  // (tests/gpu/cluster_on_gpu.sh, topology multi): a decode worker counted the ~14 GB of state pools another worker
-  // allocated meanwhile (each takes a tenth of the GPU) as its own and found -187 MB left for its own pools.
-  const int64_t device_drop = static_cast<int64_t>(free_bytes) - static_cast<int64_t>(free_after_scratch);
-  const int64_t own = DeviceMemory::live_bytes() - own_before;
-  const int64_t used = std::min(device_drop, own + (int64_t{64} << 20) + own / 16);
-  const int64_t remaining = budget - used;
-
-  // State slots and pages: explicit counts win; otherwise slots take at most half of what is left (and no more
-  // than max_requests), pages the rest.
+  // Slots and pages from what is left (engine/device_memory_plan.hpp). The backend's own allocations bound what the
+  // drop in free memory may count as its own: seen on the H200 (tests/gpu/cluster_on_gpu.sh, topology multi), a
+  // decode worker counted the ~14 GB of state pools another worker allocated meanwhile as its own and found
+  // -187 MB left.
   const StateShape& s = impl->shape;
-  const int64_t slot_bytes = std::max<int64_t>(s.slot_bytes(), 1);
-  const int64_t page_bytes = s.mla_layers > 0 ? s.page_bytes(options.page_tokens) : 0;
-  int64_t slots = options.state_slots, pages = s.mla_layers > 0 ? options.cache_pages : 0;
-  if (slots <= 0) {
-    const int64_t for_slots = s.mla_layers == 0 ? remaining
-                              : pages > 0       ? remaining - pages * page_bytes
-                                                : remaining / 2;
-    slots = std::min(options.max_requests, for_slots / slot_bytes);
-  }
-  if (s.mla_layers > 0 && pages <= 0) pages = (remaining - slots * slot_bytes) / page_bytes;
-  if (slots < 1 || (s.mla_layers > 0 && pages < 1)) {
+  DeviceMemoryPlanInput plan_input;
+  plan_input.budget = budget;
+  plan_input.device_drop = static_cast<int64_t>(free_bytes) - static_cast<int64_t>(free_after_scratch);
+  plan_input.own_allocated = DeviceMemory::live_bytes() - own_before;
+  plan_input.slot_bytes = std::max<int64_t>(s.slot_bytes(), 1);
+  plan_input.page_bytes = s.mla_layers > 0 ? s.page_bytes(options.page_tokens) : 0;
+  plan_input.state_slots = options.state_slots;
+  plan_input.cache_pages = options.cache_pages;
+  plan_input.max_requests = options.max_requests;
+  const DeviceMemoryPlan plan = plan_device_memory(plan_input);
+  const int64_t slots = plan.slots, pages = plan.pages;
+  if (!plan.fits(s.mla_layers > 0)) {
     return Status(StatusCode::kResourceExhausted,
                   "CUDA backend: no room for request state after weights (" + std::to_string(weight_bytes) +
-                      " bytes) and scratch: " + std::to_string(remaining) + " bytes left for slots of " +
-                      std::to_string(slot_bytes) + " bytes and pages of " + std::to_string(page_bytes) + " bytes");
+                      " bytes) and scratch: " + std::to_string(plan.remaining) + " bytes left of the budget " +
+                      std::to_string(budget) + " for slots of " + std::to_string(plan_input.slot_bytes) +
+                      " bytes and pages of " + std::to_string(plan_input.page_bytes) + " bytes");
   }
   DS_RETURN_IF_ERROR(impl->pools->allocate(slots, pages, options.page_tokens));
 
