@@ -12,7 +12,8 @@ DeviceMemoryPlan plan_device_memory(const DeviceMemoryPlanInput& in) {
   DeviceMemoryPlan plan;
   plan.used = std::min(in.device_drop, in.own_allocated + allocator_slack(in.own_allocated));
   plan.remaining = in.budget - plan.used;
-  const bool has_mla = in.page_bytes > 0;
+  plan.has_mla = in.page_bytes > 0;
+  const bool has_mla = plan.has_mla;
   const int64_t slot_bytes = std::max<int64_t>(in.slot_bytes, 1);
   plan.slots = in.state_slots;
   plan.pages = has_mla ? in.cache_pages : 0;

@@ -29,7 +29,8 @@ struct DeviceMemoryPlan {
   int64_t remaining = 0;  // budget - used (may be negative)
   int64_t slots = 0;      // < 1: no room
   int64_t pages = 0;      // < 1 with MLA layers: no room; 0 without
-  [[nodiscard]] bool fits(bool has_mla) const { return slots >= 1 && (!has_mla || pages >= 1); }
+  bool has_mla = false;   // page_bytes > 0
+  [[nodiscard]] bool fits() const { return slots >= 1 && (!has_mla || pages >= 1); }
 };
 
 // The allocator's rounding allowed on top of the own allocations: 64 MiB plus a sixteenth of them.

@@ -22,7 +22,7 @@ TEST(DeviceMemoryPlan, AloneTheMeasuredDropCounts) {
   EXPECT_EQ(plan.remaining, 8 * kGiB - 40 * kMiB);
   EXPECT_EQ(plan.slots, (8 * kGiB - 40 * kMiB) / kMiB);
   EXPECT_EQ(plan.pages, 0);
-  EXPECT_TRUE(plan.fits(false));
+  EXPECT_TRUE(plan.fits());
 }
 
 TEST(DeviceMemoryPlan, OtherProcessesAllocationsAreNotCountedAsOurs) {
@@ -40,7 +40,7 @@ TEST(DeviceMemoryPlan, OtherProcessesAllocationsAreNotCountedAsOurs) {
   EXPECT_EQ(plan.remaining, 14 * kGiB - plan.used);
   EXPECT_EQ(plan.slots, 256);
   EXPECT_EQ(plan.pages, (plan.remaining - 256 * 41'984) / 10'240);
-  EXPECT_TRUE(plan.fits(true));
+  EXPECT_TRUE(plan.fits());
   // Counting the drop itself (what the plan did before) leaves nothing.
   EXPECT_LT(in.budget - in.device_drop, 0);
 }
@@ -88,8 +88,21 @@ TEST(DeviceMemoryPlan, NoRoomIsReported) {
                            .max_requests = 1000};
   const DeviceMemoryPlan plan = plan_device_memory(in);
   EXPECT_EQ(plan.slots, 0);
-  EXPECT_FALSE(plan.fits(true));
-  EXPECT_FALSE(plan.fits(false));
+  EXPECT_FALSE(plan.fits());
+  // Without MLA layers the whole 1 MiB goes to slots: still less than one.
+  in.page_bytes = 0;
+  const DeviceMemoryPlan no_mla = plan_device_memory(in);
+  EXPECT_EQ(no_mla.slots, 0);
+  EXPECT_EQ(no_mla.pages, 0);
+  EXPECT_FALSE(no_mla.fits());
+  // Pages are what is short: one slot fits, no page does.
+  in.page_bytes = 2 * kMiB;
+  in.slot_bytes = kMiB / 4;
+  in.state_slots = 4;
+  const DeviceMemoryPlan no_pages = plan_device_memory(in);
+  EXPECT_EQ(no_pages.slots, 4);
+  EXPECT_EQ(no_pages.pages, 0);
+  EXPECT_FALSE(no_pages.fits());
 }
 
 }  // namespace

@@ -173,8 +173,6 @@ Result<std::shared_ptr<Backend>> make_backend(const ModelConfig& config, const W
   const int64_t own_before = DeviceMemory::live_bytes();
   DS_ASSIGN_OR_RETURN(impl->weights, load_device_weights(config, source, impl->pools->stream()));
 
-  size_t free_before_scratch = 0;
-  DS_CUDA_RETURN(cudaMemGetInfo(&free_before_scratch, &total_bytes));
   DS_RETURN_IF_ERROR(allocate_scratch(*impl));
   size_t free_after_scratch = 0;
   DS_CUDA_RETURN(cudaMemGetInfo(&free_after_scratch, &total_bytes));
@@ -194,7 +192,7 @@ Result<std::shared_ptr<Backend>> make_backend(const ModelConfig& config, const W
   plan_input.max_requests = options.max_requests;
   const DeviceMemoryPlan plan = plan_device_memory(plan_input);
   const int64_t slots = plan.slots, pages = plan.pages;
-  if (!plan.fits(s.mla_layers > 0)) {
+  if (!plan.fits()) {
     return Status(StatusCode::kResourceExhausted,
                   "CUDA backend: no room for request state after weights (" + std::to_string(weight_bytes) +
                       " bytes) and scratch: " + std::to_string(plan.remaining) + " bytes left of the budget " +

@@ -102,6 +102,13 @@ bool Gemm::fuses_input_norm(int64_t rows) {
 
 namespace {
 
+Status check_targets(std::initializer_list<GemmTarget> targets) {
+  for (const GemmTarget& target : targets) {
+    if (target.w == nullptr || target.y == nullptr) return internal_error("gemm: null pointer in shared-input target");
+  }
+  return Status::ok();
+}
+
 // One skinny launch for every target of x (x, x_stride, rows, in already set in *p); false when it does not apply.
 bool shared_input_params(std::initializer_list<GemmTarget> targets, kc::SkinnyGemmParams* p) {
   if (targets.size() > static_cast<size_t>(kc::kSkinnyGemmMaxOutputs)) return false;
@@ -121,9 +128,7 @@ bool shared_input_params(std::initializer_list<GemmTarget> targets, kc::SkinnyGe
 Status Gemm::run_shared_input(const __nv_bfloat16* x, int64_t x_stride, int64_t rows, int64_t in,
                               std::initializer_list<GemmTarget> targets) {
   if (rows == 0) return Status::ok();
-  for (const GemmTarget& target : targets) {
-    if (target.w == nullptr || target.y == nullptr) return internal_error("gemm: null pointer in shared-input target");
-  }
+  DS_RETURN_IF_ERROR(check_targets(targets));
   if (skinny_rows(rows) && x != nullptr) {
     kc::SkinnyGemmParams p;
     p.x = x;
@@ -148,9 +153,7 @@ Status Gemm::run_shared_input(const GemmNormInput& x, int64_t rows, int64_t in,
                               std::initializer_list<GemmTarget> targets) {
   if (rows == 0) return Status::ok();
   if (x.x == nullptr || x.scratch == nullptr) return internal_error("gemm: null normalised input");
-  for (const GemmTarget& target : targets) {
-    if (target.w == nullptr || target.y == nullptr) return internal_error("gemm: null pointer in shared-input target");
-  }
+  DS_RETURN_IF_ERROR(check_targets(targets));
   if (skinny_rows(rows)) {
     kc::SkinnyGemmParams p;
     p.x = x.x;
