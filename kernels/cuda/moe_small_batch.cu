@@ -33,7 +33,7 @@
 //     persistent over balanced work lists, and multiply on tensor cores (mma.sync m16n8k16: a weight row's bytes
 //     cost two ldmatrix and one mma per 16 k instead of 16 fma and 16 unpacks per token), which also removes (c);
 //   * launch 1's last CTA routes from shared memory (its token's logits and the bias), without reading back its
-//     own global writes.
+//     own global writes; ungrouped routing (both Kimi configs) by the whole CTA (route_parallel), not a warp a token.
 // Measured on the H200 (MoeDecodeLayerGpu.Timing, 2026-12-01): 60.2 us at T = 1 with the split down launch (v1
 // 65.5, the byte limit 30.5); launch 1 alone takes 16.9 us, not the ~4 us estimated when this was written. Nsight
 // Compute (cold caches, T = 1): the gate/up kernel at 66 % of DRAM peak with ~148 KB of ring per SM, the unsplit
@@ -41,6 +41,16 @@
 // (63.0 -> 60.2), a fifth gate/up stage (37 KB more per SM, tried at 8880893) nothing (60.6 against 60.1 us; the
 // 48B step 2.889 against 2.873 ms). A fifth down stage did help at T = 16 (480 against 522 us), which the engine
 // does not run through this layer.
+// Where launch 1's 17 us went (globaltimer stamps in a patched build, T = 1, the layer alone in a graph): the
+// router's dot products done 4.4 us after the first CTA started, the last CTA known at 4.8, the warp routing done
+// at 15.3 (10.5 us for one token: k dependent selection rounds plus the sigmoid of every expert, all in one warp), the
+// plan at 17.4, launch 2's tables loaded at 18.9-20.4. The CTA-wide routing (route_parallel, 2026-12-01) takes 6.2 us
+// there: the first sigmoid alone 2.4 us after its partial sums arrived (0.4 us at T = 4, where other warps ran that
+// code first: instruction fetch, by the look of it), the 32-shuffle rank 1.2, the candidate rank 0.9. Launch 1 alone
+// 16.8 -> 10.2 us at T = 1 (T = 4: 20.1 -> 17.2); the layer 61.6 -> 57.1 us; the 48B decode step at B = 1 / 2 / 4
+// 2.943 / 4.107 / 5.682 -> 2.789 / 3.967 / 5.625 ms (one binary, DELTASERVE_MOE_PARALLEL_ROUTE=0 for the warp
+// routing). At T = 16 it is slower (28 against 21 us: every thread's 16 sigmoids in a row, each after its own L2
+// round trip), which the engine does not run through this layer.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -73,11 +83,14 @@ using moe_small_batch_detail::store_router_partials;
 constexpr int kRouterTargetCtas = 128;  // router CTAs aimed at (slices of the hidden dimension fill them up)
 constexpr int kMaxRouterSlices = 4;
 constexpr int kLogitBatch = 8;  // experts per lane whose partial sums v2's routing warps load at once
+constexpr int kPairBatch = 4;   // (token, expert) pairs per thread whose partial sums route_parallel loads at once
 
 // ---- launch 1 of v2: router, route, plan ------------------------------------------------------------------------
 
-// Dynamic shared memory of the v2 router kernel: per routing warp [route scratch | the token's logits (E)], then
-// the correction bias [E], ids [kMaxAssignments], sorted [kMaxAssignments], counts [E].
+// Dynamic shared memory of the v2 router kernel: the routing region (route_region_floats: per routing warp
+// [route scratch | the token's logits (E)], or the parallel routing's [probs (P E, rounded up to even) | candidate
+// keys (P C, 8 bytes each)]), then the correction bias [E], ids [kMaxAssignments], sorted [kMaxAssignments],
+// counts [E].
 struct RouterSmem {
   float* warps;
   int warp_floats;
@@ -89,17 +102,118 @@ __device__ __forceinline__ RouterSmem router_smem_layout(const LayerArgs& a, uns
   RouterSmem s;
   s.warps = reinterpret_cast<float*>(dynamic_smem);
   s.warp_floats = rd::route_scratch_floats(a.E, a.route.num_groups) + a.E;
-  s.bias = s.warps + a.route_warps * s.warp_floats;
+  s.bias = s.warps + a.route_region_floats;
   s.ids = reinterpret_cast<int*>(s.bias + a.E);
   s.sorted = s.ids + kMaxAssignments;
   s.counts = s.sorted + kMaxAssignments;
   return s;
 }
 
-// v2: logits, routing, plan; run by the last router CTA only. Each routing warp adds its token's partial sums into
-// its own shared-memory row (and the logits output) and routes from there with the bias from shared memory
-// (loaded before the router's wait), so no step waits on the CTA's own global writes.
+// Logit (t, e): the slices' partial sums added in slice order (as v1). Written by other CTAs: read from L2.
+__device__ __forceinline__ float router_logit(const LayerArgs& a, int t, int e) {
+  float v[kMaxRouterSlices];
+#pragma unroll
+  for (int slice = 0; slice < kMaxRouterSlices; ++slice) {
+    v[slice] = slice < a.router_slices ? __ldcg(a.partials + (static_cast<int64_t>(slice) * a.T + t) * a.E + e) : 0.0f;
+  }
+  float sum = v[0];
+#pragma unroll
+  for (int slice = 1; slice < kMaxRouterSlices; ++slice) {
+    if (slice < a.router_slices) sum += v[slice];
+  }
+  return sum;
+}
+
+// Ungrouped routing by the whole CTA, route_pass_tokens tokens at a time. The order is the warp router's (score
+// s + bias descending, then the lower index; NaN scores as -inf) as one 64-bit key per expert, [score key | ~e]:
+//   A. every (token, expert): the logit (written out), s = sigmoid(logit) into shared memory;
+//   B. one warp per (token, 32 experts): each lane's rank in its chunk (32 shuffles of the score key, equal keys
+//      ordered by lane); the chunk's top min(k, 32) keys are the token's candidates (a top-k expert is in its
+//      chunk's top k), slots of short chunks get key 0;
+//   C. one thread per candidate: its rank among the token's candidates; rank j < k is choice j;
+//   D. one warp per token: the weights, s of choice j summed in choice order (the warp router's operations).
+// Same ids and bitwise the same weights as rd::route_token, without its k dependent selection rounds in one warp.
+__device__ void route_parallel(const LayerArgs& a, const RouterSmem& s) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int T = a.T, E = a.E, k = a.k, P = a.route_pass_tokens;
+  const int chunks = (E + 31) / 32, kk = min(k, 32), C = chunks * kk;
+  float* probs = s.warps;                                                            // [P][E]
+  auto* cand = reinterpret_cast<unsigned long long*>(s.warps + ((P * E + 1) & ~1));  // [P][C]
+  for (int t0 = 0; t0 < T; t0 += P) {
+    const int tokens = min(P, T - t0);
+    const int pairs = tokens * E;
+    for (int base = tid; base < pairs; base += kThreads * kPairBatch) {
+      float logit[kPairBatch];  // kPairBatch pairs' partial sums in flight at once
+#pragma unroll
+      for (int b = 0; b < kPairBatch; ++b) {
+        const int i = base + b * kThreads, tt = i / E;
+        logit[b] = i < pairs ? router_logit(a, t0 + tt, i - tt * E) : 0.0f;
+      }
+#pragma unroll
+      for (int b = 0; b < kPairBatch; ++b) {
+        const int i = base + b * kThreads;
+        if (i < pairs) {
+          a.logits[static_cast<int64_t>(t0) * E + i] = logit[b];
+          probs[i] = rd::router_sigmoid(logit[b]);
+        }
+      }
+    }
+    __syncthreads();
+    for (int task = warp; task < tokens * chunks; task += kWarps) {
+      const int tt = task / chunks, chunk = task - tt * chunks, e = chunk * 32 + lane;
+      unsigned key = 0u;  // below every score's key: experts past E rank last
+      if (e < E) {
+        const float score = probs[tt * E + e] + (a.bias != nullptr ? s.bias[e] : 0.0f);
+        key = rd::score_key(isnan(score) ? -INFINITY : score);
+      }
+      int rank = 0;  // equal keys: the lower lane (= the lower expert) first
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const unsigned other = __shfl_sync(0xffffffffu, key, j);
+        rank += other > key || (other == key && j < lane) ? 1 : 0;
+      }
+      if (rank < kk) {
+        cand[tt * C + chunk * kk + rank] =
+            e < E ? (static_cast<unsigned long long>(key) << 32) | (0xffffffffu - static_cast<unsigned>(e)) : 0ull;
+      }
+    }
+    __syncthreads();
+    for (int i = tid; i < tokens * C; i += kThreads) {
+      const unsigned long long key = cand[i];
+      if (key == 0ull) continue;
+      const int tt = i / C;
+      const unsigned long long* row = cand + tt * C;
+      int rank = 0;
+#pragma unroll 8
+      for (int j = 0; j < C; ++j) rank += row[j] > key ? 1 : 0;
+      if (rank < k) s.ids[(t0 + tt) * k + rank] = static_cast<int>(0xffffffffu - static_cast<unsigned>(key));
+    }
+    __syncthreads();
+    for (int tt = warp; tt < tokens; tt += kWarps) {
+      const int t = t0 + tt;
+      const float p = lane < k ? probs[tt * E + s.ids[t * k + lane]] : 0.0f;
+      float sum = 0.0f;
+      for (int j = 0; j < k; ++j) sum += __shfl_sync(0xffffffffu, p, j);
+      if (lane < k) {
+        float w = p;
+        if (a.route.renormalize) w = __fdiv_rn(w, __fadd_rn(sum, 1e-20f));
+        a.weights[t * k + lane] = __fmul_rn(w, a.route.routed_scaling_factor);
+      }
+    }
+    __syncthreads();  // probs and candidates are the next pass's; the ids are complete for the plan
+  }
+}
+
+// v2: logits, routing, plan; run by the last router CTA only. Ungrouped: route_parallel. Grouped: each routing
+// warp adds its token's partial sums into its own shared-memory row (and the logits output) and routes from there
+// with the bias from shared memory (loaded before the router's wait), so no step waits on the CTA's own global
+// writes.
 __device__ void finish_route_v2(const LayerArgs& a, const RouterSmem& s) {
+  if (a.route_pass_tokens > 0) {
+    route_parallel(a, s);
+    build_plan(a, s.ids, s.sorted, s.counts);
+    return;
+  }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int T = a.T, E = a.E, k = a.k;
   const int scratch_floats = rd::route_scratch_floats(E, a.route.num_groups);
@@ -107,31 +221,17 @@ __device__ void finish_route_v2(const LayerArgs& a, const RouterSmem& s) {
     float* scratch = s.warps + warp * s.warp_floats;
     float* logits = scratch + scratch_floats;
     for (int t = warp; t < T; t += a.route_warps) {
-      // The slices' partial sums added in slice order (as v1). Written by other CTAs: read from L2, a batch of
-      // kLogitBatch experts' partials of every slice in flight at once (E = 256: one round trip).
+      // A batch of kLogitBatch experts' partials of every slice in flight at once (E = 256: one round trip).
       for (int base = lane; base < E; base += 32 * kLogitBatch) {
-        float v[kLogitBatch][kMaxRouterSlices];
+        float v[kLogitBatch];
 #pragma unroll
-        for (int i = 0; i < kLogitBatch; ++i) {
-          const int e = base + 32 * i;
-#pragma unroll
-          for (int slice = 0; slice < kMaxRouterSlices; ++slice) {
-            v[i][slice] = e < E && slice < a.router_slices
-                              ? __ldcg(a.partials + (static_cast<int64_t>(slice) * T + t) * E + e)
-                              : 0.0f;
-          }
-        }
+        for (int i = 0; i < kLogitBatch; ++i) v[i] = base + 32 * i < E ? router_logit(a, t, base + 32 * i) : 0.0f;
 #pragma unroll
         for (int i = 0; i < kLogitBatch; ++i) {
           const int e = base + 32 * i;
           if (e < E) {
-            float sum = v[i][0];
-#pragma unroll
-            for (int slice = 1; slice < kMaxRouterSlices; ++slice) {
-              if (slice < a.router_slices) sum += v[i][slice];
-            }
-            logits[e] = sum;
-            a.logits[static_cast<int64_t>(t) * E + e] = sum;
+            logits[e] = v[i];
+            a.logits[static_cast<int64_t>(t) * E + e] = v[i];
           }
         }
       }
@@ -219,11 +319,19 @@ size_t round16(size_t bytes) {
   return (bytes + 15) / 16 * 16;
 }
 
-// Dynamic shared memory of the v2 router kernel for `warps` routing warps (RouterSmem).
-size_t router_smem_bytes(const MoeRoutingConfig& r, int warps) {
-  const size_t warp_floats = rd::route_scratch_floats(r.num_experts, r.num_groups) + r.num_experts;
-  return (static_cast<size_t>(warps) * warp_floats + r.num_experts) * sizeof(float) +
-         (2 * kMaxAssignments + r.num_experts) * sizeof(int);
+// Dynamic shared memory of the v2 router kernel with a routing region of `region_floats` (RouterSmem).
+size_t router_smem_bytes(const MoeRoutingConfig& r, size_t region_floats) {
+  return (region_floats + r.num_experts) * sizeof(float) + (2 * kMaxAssignments + r.num_experts) * sizeof(int);
+}
+
+// Floats of the routing region: `warps` routing warps, or `pass_tokens` tokens of route_parallel.
+size_t warp_route_floats(const MoeRoutingConfig& r, int warps) {
+  return static_cast<size_t>(warps) * (rd::route_scratch_floats(r.num_experts, r.num_groups) + r.num_experts);
+}
+size_t parallel_route_floats(const MoeRoutingConfig& r, int pass_tokens) {
+  const size_t probs = (static_cast<size_t>(pass_tokens) * r.num_experts + 1) / 2 * 2;
+  const size_t candidates = static_cast<size_t>((r.num_experts + 31) / 32) * std::min(r.top_k, 32);
+  return probs + 2 * candidates * pass_tokens;
 }
 
 // Static shared memory of the v2 router kernel (block-scan totals, the last-CTA flag).
@@ -235,6 +343,13 @@ bool env_disabled(const char* name) {
 }
 
 constexpr MoeSmallBatchKernel kKernels[] = {MoeSmallBatchKernel::kV1, MoeSmallBatchKernel::kV2};
+
+// DELTASERVE_MOE_PARALLEL_ROUTE=0 (or off), read once: v2's launch 1 routes ungrouped tokens one warp each (as
+// grouped ones) instead of with the whole CTA.
+bool environment_allows_parallel_route() {
+  static const bool allowed = !env_disabled("DELTASERVE_MOE_PARALLEL_ROUTE");
+  return allowed;
+}
 
 // DELTASERVE_MOE_DOWN_SPLIT=0 (or off), read once: v2's down launch unsplit whatever the token count.
 bool environment_allows_down_split() {
@@ -354,9 +469,20 @@ LayerArgs make_args(const MoeSmallBatchParams& p, MoeSmallBatchKernel kernel) {
   a.router_ctas = a.expert_blocks * a.router_slices;
   const bool v2 = kernel == MoeSmallBatchKernel::kV2;
   if (v2) {
-    const size_t warp_bytes = router_smem_bytes(r, 1) - router_smem_bytes(r, 0);
-    const size_t fixed = router_smem_bytes(r, 0) + kRouterStaticSmem;
-    a.route_warps = static_cast<int>(std::clamp<size_t>((kSharedLimit - fixed) / warp_bytes, 1, kWarps));
+    if (r.num_groups == 1 && environment_allows_parallel_route()) {
+      // As many tokens a pass as fit (all of them, for the models' expert counts).
+      a.route_pass_tokens = std::max(a.T, 1);
+      while (a.route_pass_tokens > 1 &&
+             router_smem_bytes(r, parallel_route_floats(r, a.route_pass_tokens)) + kRouterStaticSmem > kSharedLimit) {
+        --a.route_pass_tokens;
+      }
+      a.route_region_floats = static_cast<int>(parallel_route_floats(r, a.route_pass_tokens));
+    } else {
+      const size_t fixed = router_smem_bytes(r, 0) + kRouterStaticSmem;
+      const size_t warp_bytes = warp_route_floats(r, 1) * sizeof(float);
+      a.route_warps = static_cast<int>(std::clamp<size_t>((kSharedLimit - fixed) / warp_bytes, 1, kWarps));
+      a.route_region_floats = static_cast<int>(warp_route_floats(r, a.route_warps));
+    }
   } else {
     a.route_warps = moe_small_batch_detail::v1_route_warps(r);
   }
@@ -470,8 +596,8 @@ Status moe_small_batch_route(const MoeSmallBatchParams& params, cudaStream_t str
   const LayerArgs a = make_args(params, kernel);
   if (kernel == MoeSmallBatchKernel::kV1) return moe_small_batch_detail::launch_v1_route(a, params.routing, stream);
   return moe_small_batch_detail::launch_with_pdl(small_batch_router_kernel, static_cast<unsigned>(a.router_ctas),
-                                                 kThreads, router_smem_bytes(params.routing, a.route_warps), stream,
-                                                 "moe_small_batch_route", a);
+                                                 kThreads, router_smem_bytes(params.routing, a.route_region_floats),
+                                                 stream, "moe_small_batch_route", a);
 }
 
 Status moe_small_batch_experts(const MoeSmallBatchParams& params, cudaStream_t stream) {

@@ -54,6 +54,9 @@ struct LayerArgs {
   const float* router;
   const float* bias;
   int router_slices, slice_chunks, expert_blocks, router_ctas, route_warps;
+  // v2's launch 1: tokens per pass of the CTA-wide routing (ungrouped; 0: one warp a token, route_warps of them)
+  // and the floats of its shared-memory routing region.
+  int route_pass_tokens, route_region_floats;
   float* partials;  // [slices, T, E]
   // experts
   const __nv_bfloat16* x;
