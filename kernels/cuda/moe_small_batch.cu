@@ -41,8 +41,8 @@
 // (63.0 -> 60.2), a fifth gate/up stage (37 KB more per SM, tried at 8880893) nothing (60.6 against 60.1 us; the
 // 48B step 2.889 against 2.873 ms). A fifth down stage did help at T = 16 (480 against 522 us), which the engine
 // does not run through this layer.
-// Where launch 1's 17 us went (globaltimer stamps in a patched build, T = 1, the layer alone in a graph): the
-// router's dot products done 4.4 us after the first CTA started, the last CTA known at 4.8, the warp routing done
+// Where launch 1's 17 us went (globaltimer stamps, bench/gpu/moe_layer_trace.py, T = 1, the layer alone in a graph):
+// the router's dot products done 4.4 us after the first CTA started, the last CTA known at 4.8, the warp routing done
 // at 15.3 (10.5 us for one token: k dependent selection rounds plus the sigmoid of every expert, all in one warp), the
 // plan at 17.4, launch 2's tables loaded at 18.9-20.4. The CTA-wide routing (route_parallel, 2026-12-01) takes 6.2 us
 // there: the first sigmoid alone 2.4 us after its partial sums arrived (0.4 us at T = 4, where other warps ran that
