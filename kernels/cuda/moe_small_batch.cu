@@ -43,14 +43,14 @@
 // does not run through this layer.
 // Where launch 1's 17 us went (globaltimer stamps, bench/gpu/moe_layer_trace.py, T = 1, the layer alone in a graph):
 // the router's dot products done 4.4 us after the first CTA started, the last CTA known at 4.8, the warp routing done
-// at 15.3 (10.5 us for one token: k dependent selection rounds plus the sigmoid of every expert, all in one warp), the
-// plan at 17.4, launch 2's tables loaded at 18.9-20.4. The CTA-wide routing (route_parallel, 2026-12-01) takes 6.2 us
-// there: the first sigmoid alone 2.4 us after its partial sums arrived (0.4 us at T = 4, where other warps ran that
-// code first: instruction fetch, by the look of it), the 32-shuffle rank 1.2, the candidate rank 0.9. Launch 1 alone
-// 16.8 -> 10.2 us at T = 1 (T = 4: 20.1 -> 17.2); the layer 61.6 -> 57.1 us; the 48B decode step at B = 1 / 2 / 4
-// 2.943 / 4.107 / 5.682 -> 2.789 / 3.967 / 5.625 ms (one binary, DELTASERVE_MOE_PARALLEL_ROUTE=0 for the warp
-// routing). At T = 16 it is slower (28 against 21 us: every thread's 16 sigmoids in a row, each after its own L2
-// round trip), which the engine does not run through this layer.
+// 10.6-10.9 us later (k dependent selection rounds plus the sigmoid of every expert, all in one warp), the plan 2.1
+// us after that, launch 2's tables loaded 1.5-3 us later. The CTA-wide routing (route_parallel, d4cb5c7) takes 6.6
+// us there; each of its phases (a few hundred instructions) takes about 1 us, which is not understood yet (not
+// instruction fetch: a warm-up run before the router's wait left it as slow). Launch 1 alone 16.8 -> 10.7 us at
+// T = 1 (T = 4: 20.1 -> 17.4); the layer 61.6 -> 58.7 us; the 48B decode step at B = 1 / 2 / 4 2.954 / 4.123 /
+// 5.719 -> 2.811 / 3.994 / 5.675 ms (one binary, DELTASERVE_MOE_PARALLEL_ROUTE=0 for the warp routing;
+// bench/results/engine_gpu_ab.jsonl). At T = 16 it is slower (launch 1 alone 43.8 against 39.4 us), which the engine
+// does not run through this layer.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
