@@ -52,6 +52,7 @@
 // bench/results/engine_gpu_ab.jsonl). At T = 16 it is slower (launch 1 alone 43.8 against 39.4 us), which the engine
 // does not run through this layer.
 #include <algorithm>
+#include <climits>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -204,6 +205,45 @@ __device__ void route_parallel(const LayerArgs& a, const RouterSmem& s) {
   }
 }
 
+// build_plan's outputs for R <= 32 assignments without the gather: warp 0 holds assignment j in lane j and finds
+// its expert's earlier assignments (match_any) and the assignments and active experts of lower ids (R shuffles); the
+// expert offsets (assignments below each e) by the whole CTA. No block barrier after the routing's.
+__device__ void build_plan_warp(const LayerArgs& a, const int* ids_s) {
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int E = a.E, R = a.R;
+  for (int e = tid; e <= E; e += kThreads) {
+    int below = 0;
+    for (int j = 0; j < R; ++j) below += ids_s[j] < e ? 1 : 0;
+    a.offsets[e] = below;  // offsets[E] = R: every routed id is valid
+  }
+  if (tid >= 32) return;
+  const bool valid = lane < R;
+  const int id = valid ? ids_s[lane] : INT_MAX;  // lanes past R: above every expert, never written
+  const unsigned same = __match_any_sync(0xffffffffu, id);
+  const int rank = __popc(same & ((1u << lane) - 1u));  // earlier assignments of the same expert
+  const bool leader = valid && rank == 0;
+  const unsigned leaders = __ballot_sync(0xffffffffu, leader);
+  int below = 0, slot = 0;  // assignments of lower ids; active experts of lower ids
+  for (int j = 0; j < R; ++j) {
+    const int other = __shfl_sync(0xffffffffu, id, j);
+    below += other < id ? 1 : 0;
+    slot += other < id && ((leaders >> j) & 1u) != 0 ? 1 : 0;
+  }
+  if (valid) {
+    a.expert_ids[lane] = id;
+    a.sorted[below + rank] = lane;  // stable, as moe_plan
+    a.pos[lane] = below + rank;
+  }
+  if (leader) {
+    a.active[slot] = id;
+    if (a.slot_first != nullptr) {
+      a.slot_first[slot] = below;
+      a.slot_count[slot] = __popc(same);
+    }
+  }
+  if (lane == 0) *a.num_active = __popc(leaders);
+}
+
 // v2: logits, routing, plan; run by the last router CTA only. Ungrouped: route_parallel. Grouped: each routing
 // warp adds its token's partial sums into its own shared-memory row (and the logits output) and routes from there
 // with the bias from shared memory (loaded before the router's wait), so no step waits on the CTA's own global
@@ -211,7 +251,11 @@ __device__ void route_parallel(const LayerArgs& a, const RouterSmem& s) {
 __device__ void finish_route_v2(const LayerArgs& a, const RouterSmem& s) {
   if (a.route_pass_tokens > 0) {
     route_parallel(a, s);
-    build_plan(a, s.ids, s.sorted, s.counts);
+    if (a.warp_plan) {
+      build_plan_warp(a, s.ids);
+    } else {
+      build_plan(a, s.ids, s.sorted, s.counts);
+    }
     return;
   }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -348,6 +392,12 @@ constexpr MoeSmallBatchKernel kKernels[] = {MoeSmallBatchKernel::kV1, MoeSmallBa
 // grouped ones) instead of with the whole CTA.
 bool environment_allows_parallel_route() {
   static const bool allowed = !env_disabled("DELTASERVE_MOE_PARALLEL_ROUTE");
+  return allowed;
+}
+
+// DELTASERVE_MOE_WARP_PLAN=0 (or off), read once: v2's launch 1 builds the plan with the whole CTA at any size.
+bool environment_allows_warp_plan() {
+  static const bool allowed = !env_disabled("DELTASERVE_MOE_WARP_PLAN");
   return allowed;
 }
 
@@ -501,6 +551,7 @@ LayerArgs make_args(const MoeSmallBatchParams& p, MoeSmallBatchKernel kernel) {
   a.sorted = p.plan.sorted_assignments;
   a.pos = p.plan.assignment_pos;
   a.x_sorted = p.x_sorted;
+  a.warp_plan = a.route_pass_tokens > 0 && a.R <= 32 && p.x_sorted == nullptr && environment_allows_warp_plan() ? 1 : 0;
   a.activated = p.activated;
   a.shared_activated = p.shared_activated;
   a.residual = p.residual;

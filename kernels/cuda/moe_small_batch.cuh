@@ -57,6 +57,8 @@ struct LayerArgs {
   // v2's launch 1: tokens per pass of the CTA-wide routing (ungrouped; 0: one warp a token, route_warps of them)
   // and the floats of its shared-memory routing region.
   int route_pass_tokens, route_region_floats;
+  // v2's launch 1: the plan by one warp (build_plan_warp: R <= 32, no gather) instead of the whole CTA.
+  int warp_plan;
   float* partials;  // [slices, T, E]
   // experts
   const __nv_bfloat16* x;

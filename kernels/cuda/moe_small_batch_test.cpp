@@ -445,6 +445,15 @@ void run_route_case_with(const SmallCase& c) {
   for (int64_t i = R * W; i < (R + kPadRows) * W; ++i) {
     ASSERT_TRUE(std::isnan(__bfloat162float(rows[i]))) << "x_sorted written past row T * k";
   }
+
+  // Without the gather (as the engine runs v2), small plans take another path (build_plan_warp up to 32
+  // assignments): the same ids, offsets and positions.
+  d.p.x_sorted = nullptr;
+  ASSERT_NO_FATAL_FAILURE(d.run_poisoned(h, moe_small_batch_route, "route without gather"));
+  ASSERT_EQ(d.ids.download(), ids) << "expert_ids without the gather";
+  ASSERT_EQ(d.offsets.download(), offsets) << "expert_offsets without the gather";
+  ASSERT_EQ(d.sorted.download(), sorted) << "sorted_assignments without the gather";
+  ASSERT_EQ(d.pos.download(), pos) << "assignment_pos without the gather";
 }
 
 // Launch 1 of both kernel generations (v1's front kernel, v2's router kernel: the same logits, routing and plan).
