@@ -1,12 +1,14 @@
 // KDA chunked prefill for sm_90a in two launches (see kda.hpp for the contract):
 //   1. prep, one CTA per (chunk of 64 tokens, head), fully parallel: the chunk's cumulative log-decay, the
-//      intra-chunk matrices Akk (strictly lower, beta-weighted) and Aqk (lower incl. diagonal) on tensor cores,
-//      the inverses of the 16x16 diagonal blocks of I + Akk, then w = (I + Akk)^-1 diag(beta) (K ⊙ e^gc) and
-//      u = (I + Akk)^-1 diag(beta) V by blocked forward substitution on tensor cores (the UT transform);
-//      writes w, u, q ⊙ e^gc, k ⊙ e^(gc_last - gc), Aqk (bf16) and e^gc_last (fp32) to the workspace.
-//   2. state pass, one CTA per (32 value columns, head, sequence), sequential over the sequence's chunks with
-//      the state slice [128 x 32] fp32 in registers: v_new = u - w S; o = (q e^gc) S + Aqk v_new;
-//      S = e^gc_last ⊙ S + (k e^(gc_last - gc))^T v_new. Loads of the next chunk overlap (cp.async, 2 stages).
+//      intra-chunk matrices Akk (strictly lower, beta-weighted) and Aqk (lower incl. diagonal) on tensor cores, the inverses of the 16x16
+//      diagonal blocks of I + Akk, then w = (I + Akk)^-1 diag(beta) (K ⊙ e^gc) and u = (I + Akk)^-1 diag(beta) V
+//      by blocked forward substitution on tensor cores (the UT transform); writes w, u, q ⊙ e^gc,
+//      k ⊙ e^(gc_last - gc), Aqk (bf16) and e^gc_last (fp32) to the workspace, in the state pass's shared-memory
+//      layout (padded rows, u split by value slice), so that the state pass loads a chunk with two bulk copies.
+//   2. state pass, one CTA of 16 warps per (32 value columns, head, sequence), sequential over the sequence's
+//      chunks with the state slice [128 x 32] fp32 in registers (a 16x16 tile a warp): v_new = u - w S (warps
+//      0..7) while o = (q e^gc) S (warps 8..15); then o += Aqk v_new and S = e^gc_last ⊙ S + (k e^(gc_last - gc))^T
+//      v_new. The next chunk's factors land by bulk copy (one thread, mbarrier, 2 stages) during the current one.
 // Sub-tiles of 16 tokens: pair decays are split at the row tile's start r, k_i e^(r - gc_i) and x_t e^(gc_t - r).
 // Across tiles both factors are <= 1; inside the diagonal tile the first is <= e^(16 * 5) = e^80 when the
 // per-step log-decay is >= -5, so the diagonal tiles are plain matmuls too (dense path). A chunk whose tiles
@@ -20,6 +22,7 @@
 #include "kernels/cuda/bf16_stream.cuh"
 #include "kernels/cuda/kda.hpp"
 #include "kernels/cuda/mma_sm80.cuh"
+#include "kernels/cuda/sm90_ptx.cuh"
 
 namespace deltaserve::kernels::cuda {
 namespace {
@@ -34,17 +37,24 @@ constexpr int kLdC = kC + 8;         // bf16 row stride of [*, 64] smem tiles
 constexpr int kLdF = kC + 1;         // fp32 row stride of [64, 64] smem matrices
 constexpr int kLdR = 32 + 8;         // bf16 row stride of a warp's [16, 32] residual tile
 constexpr int kKinvRows = 160;       // 16 + 32 + 48 + 64: the B operands of the four row tiles
-constexpr float kDenseSpan = 85.0f;  // e^85 < fp32/bf16 max with margin
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kDenseSpan = 85.0f * kLog2e;  // in log2 units (the prep keeps log-decays as log2): e^85 < fp32 max
 constexpr int kStateBv = 32;         // value columns per state-pass CTA
+constexpr int kLdV = kStateBv + 8;   // bf16 row stride of [*, 32] tiles (a value slice)
+constexpr int kSlices = kD / kStateBv;
 
-// Per (chunk, head) block of the workspace.
+// Per (chunk, head) block of the workspace, laid out as the state pass's shared-memory stage: w, q e^gc,
+// k e^(gc_last - gc) as [64][kLdD], Aqk [64][kLdC], e^gc_last [128] fp32 (the part every value slice reads), then
+// u as [4 slices][64][kLdV]. The padding columns are never read.
 constexpr size_t kOffW = 0;
-constexpr size_t kOffU = kOffW + size_t{kC} * kD * 2;
-constexpr size_t kOffQg = kOffU + size_t{kC} * kD * 2;
-constexpr size_t kOffKg = kOffQg + size_t{kC} * kD * 2;
-constexpr size_t kOffAqk = kOffKg + size_t{kC} * kD * 2;
-constexpr size_t kOffDecay = kOffAqk + size_t{kC} * kC * 2;
-constexpr size_t kChunkBytes = kOffDecay + size_t{kD} * 4;
+constexpr size_t kOffQg = kOffW + size_t{kC} * kLdD * 2;
+constexpr size_t kOffKg = kOffQg + size_t{kC} * kLdD * 2;
+constexpr size_t kOffAqk = kOffKg + size_t{kC} * kLdD * 2;
+constexpr size_t kOffDecay = kOffAqk + size_t{kC} * kLdC * 2;
+constexpr size_t kOffU = kOffDecay + size_t{kD} * 4;  // the shared part ends here
+constexpr size_t kUSliceBytes = size_t{kC} * kLdV * 2;
+constexpr size_t kChunkBytes = kOffU + kSlices * kUSliceBytes;
+static_assert(kOffU % 16 == 0 && kUSliceBytes % 16 == 0 && kChunkBytes % 16 == 0, "bulk copies need 16-byte units");
 
 struct ChunkEntry {
   int32_t token_begin;  // first token (global row) of the chunk
@@ -115,6 +125,14 @@ __device__ __forceinline__ float warp_sum8(const float (&v)[8], int lane) {
   return x;
 }
 
+// 2^x with denormal results flushed to zero: one MUFU.EX2 (the non-ftz form adds a range fix-up around it). The
+// prep kernel keeps its cumulative log-decays in log2 units, so every decay factor is one subtraction and this.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ float gate_value(float raw, int mode, float a, float bias, float lower_bound) {
   if (mode == kGatePrecomputed) return raw;
   const float x = raw + bias;
@@ -178,13 +196,13 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
   }
   cp_async_wait<0>();
   __syncthreads();
-  // Cumulative log-decay and k of this thread's 32 tokens in registers; the second half adds the first's total.
+  // Cumulative log-decay (log2 units) and k of this thread's 32 tokens in registers; the second half adds the first's total.
   float gc[32], kr[32];
   float running = 0.0f;
 #pragma unroll
   for (int j = 0; j < 32; ++j) {
     const int t = t0 + j;
-    const float g = t < n ? gate_value(g_tile[t * kD + c], p.gate_mode, a, bias, p.lower_bound) : 0.0f;
+    const float g = t < n ? gate_value(g_tile[t * kD + c], p.gate_mode, a, bias, p.lower_bound) * kLog2e : 0.0f;
     running += g;
     gc[j] = running;
     kr[j] = __bfloat162float(kd[t * kLdD + c]);
@@ -222,13 +240,13 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
     const int t = t0 + j;
     const float r = j < 16 ? r_first : gc[15];
     const float qv = __bfloat162float(qd[t * kLdD + c]) * p.q_scale;
-    const float e = __expf(gc[j] - r);
+    const float e = exp2_ftz(gc[j] - r);
     qd[t * kLdD + c] = __float2bfloat16(qv * e);
     kd[t * kLdD + c] = __float2bfloat16(kr[j] * e);
-    qg_out[t * kD + c] = __float2bfloat16(qv * __expf(gc[j]));
-    kg_out[t * kD + c] = __float2bfloat16(kr[j] * __expf(gc_last - gc[j]));
+    qg_out[t * kLdD + c] = __float2bfloat16(qv * exp2_ftz(gc[j]));
+    kg_out[t * kLdD + c] = __float2bfloat16(kr[j] * exp2_ftz(gc_last - gc[j]));
   }
-  if (half == 0) decay_out[c] = __expf(gc_last);
+  if (half == 0) decay_out[c] = exp2_ftz(gc_last);
 
   if (!dense) {
     // Exact pairwise decays inside the diagonal tiles, e^(gc_t - gc_i) <= 1 for i <= t, in fp32. gc goes over kinv
@@ -248,7 +266,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
       // Entries right of the diagonal (and every entry of a row past the sequence) are zero.
       if (lane < 16 && (tile0 + lane > t || t >= n)) {
         akk[t * kLdF + tile0 + lane] = 0.0f;
-        aqk_out[t * kC + tile0 + lane] = __float2bfloat16(0.0f);
+        aqk_out[t * kLdC + tile0 + lane] = __float2bfloat16(0.0f);
       }
       if (t >= n) continue;
       const float4 kt = load_bf16x4(k_rows + t * row_stride), qt = load_bf16x4(q_rows + t * row_stride);
@@ -265,8 +283,8 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
           sk[j] = 0.0f;
           sq[j] = 0.0f;
           if (i0 + j <= t) {
-            const float e0 = ki.x * __expf(gt.x - gi.x), e1 = ki.y * __expf(gt.y - gi.y);
-            const float e2 = ki.z * __expf(gt.z - gi.z), e3 = ki.w * __expf(gt.w - gi.w);
+            const float e0 = ki.x * exp2_ftz(gt.x - gi.x), e1 = ki.y * exp2_ftz(gt.y - gi.y);
+            const float e2 = ki.z * exp2_ftz(gt.z - gi.z), e3 = ki.w * exp2_ftz(gt.w - gi.w);
             sk[j] = kt.x * e0 + kt.y * e1 + kt.z * e2 + kt.w * e3;
             sq[j] = qt.x * e0 + qt.y * e1 + qt.z * e2 + qt.w * e3;
           }
@@ -275,7 +293,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
         const int i = i0 + lane_key;
         if ((lane & 3) == 0 && i <= t) {
           akk[t * kLdF + i] = i < t ? beta_s[t] * key_sum : 0.0f;
-          aqk_out[t * kC + i] = __float2bfloat16(query_sum * p.q_scale);
+          aqk_out[t * kLdC + i] = __float2bfloat16(query_sum * p.q_scale);
         }
       }
     }
@@ -290,7 +308,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
     bf16* rows = kinv + (8 * tile * (tile + 1)) * kLdD;
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
-      if (t0 + j < limit) rows[(t0 + j) * kLdD + c] = __float2bfloat16(kr[j] * __expf(r - gc[j]));
+      if (t0 + j < limit) rows[(t0 + j) * kLdD + c] = __float2bfloat16(kr[j] * exp2_ftz(r - gc[j]));
     }
   }
   __syncthreads();
@@ -319,7 +337,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
         for (int e = 0; e < 4; ++e) {
           const int row = m0 + group + (e >> 1) * 8, col = n0 + j * 8 + quad * 2 + (e & 1);
           akk[row * kLdF + col] = col < row ? beta_s[row] * ck[j][e] : 0.0f;
-          aqk_out[row * kC + col] = __float2bfloat16(col <= row ? cq[j][e] : 0.0f);
+          aqk_out[row * kLdC + col] = __float2bfloat16(col <= row ? cq[j][e] : 0.0f);
         }
       }
     }
@@ -329,7 +347,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
       for (int index = lane; index < 16 * width; index += 32) {
         const int row = m0 + index / width, col = first_zero + index % width;
         akk[row * kLdF + col] = 0.0f;
-        aqk_out[row * kC + col] = __float2bfloat16(0.0f);
+        aqk_out[row * kLdC + col] = __float2bfloat16(0.0f);
       }
     }
   }
@@ -370,7 +388,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
   for (int j = 0; j < 32; ++j) {
     const int t = t0 + j;
     const float vv = __bfloat162float(bv[t * kLdD + c]);
-    bk[t * kLdD + c] = __float2bfloat16(beta_s[t] * kr[j] * __expf(gc[j]));
+    bk[t * kLdD + c] = __float2bfloat16(beta_s[t] * kr[j] * exp2_ftz(gc[j]));
     bv[t * kLdD + c] = __float2bfloat16(beta_s[t] * vv);
   }
   __syncthreads();
@@ -380,8 +398,10 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
   //   W_a = T_aa (X_a - sum_{c < a} Akk_ac W_c).
   {
     bf16* x = warp < 4 ? bk : bv;
-    bf16* out_rows = warp < 4 ? w_out : u_out;
     const int col0 = (warp & 3) * 32;
+    // w rows are [64][kLdD]; the u warp's 32 columns are exactly value slice warp % 4, [64][kLdV].
+    bf16* out_rows = warp < 4 ? w_out + col0 : u_out + (warp & 3) * (kC * kLdV);
+    const int out_ld = warp < 4 ? kLdD : kLdV;
     bf16* residual = r_b + warp * 16 * kLdR;  // [16][kLdR] X_a - sum, bf16
     for (int a0 = 0; a0 < kC; a0 += 16) {
       float acc[4][4] = {};
@@ -422,10 +442,10 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
       for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
         for (int half_row = 0; half_row < 2; ++half_row) {
-          const int row = a0 + group + half_row * 8, col = col0 + nt * 8 + quad * 2;
+          const int row = a0 + group + half_row * 8, col = nt * 8 + quad * 2;
           const uint32_t packed = pack_bf16(wa[nt][2 * half_row], wa[nt][2 * half_row + 1]);
-          *reinterpret_cast<uint32_t*>(x + row * kLdD + col) = packed;
-          *reinterpret_cast<uint32_t*>(out_rows + row * kD + col) = packed;
+          *reinterpret_cast<uint32_t*>(x + row * kLdD + col0 + col) = packed;
+          *reinterpret_cast<uint32_t*>(out_rows + row * out_ld + col) = packed;
         }
       }
       __syncwarp();
@@ -433,15 +453,14 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
   }
 }
 
-constexpr int kStateThreads = 256;
-constexpr int kStageElements = 3 * kC * kLdD + kC * (kStateBv + 8) + kC * kLdC;  // bf16 elements per stage
-constexpr size_t kStageBytes = size_t{kStageElements} * 2 + kD * 4;
-constexpr size_t kStateSmem = 2 * kStageBytes + size_t{kD} * (kStateBv + 8) * 2 + size_t{kC} * (kStateBv + 8) * 2;
+constexpr int kStateThreads = 512;
+constexpr size_t kStageBytes = kOffU + kUSliceBytes;  // the chunk's shared part, then this CTA's u slice
+constexpr size_t kStateSmem = 2 * kStageBytes + size_t{kD} * kLdV * 2 + size_t{kC} * kLdV * 2 + 2 * sizeof(uint64_t);
 
-// 8 warps: warp w owns state rows [16 w, 16 w + 16) x the slice's 32 columns; for the chunk's token rows, warp w
-// computes rows [16 (w % 4), +16) x columns [16 (w / 4), +16).
+// 16 warps. Warp w owns state rows [16 (w % 8), +16) x columns [16 (w / 8), +16) of the slice's 32. For the
+// chunk's token rows [64 x 32] = 4 x 2 tiles of 16x16: warps 0..7 compute v_new's tile w, warps 8..15 o's tile w - 8
+// (row tile i % 4, column tile i / 4).
 __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(StateArgs p) {
-  constexpr int kBv = kStateBv, kNt = kBv / 8, kLdV = kBv + 8;
   extern __shared__ __align__(16) uint8_t smem[];
   const int H = p.num_heads;
   const int slice = blockIdx.x, h = blockIdx.y, sequence = blockIdx.z;
@@ -450,51 +469,36 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(State
   const SequenceEntry seq = p.sequences[sequence];
   bf16* s_b = reinterpret_cast<bf16*>(smem + 2 * kStageBytes);  // [128][kLdV] state as bf16
   bf16* vn = s_b + kD * kLdV;                                   // [64][kLdV] v_new
+  uint64_t* full = reinterpret_cast<uint64_t*>(vn + kC * kLdV);  // [2] stage barriers
 
-  auto stage_w = [&](int stage) { return reinterpret_cast<bf16*>(smem + stage * kStageBytes); };
-  auto stage_qg = [&](int stage) { return stage_w(stage) + kC * kLdD; };
-  auto stage_kg = [&](int stage) { return stage_w(stage) + 2 * kC * kLdD; };
-  auto stage_u = [&](int stage) { return stage_w(stage) + 3 * kC * kLdD; };
-  auto stage_aqk = [&](int stage) { return stage_u(stage) + kC * kLdV; };
-  auto stage_decay = [&](int stage) {
-    return reinterpret_cast<float*>(smem + stage * kStageBytes + kStageElements * 2);
-  };
+  auto stage_base = [&](int stage) { return smem + stage * kStageBytes; };
+  auto stage_w = [&](int stage) { return reinterpret_cast<const bf16*>(stage_base(stage) + kOffW); };
+  auto stage_qg = [&](int stage) { return reinterpret_cast<const bf16*>(stage_base(stage) + kOffQg); };
+  auto stage_kg = [&](int stage) { return reinterpret_cast<const bf16*>(stage_base(stage) + kOffKg); };
+  auto stage_aqk = [&](int stage) { return reinterpret_cast<const bf16*>(stage_base(stage) + kOffAqk); };
+  auto stage_decay = [&](int stage) { return reinterpret_cast<const float*>(stage_base(stage) + kOffDecay); };
+  auto stage_u = [&](int stage) { return reinterpret_cast<const bf16*>(stage_base(stage) + kOffU); };
 
+  // Thread 0 only: the chunk's factors into `stage` by two bulk copies (the shared part, this slice's u).
   auto load_stage = [&](int stage, int chunk) {
     const uint8_t* src = p.data + (static_cast<size_t>(chunk) * H + h) * kChunkBytes;
-    const bf16* w = reinterpret_cast<const bf16*>(src + kOffW);
-    const bf16* qg = reinterpret_cast<const bf16*>(src + kOffQg);
-    const bf16* kg = reinterpret_cast<const bf16*>(src + kOffKg);
-    const bf16* u = reinterpret_cast<const bf16*>(src + kOffU);
-    const bf16* aqk = reinterpret_cast<const bf16*>(src + kOffAqk);
-    const float* decay = reinterpret_cast<const float*>(src + kOffDecay);
-    for (int i = tid; i < kC * 16; i += kStateThreads) {
-      const int r = i >> 4, s = (i & 15) * 8;
-      cp_async16(stage_w(stage) + r * kLdD + s, w + r * kD + s);
-      cp_async16(stage_qg(stage) + r * kLdD + s, qg + r * kD + s);
-      cp_async16(stage_kg(stage) + r * kLdD + s, kg + r * kD + s);
-    }
-    for (int i = tid; i < kC * (kBv / 8); i += kStateThreads) {
-      const int r = i / (kBv / 8), s = (i % (kBv / 8)) * 8;
-      cp_async16(stage_u(stage) + r * kLdV + s, u + r * kD + slice * kBv + s);
-    }
-    for (int i = tid; i < kC * 8; i += kStateThreads) {
-      const int r = i >> 3, s = (i & 7) * 8;
-      cp_async16(stage_aqk(stage) + r * kLdC + s, aqk + r * kC + s);
-    }
-    if (tid < kD / 4) cp_async16(stage_decay(stage) + tid * 4, decay + tid * 4);
-    cp_async_commit();
+    const uint32_t bar = smem_address(&full[stage]);
+    const uint32_t dst = smem_address(stage_base(stage));
+    sm90::mbarrier_arrive_expect_tx(bar, static_cast<uint32_t>(kStageBytes));
+    bulk_copy_to_shared(dst, src, static_cast<uint32_t>(kOffU), bar);
+    bulk_copy_to_shared(dst + static_cast<uint32_t>(kOffU), src + kOffU + slice * kUSliceBytes,
+                        static_cast<uint32_t>(kUSliceBytes), bar);
   };
 
-  // State rows [16 warp, +16), columns [slice * 32, +32): fragments s[n-tile][c0..c3].
-  float s[kNt][4];
-  const size_t state_offset = (static_cast<size_t>(sequence) * H + h) * kD * kD + slice * kBv;
-  const int state_row = warp * 16 + group;
+  // State rows [16 (warp % 8), +16), slice columns [16 (warp / 8), +16): fragments s[n-tile][c0..c3].
+  float s[2][4];
+  const size_t state_offset = (static_cast<size_t>(sequence) * H + h) * kD * kD + slice * kStateBv;
+  const int state_row = (warp & 7) * 16 + group, state_col = (warp >> 3) * 16;
 #pragma unroll
-  for (int nt = 0; nt < kNt; ++nt) {
+  for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int row = state_row + half * 8, col = nt * 8 + quad * 2;
+      const int row = state_row + half * 8, col = state_col + nt * 8 + quad * 2;
       float2 value = make_float2(0.0f, 0.0f);
       if (p.initial_state != nullptr) {
         value = *reinterpret_cast<const float2*>(p.initial_state + state_offset + row * kD + col);
@@ -505,89 +509,97 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(State
   }
   auto store_state = [&](float* base) {
 #pragma unroll
-    for (int nt = 0; nt < kNt; ++nt) {
+    for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int row = state_row + half * 8, col = nt * 8 + quad * 2;
+        const int row = state_row + half * 8, col = state_col + nt * 8 + quad * 2;
         *reinterpret_cast<float2*>(base + row * kD + col) = make_float2(s[nt][2 * half], s[nt][2 * half + 1]);
       }
     }
   };
 
-  const int m0 = (warp & 3) * 16, n0 = (warp >> 2) * 16;
-  if (seq.num_chunks > 0) load_stage(0, seq.first_chunk);
+  if (tid == 0) {
+    sm90::mbarrier_init(smem_address(&full[0]), 1);
+    sm90::mbarrier_init(smem_address(&full[1]), 1);
+    sm90::mbarrier_init_fence();
+    fence_proxy_async_global();  // the workspace was written by the prep grid with ordinary stores
+    if (seq.num_chunks > 0) load_stage(0, seq.first_chunk);
+  }
+  __syncthreads();
+
+  const bool v_warp = warp < 8;
+  const int m0 = (warp & 3) * 16, n0 = ((warp >> 2) & 1) * 16;  // this warp's token-row tile (v_new or o)
   for (int ci = 0; ci < seq.num_chunks; ++ci) {
     const int stage = ci & 1;
-    if (ci + 1 < seq.num_chunks) {
-      load_stage(stage ^ 1, seq.first_chunk + ci + 1);
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
+    // The other stage was released by the barrier at the end of the previous chunk.
+    if (tid == 0 && ci + 1 < seq.num_chunks) load_stage(stage ^ 1, seq.first_chunk + ci + 1);
     // State to bf16 for the matmuls.
 #pragma unroll
-    for (int nt = 0; nt < kNt; ++nt) {
-      const int col = nt * 8 + quad * 2;
+    for (int nt = 0; nt < 2; ++nt) {
+      const int col = state_col + nt * 8 + quad * 2;
       *reinterpret_cast<uint32_t*>(s_b + state_row * kLdV + col) = pack_bf16(s[nt][0], s[nt][1]);
       *reinterpret_cast<uint32_t*>(s_b + (state_row + 8) * kLdV + col) = pack_bf16(s[nt][2], s[nt][3]);
     }
+    sm90::mbarrier_wait(smem_address(&full[stage]), static_cast<uint32_t>((ci >> 1) & 1));
     __syncthreads();
 
-    const bf16* w = stage_w(stage);
-    const bf16* qg = stage_qg(stage);
-    const bf16* kg = stage_kg(stage);
-    const bf16* u = stage_u(stage);
     const bf16* aqk = stage_aqk(stage);
+    const bf16* kg = stage_kg(stage);
     const float* decay = stage_decay(stage);
-    float cv[2][4] = {}, co[2][4] = {};
+    // v_new = u - w S (warps 0..7) or o = (q e^gc) S (warps 8..15), one 16x16 tile each.
+    float acc[2][4] = {};
+    {
+      const bf16* a_rows = v_warp ? stage_w(stage) : stage_qg(stage);
 #pragma unroll
-    for (int k0 = 0; k0 < kD; k0 += 16) {
-      uint32_t aw[4], aq[4], b[4];
-      load_a(aw, w, kLdD, m0, k0);
-      load_a(aq, qg, kLdD, m0, k0);
-      load_b_kn(b, s_b, kLdV, n0, k0);
-      mma_bf16_16816(cv[0], aw, b[0], b[1]);
-      mma_bf16_16816(cv[1], aw, b[2], b[3]);
-      mma_bf16_16816(co[0], aq, b[0], b[1]);
-      mma_bf16_16816(co[1], aq, b[2], b[3]);
+      for (int k0 = 0; k0 < kD; k0 += 16) {
+        uint32_t am[4], b[4];
+        load_a(am, a_rows, kLdD, m0, k0);
+        load_b_kn(b, s_b, kLdV, n0, k0);
+        mma_bf16_16816(acc[0], am, b[0], b[1]);
+        mma_bf16_16816(acc[1], am, b[2], b[3]);
+      }
     }
-    // v_new = u - w S.
+    if (v_warp) {
+      const bf16* u = stage_u(stage);
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
+      for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = m0 + group + half * 8, col = n0 + nt * 8 + quad * 2;
-        const float2 uu = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(u + row * kLdV + col));
-        *reinterpret_cast<uint32_t*>(vn + row * kLdV + col) =
-            pack_bf16(uu.x - cv[nt][2 * half], uu.y - cv[nt][2 * half + 1]);
+        for (int half = 0; half < 2; ++half) {
+          const int row = m0 + group + half * 8, col = n0 + nt * 8 + quad * 2;
+          const float2 uu = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(u + row * kLdV + col));
+          *reinterpret_cast<uint32_t*>(vn + row * kLdV + col) =
+              pack_bf16(uu.x - acc[nt][2 * half], uu.y - acc[nt][2 * half + 1]);
+        }
       }
     }
     __syncthreads();
-    // o += Aqk v_new (causal: k-steps up to this warp's row tile).
-    for (int k0 = 0; k0 <= m0; k0 += 16) {
-      uint32_t aa[4], b[4];
-      load_a(aa, aqk, kLdC, m0, k0);
-      load_b_kn(b, vn, kLdV, n0, k0);
-      mma_bf16_16816(co[0], aa, b[0], b[1]);
-      mma_bf16_16816(co[1], aa, b[2], b[3]);
-    }
     const int chunk_first = ci * kC;
     const int tokens = min(kC, seq.length - chunk_first);
+    if (!v_warp) {
+      // o += Aqk v_new (causal: k-steps up to this warp's row tile).
+      for (int k0 = 0; k0 <= m0; k0 += 16) {
+        uint32_t aa[4], b[4];
+        load_a(aa, aqk, kLdC, m0, k0);
+        load_b_kn(b, vn, kLdV, n0, k0);
+        mma_bf16_16816(acc[0], aa, b[0], b[1]);
+        mma_bf16_16816(acc[1], aa, b[2], b[3]);
+      }
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
+      for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = m0 + group + half * 8, col = slice * kBv + n0 + nt * 8 + quad * 2;
-        if (row < tokens) {
-          const size_t index = (static_cast<size_t>(seq.token_begin + chunk_first + row) * H + h) * kD + col;
-          *reinterpret_cast<uint32_t*>(p.o + index) = pack_bf16(co[nt][2 * half], co[nt][2 * half + 1]);
+        for (int half = 0; half < 2; ++half) {
+          const int row = m0 + group + half * 8, col = slice * kStateBv + n0 + nt * 8 + quad * 2;
+          if (row < tokens) {
+            const size_t index = (static_cast<size_t>(seq.token_begin + chunk_first + row) * H + h) * kD + col;
+            *reinterpret_cast<uint32_t*>(p.o + index) = pack_bf16(acc[nt][2 * half], acc[nt][2 * half + 1]);
+          }
         }
       }
     }
     // S = e^gc_last ⊙ S + kg^T v_new.
     const float d0 = decay[state_row], d1 = decay[state_row + 8];
 #pragma unroll
-    for (int nt = 0; nt < kNt; ++nt) {
+    for (int nt = 0; nt < 2; ++nt) {
       s[nt][0] *= d0;
       s[nt][1] *= d0;
       s[nt][2] *= d1;
@@ -595,19 +607,15 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(State
     }
 #pragma unroll
     for (int k0 = 0; k0 < kC; k0 += 16) {
-      uint32_t ak[4];
-      load_a_trans(ak, kg, kLdD, warp * 16, k0);
-#pragma unroll
-      for (int np = 0; np < kNt / 2; ++np) {
-        uint32_t b[4];
-        load_b_kn(b, vn, kLdV, np * 16, k0);
-        mma_bf16_16816(s[2 * np], ak, b[0], b[1]);
-        mma_bf16_16816(s[2 * np + 1], ak, b[2], b[3]);
-      }
+      uint32_t ak[4], b[4];
+      load_a_trans(ak, kg, kLdD, (warp & 7) * 16, k0);
+      load_b_kn(b, vn, kLdV, state_col, k0);
+      mma_bf16_16816(s[0], ak, b[0], b[1]);
+      mma_bf16_16816(s[1], ak, b[2], b[3]);
     }
     if (p.checkpoint_interval > 0 && tokens == kC && (chunk_first + kC) % p.checkpoint_interval == 0) {
       const int entry = seq.checkpoint_first + (chunk_first + kC) / p.checkpoint_interval - 1;
-      store_state(p.checkpoint_states + (static_cast<size_t>(entry) * H + h) * kD * kD + slice * kBv);
+      store_state(p.checkpoint_states + (static_cast<size_t>(entry) * H + h) * kD * kD + slice * kStateBv);
     }
     __syncthreads();
   }
