@@ -1,8 +1,8 @@
 // KDA chunked prefill for sm_90a in two launches (see kda.hpp for the contract):
 //   1. prep, one CTA per (chunk of 64 tokens, head), fully parallel: the chunk's cumulative log-decay, the
-//      intra-chunk matrices Akk (strictly lower, beta-weighted) and Aqk (lower incl. diagonal) on tensor cores, the inverses of the 16x16
-//      diagonal blocks of I + Akk, then w = (I + Akk)^-1 diag(beta) (K ⊙ e^gc) and u = (I + Akk)^-1 diag(beta) V
-//      by blocked forward substitution on tensor cores (the UT transform); writes w, u, q ⊙ e^gc,
+//      intra-chunk matrices Akk (strictly lower, beta-weighted) and Aqk (lower incl. diagonal) on tensor cores, the
+//      inverses of the 16x16 diagonal blocks of I + Akk, then w = (I + Akk)^-1 diag(beta) (K ⊙ e^gc) and u = (I +
+//      Akk)^-1 diag(beta) V by blocked forward substitution on tensor cores (the UT transform); writes w, u, q ⊙ e^gc,
 //      k ⊙ e^(gc_last - gc), Aqk (bf16) and e^gc_last (fp32) to the workspace, in the state pass's shared-memory
 //      layout (padded rows, u split by value slice), so that the state pass loads a chunk with two bulk copies.
 //   2. state pass, one CTA of 16 warps per (32 value columns, head, sequence), sequential over the sequence's
@@ -32,15 +32,15 @@ using bf16 = __nv_bfloat16;
 
 constexpr int kD = kKdaHeadDim;
 constexpr int kC = kKdaChunk;
-constexpr int kLdD = kD + 8;         // bf16 row stride of [*, 128] smem tiles (conflict-free ldmatrix)
-constexpr int kLdC = kC + 8;         // bf16 row stride of [*, 64] smem tiles
-constexpr int kLdF = kC + 1;         // fp32 row stride of [64, 64] smem matrices
-constexpr int kLdR = 32 + 8;         // bf16 row stride of a warp's [16, 32] residual tile
-constexpr int kKinvRows = 160;       // 16 + 32 + 48 + 64: the B operands of the four row tiles
+constexpr int kLdD = kD + 8;    // bf16 row stride of [*, 128] smem tiles (conflict-free ldmatrix)
+constexpr int kLdC = kC + 8;    // bf16 row stride of [*, 64] smem tiles
+constexpr int kLdF = kC + 1;    // fp32 row stride of [64, 64] smem matrices
+constexpr int kLdR = 32 + 8;    // bf16 row stride of a warp's [16, 32] residual tile
+constexpr int kKinvRows = 160;  // 16 + 32 + 48 + 64: the B operands of the four row tiles
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kDenseSpan = 85.0f * kLog2e;  // in log2 units (the prep keeps log-decays as log2): e^85 < fp32 max
-constexpr int kStateBv = 32;         // value columns per state-pass CTA
-constexpr int kLdV = kStateBv + 8;   // bf16 row stride of [*, 32] tiles (a value slice)
+constexpr int kStateBv = 32;                  // value columns per state-pass CTA
+constexpr int kLdV = kStateBv + 8;            // bf16 row stride of [*, 32] tiles (a value slice)
 constexpr int kSlices = kD / kStateBv;
 
 // Per (chunk, head) block of the workspace, laid out as the state pass's shared-memory stage: w, q e^gc,
@@ -196,7 +196,8 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
   }
   cp_async_wait<0>();
   __syncthreads();
-  // Cumulative log-decay (log2 units) and k of this thread's 32 tokens in registers; the second half adds the first's total.
+  // Cumulative log-decay (log2 units) and k of this thread's 32 tokens in registers; the second half adds the first's
+  // total.
   float gc[32], kr[32];
   float running = 0.0f;
 #pragma unroll
@@ -467,8 +468,8 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(State
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int group = lane >> 2, quad = lane & 3;
   const SequenceEntry seq = p.sequences[sequence];
-  bf16* s_b = reinterpret_cast<bf16*>(smem + 2 * kStageBytes);  // [128][kLdV] state as bf16
-  bf16* vn = s_b + kD * kLdV;                                   // [64][kLdV] v_new
+  bf16* s_b = reinterpret_cast<bf16*>(smem + 2 * kStageBytes);   // [128][kLdV] state as bf16
+  bf16* vn = s_b + kD * kLdV;                                    // [64][kLdV] v_new
   uint64_t* full = reinterpret_cast<uint64_t*>(vn + kC * kLdV);  // [2] stage barriers
 
   auto stage_base = [&](int stage) { return smem + stage * kStageBytes; };
@@ -533,7 +534,7 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(State
     const int stage = ci & 1;
     // The other stage was released by the barrier at the end of the previous chunk.
     if (tid == 0 && ci + 1 < seq.num_chunks) load_stage(stage ^ 1, seq.first_chunk + ci + 1);
-    // State to bf16 for the matmuls.
+      // State to bf16 for the matmuls.
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       const int col = state_col + nt * 8 + quad * 2;
