@@ -182,9 +182,9 @@ void bench_decode(int H, int B, int layers, KdaDecodeKernel kernel = KdaDecodeKe
   std::vector<KdaDecodeParams> params(layers);
   for (int l = 0; l < layers; ++l) {
     auto* state = static_cast<float*>(alloc(static_cast<size_t>(B) * H * 128 * 128 * 4));
-    auto* conv = static_cast<float*>(alloc(static_cast<size_t>(B) * 3 * C * (K - 1) * 4));
+    auto* conv = static_cast<__nv_bfloat16*>(alloc(static_cast<size_t>(B) * 3 * C * (K - 1) * 2));
     fill_floats<<<1024, 256>>>(state, int64_t{B} * H * 128 * 128, 9 + l, 0.05f, 0.0f, 2);
-    fill_floats<<<1024, 256>>>(conv, int64_t{B} * 3 * C * (K - 1), 99 + l, 1.0f, 0.0f, 2);
+    fill_bf16<<<1024, 256>>>(conv, int64_t{B} * 3 * C * (K - 1), 99 + l, 1.0f);
     KdaDecodeParams& p = params[l];
     p.batch = B;
     p.num_heads = H;
@@ -235,9 +235,9 @@ void bench_decode(int H, int B, int layers, KdaDecodeKernel kernel = KdaDecodeKe
   }
   std::sort(times.begin(), times.end());
   const double us = times[times.size() / 2] * 1000.0;
-  // Fewest bytes per layer: state and conv tails read + written, activations in, output out.
+  // Fewest bytes per layer: state (fp32) and conv tails (bf16) read + written, activations in, output out.
   const double bytes =
-      2.0 * B * H * 128 * 128 * 4 + 2.0 * B * 3 * C * (K - 1) * 4 + B * (5.0 * C + H) * 2 + B * C * 2.0;
+      2.0 * B * H * 128 * 128 * 4 + 2.0 * B * 3 * C * (K - 1) * 2 + B * (5.0 * C + H) * 2 + B * C * 2.0;
   // Ratios to a nominal 4.26 TB/s copy (kda_report.py redoes them with the copy bandwidth measured in the run).
   const double state_bytes = 2.0 * B * H * 128 * 128 * 4;
   std::printf(

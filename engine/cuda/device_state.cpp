@@ -38,7 +38,7 @@ Status DevicePools::allocate(int64_t slots, int64_t pages, int page_tokens) {
       states_.allocate(static_cast<size_t>(shape_.kda_layers * slots * shape_.state_floats()) * 4, "KDA state slots"));
   if (shape_.conv_kernel > 1) {
     DS_RETURN_IF_ERROR(
-        tails_.allocate(static_cast<size_t>(shape_.kda_layers * slots * shape_.tail_floats()) * 4, "KDA conv tails"));
+        tails_.allocate(static_cast<size_t>(shape_.kda_layers * slots * shape_.tail_floats()) * 2, "KDA conv tails"));
   }
   pool_.num_pages = shape_.mla_layers > 0 ? pages : 0;
   pool_.num_layers = static_cast<int>(shape_.mla_layers);
@@ -98,10 +98,10 @@ Status DevicePools::upload(const RequestState& state, int32_t slot, const std::v
   for (int64_t i = 0; i < s.kda_layers; ++i) {
     const KdaLayerState& layer = state.kda[static_cast<size_t>(i)];
     float* dst_state = state_pool(i) + slot * s.state_floats();
-    float* dst_tail = conv_pool(i) != nullptr ? conv_pool(i) + slot * s.tail_floats() : nullptr;
+    __nv_bfloat16* dst_tail = conv_pool(i) != nullptr ? conv_pool(i) + slot * s.tail_floats() : nullptr;
     if (empty) {
       DS_CUDA_RETURN(cudaMemsetAsync(dst_state, 0, static_cast<size_t>(s.state_floats()) * 4, stream_));
-      if (dst_tail) DS_CUDA_RETURN(cudaMemsetAsync(dst_tail, 0, static_cast<size_t>(s.tail_floats()) * 4, stream_));
+      if (dst_tail) DS_CUDA_RETURN(cudaMemsetAsync(dst_tail, 0, static_cast<size_t>(s.tail_floats()) * 2, stream_));
       continue;
     }
     if (static_cast<int64_t>(layer.recurrent.size()) != s.state_floats() ||
@@ -112,11 +112,17 @@ Status DevicePools::upload(const RequestState& state, int32_t slot, const std::v
     DS_CUDA_RETURN(cudaMemcpyAsync(dst_state, layer.recurrent.data(), static_cast<size_t>(s.state_floats()) * 4,
                                    cudaMemcpyHostToDevice, stream_));
     if (dst_tail) {
+      // bf16 on the device (round to nearest even; exact for tails a GPU worker wrote). Pageable source: the copy
+      // has taken the bytes when cudaMemcpyAsync returns, so the staging vector may be reused.
       const std::vector<float>* tails[3] = {&layer.conv_q, &layer.conv_k, &layer.conv_v};
+      std::vector<uint16_t> tail_staging(static_cast<size_t>(3 * tail));
       for (int j = 0; j < 3; ++j) {
-        DS_CUDA_RETURN(cudaMemcpyAsync(dst_tail + j * tail, tails[j]->data(), static_cast<size_t>(tail) * 4,
-                                       cudaMemcpyHostToDevice, stream_));
+        for (int64_t c = 0; c < tail; ++c) {
+          tail_staging[static_cast<size_t>(j * tail + c)] = float_to_bf16((*tails[j])[static_cast<size_t>(c)]);
+        }
       }
+      DS_CUDA_RETURN(cudaMemcpyAsync(dst_tail, tail_staging.data(), static_cast<size_t>(3 * tail) * 2,
+                                     cudaMemcpyHostToDevice, stream_));
     }
   }
   const int64_t n = state.num_tokens();
@@ -160,18 +166,19 @@ Status DevicePools::download_part(RequestState& state, int32_t slot, const std::
   mla_end = std::min(mla_end, state.num_tokens());
   mla_begin = std::clamp<int64_t>(mla_begin, 0, std::max<int64_t>(mla_end, 0));
   DS_CUDA_RETURN(cudaSetDevice(device_));
+  std::vector<std::vector<uint16_t>> tail_staging(static_cast<size_t>(kda ? s.kda_layers : 0));
   for (int64_t i = 0; kda && i < s.kda_layers; ++i) {
     KdaLayerState& layer = state.kda[static_cast<size_t>(i)];
     layer.recurrent.resize(static_cast<size_t>(s.state_floats()));
     DS_CUDA_RETURN(cudaMemcpyAsync(layer.recurrent.data(), state_pool(i) + slot * s.state_floats(),
                                    static_cast<size_t>(s.state_floats()) * 4, cudaMemcpyDeviceToHost, stream_));
     std::vector<float>* tails[3] = {&layer.conv_q, &layer.conv_k, &layer.conv_v};
-    for (int j = 0; j < 3; ++j) {
-      tails[j]->resize(static_cast<size_t>(tail));
-      if (tail == 0) continue;
-      DS_CUDA_RETURN(cudaMemcpyAsync(tails[j]->data(), conv_pool(i) + slot * s.tail_floats() + j * tail,
-                                     static_cast<size_t>(tail) * 4, cudaMemcpyDeviceToHost, stream_));
-    }
+    for (int j = 0; j < 3; ++j) tails[j]->resize(static_cast<size_t>(tail));
+    if (tail == 0) continue;
+    auto& staged = tail_staging[static_cast<size_t>(i)];
+    staged.resize(static_cast<size_t>(3 * tail));
+    DS_CUDA_RETURN(cudaMemcpyAsync(staged.data(), conv_pool(i) + slot * s.tail_floats(),
+                                   static_cast<size_t>(3 * tail) * 2, cudaMemcpyDeviceToHost, stream_));
   }
   // MLA rows of tokens [mla_begin, mla_end) (the host keeps the rows before mla_begin; they never change).
   const int64_t first = mla_begin, n = std::max<int64_t>(mla_end - mla_begin, 0);
@@ -192,6 +199,16 @@ Status DevicePools::download_part(RequestState& state, int32_t slot, const std::
     }
   }
   DS_CUDA_RETURN(cudaStreamSynchronize(stream_));
+  for (int64_t i = 0; kda && tail > 0 && i < s.kda_layers; ++i) {  // bf16 tails back to the host's fp32
+    KdaLayerState& layer = state.kda[static_cast<size_t>(i)];
+    std::vector<float>* tails[3] = {&layer.conv_q, &layer.conv_k, &layer.conv_v};
+    const auto& staged = tail_staging[static_cast<size_t>(i)];
+    for (int j = 0; j < 3; ++j) {
+      for (int64_t c = 0; c < tail; ++c) {
+        (*tails[j])[static_cast<size_t>(c)] = bf16_to_float(staged[static_cast<size_t>(j * tail + c)]);
+      }
+    }
+  }
   for (int64_t l = 0; l < s.mla_layers && n > 0; ++l) {
     MlaLayerCache& cache = state.mla[static_cast<size_t>(l)];
     std::vector<float>& out = cache.mutable_data();

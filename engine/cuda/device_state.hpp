@@ -4,8 +4,9 @@
 // Layouts (fp32 unless said):
 //   KDA recurrent states: one block [kda_layers, num_slots, H, d_k, d_v]; layer i's pool starts at
 //                         state_pool(i) = base + i · num_slots · H·d·d (the kernels' [num_slots, H, d, d]).
-//   KDA conv tails:       one block [kda_layers, num_slots, 3, C, K-1] (q, k, v tails, oldest first, as
-//                         KdaLayerState::conv_q/k/v and the kernels' pool layout); absent when K = 1.
+//   KDA conv tails:       one block [kda_layers, num_slots, 3, C, K-1] bf16 (q, k, v tails, oldest first, as
+//                         KdaLayerState::conv_q/k/v and the kernels' pool layout; the tails are bf16 projection
+//                         outputs, so bf16 holds them exactly); absent when K = 1. The host copy stays fp32.
 //   MLA pages:            kernels/cuda/mla.hpp MlaPagePool, bf16, all MLA layers in each page, row_stride = width
 //                         rounded up to 8 values.
 // A request holds one slot (the same index in every KDA layer) and pages covering its tokens (token t in page
@@ -19,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include "common/status.hpp"
@@ -35,8 +37,9 @@ struct StateShape {
   int64_t mla_layers = 0, mla_width = 0, mla_row_stride = 0;
   int64_t channels() const { return heads * head_dim; }
   int64_t state_floats() const { return heads * head_dim * head_dim; }        // one layer's S
-  int64_t tail_floats() const { return 3 * channels() * (conv_kernel - 1); }  // one layer's q, k, v tails
-  int64_t slot_bytes() const { return kda_layers * (state_floats() + tail_floats()) * 4; }
+  int64_t tail_floats() const { return 3 * channels() * (conv_kernel - 1); }  // one layer's q, k, v tail values
+  // fp32 states, bf16 tails (the tails are raw bf16 projection outputs: exact).
+  int64_t slot_bytes() const { return kda_layers * (state_floats() * 4 + tail_floats() * 2); }
   int64_t page_bytes(int64_t page_tokens) const { return mla_layers * page_tokens * mla_row_stride * 2; }
   static StateShape of(const ModelConfig& config);
 };
@@ -63,8 +66,9 @@ class DevicePools {
   float* state_pool(int64_t kda_layer) const {
     return states_.as<float>() + kda_layer * num_slots_ * shape_.state_floats();
   }
-  float* conv_pool(int64_t kda_layer) const {
-    return shape_.conv_kernel > 1 ? tails_.as<float>() + kda_layer * num_slots_ * shape_.tail_floats() : nullptr;
+  __nv_bfloat16* conv_pool(int64_t kda_layer) const {
+    return shape_.conv_kernel > 1 ? tails_.as<__nv_bfloat16>() + kda_layer * num_slots_ * shape_.tail_floats()
+                                  : nullptr;
   }
 
   // Free lists (caller holds the mutex). take_* return -1 when none is free.

@@ -121,8 +121,10 @@ struct KdaDecodeParams {
   const float* o_norm_weight = nullptr;  // [d]
   float rms_eps = 1e-5f;
 
-  float* conv_state = nullptr;  // [num_slots, 3, H*d, K-1] fp32 in/out: q, k, v tails, oldest first (null if K = 1)
-  float* state = nullptr;       // [num_slots, H, d_k, d_v] fp32 in/out
+  // [num_slots, 3, H*d, K-1] bf16 in/out: q, k, v tails, oldest first (null if K = 1). The tails are raw projection
+  // outputs, which are bf16 already, so bf16 keeps them exactly (and moves half the bytes of fp32).
+  __nv_bfloat16* conv_state = nullptr;
+  float* state = nullptr;  // [num_slots, H, d_k, d_v] fp32 in/out
 
   __nv_bfloat16* out = nullptr;  // [B, H*d] gated, normalised output (input of o_proj)
 

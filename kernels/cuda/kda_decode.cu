@@ -62,19 +62,19 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(DecodeArgs p) {
   const int which = tid >> 7, c = tid & (kD - 1), channel = h * kD + c;
   if (which < 3) {
     const size_t tail_stride = static_cast<size_t>(K - 1);
-    float* tail = p.conv_state + ((static_cast<size_t>(slot) * 3 + which) * C + channel) * tail_stride;
+    bf16* tail = p.conv_state + ((static_cast<size_t>(slot) * 3 + which) * C + channel) * tail_stride;
     const bf16* input = which == 0 ? p.q_in : (which == 1 ? p.k_in : p.v_in);
     const float* weight = (which == 0 ? p.q_conv_weight : (which == 1 ? p.k_conv_weight : p.v_conv_weight)) +
                           static_cast<size_t>(channel) * K;
     float t[3] = {};
 #pragma unroll
     for (int j = 0; j < 3; ++j) {
-      if (j < K - 1) t[j] = tail[j];
+      if (j < K - 1) t[j] = __bfloat162float(tail[j]);
     }
     x_s[which][c] = conv_step(weight, t, __bfloat162float(input[row + channel]), K);
 #pragma unroll
     for (int j = 0; j < 3; ++j) {
-      if (j < K - 1) tail[j] = t[j];
+      if (j < K - 1) tail[j] = __float2bfloat16(t[j]);  // exact: every tail value is a bf16 input
     }
   } else {
     decay_s[c] = gate_decay(p, row, channel, h);  // decay = e^g
@@ -109,9 +109,9 @@ __device__ __forceinline__ void allow_next_grid() {
 // Causal depthwise conv + SiLU of one channel: taps weight[0..K-1] over (tail[0..K-2], x), oldest first; the new
 // tail (the last K - 1 of those values) in next[0..K-2]. Named registers instead of conv_step's shifted array,
 // which ptxas keeps in local memory.
-__device__ __forceinline__ float conv_channel(const float* weight, const float* tail, int K, float x,
-                                              float (&next)[3]) {
-  const float t0 = K > 1 ? tail[0] : 0.0f, t1 = K > 2 ? tail[1] : 0.0f, t2 = K > 3 ? tail[2] : 0.0f;
+__device__ __forceinline__ float conv_channel(const float* weight, const bf16* tail, int K, float x, float (&next)[3]) {
+  const float t0 = K > 1 ? __bfloat162float(tail[0]) : 0.0f, t1 = K > 2 ? __bfloat162float(tail[1]) : 0.0f,
+              t2 = K > 3 ? __bfloat162float(tail[2]) : 0.0f;
   float sum = weight[K - 1] * x;
   if (K > 1) sum += weight[0] * t0;
   if (K > 2) sum += weight[1] * t1;
@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_cols1_kernel(DecodeArg
       decay_s[c] = gate_decay(p, row, channel, h);  // decay = e^g
     } else {
       const int conv = which == 3 ? 2 : which;  // q, k, v
-      float* tail = p.conv_state + ((static_cast<size_t>(slot) * 3 + conv) * C + channel) * (K - 1);
+      bf16* tail = p.conv_state + ((static_cast<size_t>(slot) * 3 + conv) * C + channel) * (K - 1);
       const float* weight = (conv == 0 ? p.q_conv_weight : (conv == 1 ? p.k_conv_weight : p.v_conv_weight)) +
                             static_cast<size_t>(channel) * K;
       const bf16* input = conv == 0 ? p.q_in : (conv == 1 ? p.k_in : p.v_in);
@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_cols1_kernel(DecodeArg
       x_s[conv][c] = x;
 #pragma unroll
       for (int j = 0; j < 3; ++j) {
-        if (j < K - 1) tail[j] = next[j];
+        if (j < K - 1) tail[j] = __float2bfloat16(next[j]);  // exact: every tail value is a bf16 input
       }
       if (conv < 2) {
         float square = x * x;

@@ -39,7 +39,7 @@ struct DecodeArgs {
   float lower_bound;
   const float* o_norm_weight;
   float rms_eps;
-  float* conv_state;
+  bf16* conv_state;
   float* state;
   bf16* out;
 };

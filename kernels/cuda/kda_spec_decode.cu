@@ -44,10 +44,10 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int which = tid >> 7, c = tid & (kD - 1), channel = h * kD + c;
   float tail[3] = {};
   if (which < 3) {
-    const float* tails = p.conv_state + ((static_cast<size_t>(slot) * 3 + which) * C + channel) * (K - 1);
+    const bf16* tails = p.conv_state + ((static_cast<size_t>(slot) * 3 + which) * C + channel) * (K - 1);
 #pragma unroll
     for (int j = 0; j < 3; ++j) {
-      if (j < K - 1) tail[j] = tails[j];
+      if (j < K - 1) tail[j] = __bfloat162float(tails[j]);
     }
   }
   const float* weight = (which == 0 ? p.q_conv_weight : (which == 1 ? p.k_conv_weight : p.v_conv_weight)) +
@@ -106,12 +106,12 @@ __global__ void __launch_bounds__(kThreads, 2) kda_spec_commit_kernel(DecodeArgs
   // Conv tails: shift in the accepted raw inputs.
   const int which = tid >> 7, c = tid & (kD - 1), channel = h * kD + c;
   if (which < 3 && K > 1) {
-    float* tails = p.conv_state + ((static_cast<size_t>(slot) * 3 + which) * C + channel) * (K - 1);
+    bf16* tails = p.conv_state + ((static_cast<size_t>(slot) * 3 + which) * C + channel) * (K - 1);
     const bf16* input = which == 0 ? p.q_in : (which == 1 ? p.k_in : p.v_in);
     float tail[3] = {};
 #pragma unroll
     for (int j = 0; j < 3; ++j) {
-      if (j < K - 1) tail[j] = tails[j];
+      if (j < K - 1) tail[j] = __bfloat162float(tails[j]);
     }
     for (int j = 0; j < count; ++j) {
       const float x = __bfloat162float(input[(static_cast<size_t>(b) * draft + j) * C + channel]);
@@ -126,7 +126,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_spec_commit_kernel(DecodeArgs
     }
 #pragma unroll
     for (int j = 0; j < 3; ++j) {
-      if (j < K - 1) tails[j] = tail[j];
+      if (j < K - 1) tails[j] = __float2bfloat16(tail[j]);  // exact: bf16 inputs
     }
   }
   for (int j = 0; j < count; ++j) {

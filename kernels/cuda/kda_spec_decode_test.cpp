@@ -34,17 +34,20 @@ void run_spec_case(const SpecCase& c) {
   const size_t tokens = static_cast<size_t>(B) * k;
   const KdaDecodeInputs in(rng, tokens, H);
   const KdaDecodeWeights w(rng, H, K);
-  std::vector<float> conv_state = normal_vector(rng, std::max<size_t>(c.num_slots * tail_size, 1));
+  // bf16 values: the device keeps the tails in bf16 (exact for the bf16 inputs they hold).
+  const size_t tail_values = std::max<size_t>(c.num_slots * tail_size, 1);
+  std::vector<float> conv_state = to_float(to_bf16(normal_vector(rng, tail_values)), tail_values);
   std::vector<float> state = normal_vector(rng, c.num_slots * state_size, 0.0f, 0.05f);
   const float eps = 1e-5f;
   const std::optional<float> lower_bound = -5.0f;
 
   DeviceBuffer<__nv_bfloat16> out_d(tokens * C);
   out_d.upload(std::vector<__nv_bfloat16>(tokens * C, bf16_nan()));
-  DeviceBuffer<float> conv_d(conv_state.size()), state_d(state.size());
+  DeviceBuffer<__nv_bfloat16> conv_d(conv_state.size());
+  DeviceBuffer<float> state_d(state.size());
   DeviceBuffer<float> saved_d(tokens * H * 3 * kD), saved_beta_d(tokens * H);
   DeviceBuffer<int32_t> slots_d(B), accepted_d(B);
-  conv_d.upload(conv_state);
+  conv_d.upload(to_bf16(conv_state));
   state_d.upload(state);
   slots_d.upload(c.slots);
   accepted_d.upload(c.accepted);
@@ -60,7 +63,7 @@ void run_spec_case(const SpecCase& c) {
   DS_CUDA_OK(cudaDeviceSynchronize());
   const std::vector<float> out = to_float(out_d.download(), tokens * C);
   EXPECT_EQ(state_d.download(), state) << "verify changed the state";
-  EXPECT_EQ(conv_d.download(), conv_state) << "verify changed the conv tails";
+  EXPECT_EQ(to_float(conv_d.download(), conv_state.size()), conv_state) << "verify changed the conv tails";
 
   // Commit (eager, or captured in a graph).
   cudaStream_t stream;
@@ -75,7 +78,7 @@ void run_spec_case(const SpecCase& c) {
     DS_CUDA_OK(cudaStreamSynchronize(stream));
   }
   DS_CUDA_OK(cudaStreamDestroy(stream));
-  const std::vector<float> state_got = state_d.download(), conv_got = conv_d.download();
+  const std::vector<float> state_got = state_d.download(), conv_got = to_float(conv_d.download(), conv_state.size());
 
   // CPU: every row runs its k tokens (outputs) from a copy; the committed result runs only the accepted ones.
   std::vector<float> out_ref(tokens * C, 0.0f), state_ref(state), conv_ref(conv_state);

@@ -74,9 +74,9 @@ struct KdaPrepParams {
   const float* q_conv_weight = nullptr;
   const float* k_conv_weight = nullptr;
   const float* v_conv_weight = nullptr;  // [C, K]
-  // Conv tails, the same pool layout kda_decode_step uses: [num_slots, 3, C, K-1] fp32 (q, k, v), oldest first.
-  // May be null when K = 1.
-  float* conv_state = nullptr;
+  // Conv tails, the same pool layout kda_decode_step uses: [num_slots, 3, C, K-1] bf16 (q, k, v), oldest first
+  // (the inputs are bf16, so the tails are exact). May be null when K = 1.
+  __nv_bfloat16* conv_state = nullptr;
   int num_slots = 0;
   float l2_eps = 1e-6f;
   float q_scale = 1.0f;  // q is L2-normalised then multiplied by q_scale

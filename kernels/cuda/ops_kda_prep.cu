@@ -31,7 +31,7 @@ struct PrepArgs {
   const __nv_bfloat16* in[3];
   int64_t in_stride;
   const float* conv_weight[3];
-  float* conv_state;
+  __nv_bfloat16* conv_state;  // bf16 tails (exact: the inputs are bf16)
   int num_slots;
   float l2_eps, q_scale;
 };
@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(kThreads) prep_rows_kernel(PrepArgs a, Out* q_
   const int64_t C = static_cast<int64_t>(a.num_heads) * d;
   const __nv_bfloat16* x = which == 0 ? a.in[0] : (which == 1 ? a.in[1] : a.in[2]);  // no dynamic param index
   const float* weight = which == 0 ? a.conv_weight[0] : (which == 1 ? a.conv_weight[1] : a.conv_weight[2]);
-  const float* tail = a.conv_state + (static_cast<int64_t>(slot) * 3 + which) * C * tail_length;
+  const __nv_bfloat16* tail = a.conv_state + (static_cast<int64_t>(slot) * 3 + which) * C * tail_length;
 
   float values[kMaxValuesPerLane];
   float sum_squares = 0.0f;
@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(kThreads) prep_rows_kernel(PrepArgs a, Out* q_
       float sum = 0.0f;
       for (int j = 0; j < K; ++j) {
         const int64_t s = i + j;  // index into tail ‖ x
-        const float input = s < tail_length ? tail[c * tail_length + s]
+        const float input = s < tail_length ? __bfloat162float(tail[c * tail_length + s])
                                             : __bfloat162float(x[(first + s - tail_length) * a.in_stride + c]);
         sum += weight[c * K + j] * input;
       }
@@ -218,7 +218,7 @@ __global__ void __launch_bounds__(kVecThreads) prep_rows_vec_kernel(PrepArgs a, 
       }
       const int64_t i = t - first;
       if (new_sequence || !have_window) {
-        const float* tail = a.conv_state + (static_cast<int64_t>(slot) * 3 + which) * C * kTail;
+        const __nv_bfloat16* tail = a.conv_state + (static_cast<int64_t>(slot) * 3 + which) * C * kTail;
 #pragma unroll
         for (int j = 0; j < kTail; ++j) {
           const int64_t s = i + j;  // index into tail ‖ x
@@ -226,7 +226,7 @@ __global__ void __launch_bounds__(kVecThreads) prep_rows_vec_kernel(PrepArgs a, 
             window[j][0] = window[j][1] = window[j][2] = window[j][3] = 0.0f;
           } else if (s < kTail) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) window[j][e] = tail[(c0 + e) * kTail + s];
+            for (int e = 0; e < 4; ++e) window[j][e] = __bfloat162float(tail[(c0 + e) * kTail + s]);
           } else {
             load4(x + (first + s - kTail) * a.in_stride + c0, window[j]);
           }
@@ -276,20 +276,20 @@ __global__ void __launch_bounds__(kThreads) update_tails_kernel(PrepArgs a) {
   const int tail_length = a.conv_kernel - 1;
   const int64_t C = static_cast<int64_t>(a.num_heads) * a.head_dim;
   const __nv_bfloat16* x = which == 0 ? a.in[0] : (which == 1 ? a.in[1] : a.in[2]);
-  float* tail = a.conv_state + (static_cast<int64_t>(slot) * 3 + which) * C * tail_length;
+  __nv_bfloat16* tail = a.conv_state + (static_cast<int64_t>(slot) * 3 + which) * C * tail_length;
   for (int64_t c = threadIdx.x; c < C; c += kThreads) {
     float updated[kMaxConvKernel - 1];
 #pragma unroll
     for (int j = 0; j < kMaxConvKernel - 1; ++j) {
       if (j < tail_length) {
         const int64_t s = length + j;
-        updated[j] = s < tail_length ? tail[c * tail_length + s]
+        updated[j] = s < tail_length ? __bfloat162float(tail[c * tail_length + s])
                                      : __bfloat162float(x[(first + s - tail_length) * a.in_stride + c]);
       }
     }
 #pragma unroll
     for (int j = 0; j < kMaxConvKernel - 1; ++j) {
-      if (j < tail_length) tail[c * tail_length + j] = updated[j];
+      if (j < tail_length) tail[c * tail_length + j] = __float2bfloat16(updated[j]);  // exact: bf16 values
     }
   }
 }

@@ -44,7 +44,7 @@ struct PrepData {
   int64_t C = 0, T = 0, in_stride = 0, tail_size = 0;
   std::vector<float> in;  // [T, in_stride]: q at column 0, k at C, v at 2C (a fused projection)
   std::vector<float> weights[3];
-  std::vector<float> conv_state;  // [num_slots, 3, C, K-1]
+  std::vector<float> conv_state;  // [num_slots, 3, C, K-1], bf16 values (bf16 on the device)
   std::unique_ptr<DeviceBuffer<__nv_bfloat16>> in_d;
   std::unique_ptr<DeviceBuffer<float>> weights_d[3];
 };
@@ -67,6 +67,7 @@ void make_data(const PrepCase& c, PrepData& data, std::mt19937& rng) {
   for (float& x : data.in) x = bf16_round(x);
   for (auto& w : data.weights) w = normal_vector(rng, data.C * c.conv_kernel, 0.0f, 0.5f);
   data.conv_state = normal_vector(rng, c.num_slots * data.tail_size);
+  for (float& x : data.conv_state) x = bf16_round(x);  // the device keeps bf16 tails (exact for bf16 inputs)
   upload_data(data);
 }
 
@@ -106,8 +107,8 @@ PrepResult run_prep(const PrepCase& c, const PrepData& data, const std::vector<i
   DeviceBuffer<int32_t> cu_d(cu.size()), slots_d(slots.size());
   cu_d.upload(cu);
   slots_d.upload(slots);
-  DeviceBuffer<float> conv_d(std::max<size_t>(conv_state.size(), 1));
-  conv_d.upload(conv_state);
+  DeviceBuffer<__nv_bfloat16> conv_d(std::max<size_t>(conv_state.size(), 1));
+  conv_d.upload(to_bf16(conv_state));
   DeviceBuffer<float> out_f32[3] = {DeviceBuffer<float>(T * C + 1), DeviceBuffer<float>(T * C + 1),
                                     DeviceBuffer<float>(T * C + 1)};
   DeviceBuffer<__nv_bfloat16> out_bf16[3] = {DeviceBuffer<__nv_bfloat16>(T * C + 1),
@@ -146,15 +147,13 @@ PrepResult run_prep(const PrepCase& c, const PrepData& data, const std::vector<i
   const Status status = kda_prep_f32(p, {out_f32[0].get(), out_f32[1].get(), out_f32[2].get()}, stream.get());
   EXPECT_TRUE(status.is_ok()) << status.to_string();
   stream.sync();
-  result.conv_state = conv_d.download();
-  result.conv_state.resize(conv_state.size());
+  result.conv_state = to_float(conv_d.download(), conv_state.size());
   if (bf16_too) {
-    conv_d.upload(conv_state);
+    conv_d.upload(to_bf16(conv_state));
     const Status status16 = kda_prep(p, stream.get());
     EXPECT_TRUE(status16.is_ok()) << status16.to_string();
     stream.sync();
-    std::vector<float> again = conv_d.download();
-    again.resize(conv_state.size());
+    const std::vector<float> again = to_float(conv_d.download(), conv_state.size());
     EXPECT_TRUE(bit_equal(again.data(), result.conv_state.data(), again.size(), "bf16 run's tails"));
   }
   for (int i = 0; i < 3; ++i) {
@@ -420,7 +419,7 @@ TEST(OpsKdaGpu, RejectsBadArguments) {
   good.q_in = good.k_in = good.v_in = fake16;
   good.in_stride = 64;
   good.q_conv_weight = good.k_conv_weight = good.v_conv_weight = fake;
-  good.conv_state = fake;
+  good.conv_state = reinterpret_cast<__nv_bfloat16*>(256);
   good.num_slots = 1;
   good.q = good.k = good.v = reinterpret_cast<__nv_bfloat16*>(256);
   auto with = [&](auto edit) {
