@@ -115,7 +115,10 @@ def main():
     varlen = [300, 1000, 2500, 4096, 8192, 16000]
     # "all", or a subset when one device call cannot hold every case with Triton's first compilations:
     # "h32" (prefill at H=32), "h96+decode" (prefill at H=96, then decode).
-    heads = {"all": (32, 96), "h32": (32,), "h96+decode": (96,)}[what]
+    subsets = {"all": (32, 96), "h32": (32,), "h96+decode": (96,)}
+    if what not in subsets:
+        sys.exit(f"kda_fla_peer.py: unknown case set {what!r}; use one of ceilings, {', '.join(subsets)}")
+    heads = subsets[what]
     for H in heads:
         for T in (4096, 16384, 65536):
             fla_prefill(chunk_kda, H, [T], f"H={H},d=128,T={T},B=1,lb=-5")

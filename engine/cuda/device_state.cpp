@@ -95,6 +95,9 @@ Status DevicePools::upload(const RequestState& state, int32_t slot, const std::v
     return invalid_argument("request state was made for another model");
   }
   const bool empty = state.num_tokens() == 0;
+  // Host-side bf16 rows for the tails and the MLA pages. Pageable source: each copy has taken its bytes when
+  // cudaMemcpyAsync returns, so one buffer serves every copy.
+  std::vector<uint16_t> staging;
   for (int64_t i = 0; i < s.kda_layers; ++i) {
     const KdaLayerState& layer = state.kda[static_cast<size_t>(i)];
     float* dst_state = state_pool(i) + slot * s.state_floats();
@@ -112,16 +115,15 @@ Status DevicePools::upload(const RequestState& state, int32_t slot, const std::v
     DS_CUDA_RETURN(cudaMemcpyAsync(dst_state, layer.recurrent.data(), static_cast<size_t>(s.state_floats()) * 4,
                                    cudaMemcpyHostToDevice, stream_));
     if (dst_tail) {
-      // bf16 on the device (round to nearest even; exact for tails a GPU worker wrote). Pageable source: the copy
-      // has taken the bytes when cudaMemcpyAsync returns, so the staging vector may be reused.
+      // bf16 on the device (round to nearest even; exact for tails a GPU worker wrote).
       const std::vector<float>* tails[3] = {&layer.conv_q, &layer.conv_k, &layer.conv_v};
-      std::vector<uint16_t> tail_staging(static_cast<size_t>(3 * tail));
+      staging.resize(static_cast<size_t>(3 * tail));
       for (int j = 0; j < 3; ++j) {
         for (int64_t c = 0; c < tail; ++c) {
-          tail_staging[static_cast<size_t>(j * tail + c)] = float_to_bf16((*tails[j])[static_cast<size_t>(c)]);
+          staging[static_cast<size_t>(j * tail + c)] = float_to_bf16((*tails[j])[static_cast<size_t>(c)]);
         }
       }
-      DS_CUDA_RETURN(cudaMemcpyAsync(dst_tail, tail_staging.data(), static_cast<size_t>(3 * tail) * 2,
+      DS_CUDA_RETURN(cudaMemcpyAsync(dst_tail, staging.data(), static_cast<size_t>(3 * tail) * 2,
                                      cudaMemcpyHostToDevice, stream_));
     }
   }
@@ -129,7 +131,6 @@ Status DevicePools::upload(const RequestState& state, int32_t slot, const std::v
   if (n == 0 || s.mla_layers == 0) return Status::ok();
   const int64_t page_tokens = pool_.page_size, stride = pool_.row_stride, width = pool_.width;
   if (static_cast<int64_t>(pages.size()) * page_tokens < n) return internal_error("upload: too few pages");
-  std::vector<uint16_t> staging;
   for (int64_t l = 0; l < s.mla_layers; ++l) {
     const MlaLayerCache& cache = state.mla[static_cast<size_t>(l)];
     if (cache.num_tokens() != n || cache.width() != width) {
