@@ -267,6 +267,12 @@ int main(int argc, char** argv) {
     bench_prefill("H=32,d=128,T=16384,B=1,log-decay in (-20,0): exact diagonal tiles", 32, {16384}, 20.0f);
   }
   if (what == "prefill16k") bench_prefill("H=32,d=128,T=16384,B=1,lb=-5", 32, {16384});
+  if (what.rfind("h=", 0) == 0) {  // one head count (T=16k unless ",t=T"): how the passes scale (h=4, h=8,t=4096)
+    const int H = std::stoi(what.substr(2));
+    const size_t t_at = what.find(",t=");
+    const int32_t T = t_at == std::string::npos ? 16384 : std::stoi(what.substr(t_at + 3));
+    bench_prefill("H=" + std::to_string(H) + ",d=128,T=" + std::to_string(T) + ",B=1,lb=-5", H, {T});
+  }
   if (what == "decode64") bench_decode(32, 64, 20);
   if (what == "all" || what == "decode") {
     // What kda_decode_step picks by default, then both kernels side by side (KdaDecodeKernel).

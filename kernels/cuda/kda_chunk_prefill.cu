@@ -4,11 +4,12 @@
 //      inverses of the 16x16 diagonal blocks of I + Akk, then w = (I + Akk)^-1 diag(beta) (K ⊙ e^gc) and u = (I +
 //      Akk)^-1 diag(beta) V by blocked forward substitution on tensor cores (the UT transform); writes w, u, q ⊙ e^gc,
 //      k ⊙ e^(gc_last - gc), Aqk (bf16) and e^gc_last (fp32) to the workspace, in the state pass's shared-memory
-//      layout (padded rows, u split by value slice), so that the state pass loads a chunk with two bulk copies.
-//   2. state pass, one CTA of 16 warps per (32 value columns, head, sequence), sequential over the sequence's
-//      chunks with the state slice [128 x 32] fp32 in registers (a 16x16 tile a warp): v_new = u - w S (warps
-//      0..7) while o = (q e^gc) S (warps 8..15); then o += Aqk v_new and S = e^gc_last ⊙ S + (k e^(gc_last - gc))^T
-//      v_new. The next chunk's factors land by bulk copy (one thread, mbarrier, 2 stages) during the current one.
+//      layout (wgmma operands in 128-byte-swizzled blocks, u split by value slice), so that the state pass loads a
+//      chunk with two bulk copies.
+//   2. state pass, one CTA of two warpgroups per (64 value columns, head, sequence), sequential over the sequence's
+//      chunks on wgmma, with the state slice [128 x 64] fp32 in warpgroup 0's registers: v_new = u - w S, then
+//      S = e^gc_last ⊙ S + (k e^(gc_last - gc))^T v_new; warpgroup 1 computes o = (q e^gc) S + Aqk v_new beside
+//      it. The next chunk's factors land by bulk copy (one thread, mbarrier, 2 stages) during the current one.
 // Sub-tiles of 16 tokens: pair decays are split at the row tile's start r, k_i e^(r - gc_i) and x_t e^(gc_t - r).
 // Across tiles both factors are <= 1; inside the diagonal tile the first is <= e^(16 * 5) = e^80 when the
 // per-step log-decay is >= -5, so the diagonal tiles are plain matmuls too (dense path). A chunk whose tiles
@@ -39,22 +40,35 @@ constexpr int kLdR = 32 + 8;    // bf16 row stride of a warp's [16, 32] residual
 constexpr int kKinvRows = 160;  // 16 + 32 + 48 + 64: the B operands of the four row tiles
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kDenseSpan = 85.0f * kLog2e;  // in log2 units (the prep keeps log-decays as log2): e^85 < fp32 max
-constexpr int kStateBv = 32;                  // value columns per state-pass CTA
-constexpr int kLdV = kStateBv + 8;            // bf16 row stride of [*, 32] tiles (a value slice)
+constexpr int kStateBv = 64;                  // value columns per state-pass CTA
+constexpr int kLdU = kStateBv + 8;            // bf16 row stride of a u slice [64][kLdU]
 constexpr int kSlices = kD / kStateBv;
 
-// Per (chunk, head) block of the workspace, laid out as the state pass's shared-memory stage: w, q e^gc,
-// k e^(gc_last - gc) as [64][kLdD], Aqk [64][kLdC], e^gc_last [128] fp32 (the part every value slice reads), then
-// u as [4 slices][64][kLdV]. The padding columns are never read.
+// Per (chunk, head) block of the workspace, laid out as the state pass's shared-memory stage. The wgmma operands
+// are 128-byte swizzled blocks of [64 rows][64 bf16] (8 KiB, 1024-byte aligned; sw128 below): w, q e^gc and
+// k e^(gc_last - gc) as [64 tokens][128 keys] (two blocks: keys 0..63, 64..127), Aqk [64][64] (one block); then
+// e^gc_last [128] fp32 (the part every value slice reads), then u as [2 slices][64][kLdU] (plain rows).
+constexpr size_t kBlockBytes = size_t{kC} * 64 * 2;
 constexpr size_t kOffW = 0;
-constexpr size_t kOffQg = kOffW + size_t{kC} * kLdD * 2;
-constexpr size_t kOffKg = kOffQg + size_t{kC} * kLdD * 2;
-constexpr size_t kOffAqk = kOffKg + size_t{kC} * kLdD * 2;
-constexpr size_t kOffDecay = kOffAqk + size_t{kC} * kLdC * 2;
+constexpr size_t kOffQg = kOffW + 2 * kBlockBytes;
+constexpr size_t kOffKg = kOffQg + 2 * kBlockBytes;
+constexpr size_t kOffAqk = kOffKg + 2 * kBlockBytes;
+constexpr size_t kOffDecay = kOffAqk + kBlockBytes;
 constexpr size_t kOffU = kOffDecay + size_t{kD} * 4;  // the shared part ends here
-constexpr size_t kUSliceBytes = size_t{kC} * kLdV * 2;
+constexpr size_t kUSliceBytes = size_t{kC} * kLdU * 2;
 constexpr size_t kChunkBytes = kOffU + kSlices * kUSliceBytes;
 static_assert(kOffU % 16 == 0 && kUSliceBytes % 16 == 0 && kChunkBytes % 16 == 0, "bulk copies need 16-byte units");
+
+// Element offset of (row r, column c < 64) in a 128-byte-swizzled block of 64-element rows (the layout TMA's
+// SWIZZLE_128B writes and sm90::smem_descriptor_sw128 reads: 16-byte chunk c / 8 of row r sits at chunk
+// (c / 8) ^ (r % 8)). Rows may run past 64 (the state's [128][64] operand): the pattern repeats every 8 rows.
+__host__ __device__ constexpr int sw128(int r, int c) {
+  return r * 64 + ((((c >> 3) ^ (r & 7)) << 3) | (c & 7));
+}
+// The same for a [64][128] operand stored as two blocks of 64 columns.
+__host__ __device__ constexpr int sw128_wide(int r, int c) {
+  return (c >> 6) * (kC * 64) + sw128(r, c & 63);
+}
 
 struct ChunkEntry {
   int32_t token_begin;  // first token (global row) of the chunk
@@ -244,8 +258,8 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
     const float e = exp2_ftz(gc[j] - r);
     qd[t * kLdD + c] = __float2bfloat16(qv * e);
     kd[t * kLdD + c] = __float2bfloat16(kr[j] * e);
-    qg_out[t * kLdD + c] = __float2bfloat16(qv * exp2_ftz(gc[j]));
-    kg_out[t * kLdD + c] = __float2bfloat16(kr[j] * exp2_ftz(gc_last - gc[j]));
+    qg_out[sw128_wide(t, c)] = __float2bfloat16(qv * exp2_ftz(gc[j]));
+    kg_out[sw128_wide(t, c)] = __float2bfloat16(kr[j] * exp2_ftz(gc_last - gc[j]));
   }
   if (half == 0) decay_out[c] = exp2_ftz(gc_last);
 
@@ -267,7 +281,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
       // Entries right of the diagonal (and every entry of a row past the sequence) are zero.
       if (lane < 16 && (tile0 + lane > t || t >= n)) {
         akk[t * kLdF + tile0 + lane] = 0.0f;
-        aqk_out[t * kLdC + tile0 + lane] = __float2bfloat16(0.0f);
+        aqk_out[sw128(t, tile0 + lane)] = __float2bfloat16(0.0f);
       }
       if (t >= n) continue;
       const float4 kt = load_bf16x4(k_rows + t * row_stride), qt = load_bf16x4(q_rows + t * row_stride);
@@ -294,7 +308,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
         const int i = i0 + lane_key;
         if ((lane & 3) == 0 && i <= t) {
           akk[t * kLdF + i] = i < t ? beta_s[t] * key_sum : 0.0f;
-          aqk_out[t * kLdC + i] = __float2bfloat16(query_sum * p.q_scale);
+          aqk_out[sw128(t, i)] = __float2bfloat16(query_sum * p.q_scale);
         }
       }
     }
@@ -338,7 +352,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
         for (int e = 0; e < 4; ++e) {
           const int row = m0 + group + (e >> 1) * 8, col = n0 + j * 8 + quad * 2 + (e & 1);
           akk[row * kLdF + col] = col < row ? beta_s[row] * ck[j][e] : 0.0f;
-          aqk_out[row * kLdC + col] = __float2bfloat16(col <= row ? cq[j][e] : 0.0f);
+          aqk_out[sw128(row, col)] = __float2bfloat16(col <= row ? cq[j][e] : 0.0f);
         }
       }
     }
@@ -348,7 +362,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
       for (int index = lane; index < 16 * width; index += 32) {
         const int row = m0 + index / width, col = first_zero + index % width;
         akk[row * kLdF + col] = 0.0f;
-        aqk_out[row * kLdC + col] = __float2bfloat16(0.0f);
+        aqk_out[sw128(row, col)] = __float2bfloat16(0.0f);
       }
     }
   }
@@ -400,9 +414,8 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
   {
     bf16* x = warp < 4 ? bk : bv;
     const int col0 = (warp & 3) * 32;
-    // w rows are [64][kLdD]; the u warp's 32 columns are exactly value slice warp % 4, [64][kLdV].
-    bf16* out_rows = warp < 4 ? w_out + col0 : u_out + (warp & 3) * (kC * kLdV);
-    const int out_ld = warp < 4 ? kLdD : kLdV;
+    // w goes to its swizzled blocks; the u warp's 32 columns are half warp % 2 of value slice (warp % 4) / 2.
+    bf16* u_rows = u_out + ((warp & 3) >> 1) * (kC * kLdU) + (warp & 1) * 32;
     bf16* residual = r_b + warp * 16 * kLdR;  // [16][kLdR] X_a - sum, bf16
     for (int a0 = 0; a0 < kC; a0 += 16) {
       float acc[4][4] = {};
@@ -446,7 +459,8 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
           const int row = a0 + group + half_row * 8, col = nt * 8 + quad * 2;
           const uint32_t packed = pack_bf16(wa[nt][2 * half_row], wa[nt][2 * half_row + 1]);
           *reinterpret_cast<uint32_t*>(x + row * kLdD + col0 + col) = packed;
-          *reinterpret_cast<uint32_t*>(out_rows + row * out_ld + col) = packed;
+          bf16* dst = warp < 4 ? w_out + sw128_wide(row, col0 + col) : u_rows + row * kLdU + col;
+          *reinterpret_cast<uint32_t*>(dst) = packed;
         }
       }
       __syncwarp();
@@ -454,32 +468,66 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
   }
 }
 
-constexpr int kStateThreads = 512;
-constexpr size_t kStageBytes = kOffU + kUSliceBytes;  // the chunk's shared part, then this CTA's u slice
-constexpr size_t kStateSmem = 2 * kStageBytes + size_t{kD} * kLdV * 2 + size_t{kC} * kLdV * 2 + 2 * sizeof(uint64_t);
+// D[64 x 64] (+)= A[64 x 16] · B[16 x 64], bf16 operands in shared memory (128-byte swizzled), fp32 accumulators.
+// A is K-major (kTransA = 0: rows of k) or MN-major (1: rows of 64 m-values, one per k); B is MN-major (rows of 64
+// n-values, one per k). accumulate == 0: D = A · B. Accumulator layout (warp w of the warpgroup, lane l, register
+// i): row 16 w + l / 4 + 8 ((i % 4) / 2), column 8 (i / 4) + 2 (l % 4) + i % 2.
+template <int kTransA>
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, %32, %33, p, 1, 1, %35, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransA));
+}
 
-// 16 warps. Warp w owns state rows [16 (w % 8), +16) x columns [16 (w / 8), +16) of the slice's 32. For the
-// chunk's token rows [64 x 32] = 4 x 2 tiles of 16x16: warps 0..7 compute v_new's tile w, warps 8..15 o's tile w - 8
-// (row tile i % 4, column tile i / 4).
+// Descriptors of the state pass's operands (all 128-byte swizzled, 1024-byte aligned blocks of 64-element rows).
+// K-major A ([64 rows][64 k] blocks): k16 step s of a 128-wide operand is block s / 4, 32 (s % 4) bytes in.
+__device__ __forceinline__ uint64_t desc_k_major(uint32_t base, int step) {
+  return sm90::smem_descriptor_sw128(base + (step >> 2) * static_cast<uint32_t>(kBlockBytes) + (step & 3) * 32, 16,
+                                     1024);
+}
+// MN-major operand (rows of k, 64 m/n-values each): k16 step s starts 16 rows (2048 bytes) in.
+__device__ __forceinline__ uint64_t desc_mn_major(uint32_t base, int step) {
+  return sm90::smem_descriptor_sw128(base + step * 2048, static_cast<uint32_t>(kBlockBytes), 1024);
+}
+
+constexpr int kStateThreads = 256;
+constexpr size_t kStageBytes = kOffU + kUSliceBytes;                 // the chunk's shared part, then this u slice
+constexpr size_t kStageStride = (kStageBytes + 1023) / 1024 * 1024;  // stages start 1024-byte aligned
+constexpr size_t kStateOperandBytes = size_t{kD} * kStateBv * 2;     // S as bf16, [128 keys][64 values]
+constexpr size_t kVnBytes = size_t{kC} * kStateBv * 2;               // v_new as bf16, [64 tokens][64 values]
+constexpr size_t kStateSmem = 1024 + 2 * kStageStride + kStateOperandBytes + kVnBytes + 2 * sizeof(uint64_t);
+
+// Two warpgroups per (64 value columns, head, sequence), sequential over the sequence's chunks. Warpgroup 0 holds
+// the state slice S [128 keys x 64 values] in fp32 registers (two m64 halves) and runs the chain: v_new = u - w S
+// (wgmma, S read as bf16 from shared memory), then S = e^gc_last ⊙ S + (k e^(gc_last - gc))^T v_new (wgmma with the
+// accumulators in place), then S back to shared memory as bf16. Warpgroup 1 computes the output beside it:
+// o = (q e^gc) S (the same S operand) + Aqk v_new. Both read the chunk's factors from a stage that one thread fills
+// by two bulk copies (an mbarrier a stage, two stages: the next chunk lands during the current one).
 __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(StateArgs p) {
-  extern __shared__ __align__(16) uint8_t smem[];
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   const int H = p.num_heads;
   const int slice = blockIdx.x, h = blockIdx.y, sequence = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int group = lane >> 2, quad = lane & 3;
+  const int wg = warp >> 2, wg_warp = warp & 3;
   const SequenceEntry seq = p.sequences[sequence];
-  bf16* s_b = reinterpret_cast<bf16*>(smem + 2 * kStageBytes);   // [128][kLdV] state as bf16
-  bf16* vn = s_b + kD * kLdV;                                    // [64][kLdV] v_new
-  uint64_t* full = reinterpret_cast<uint64_t*>(vn + kC * kLdV);  // [2] stage barriers
+  bf16* s_b = reinterpret_cast<bf16*>(smem + 2 * kStageStride);                      // sw128 [128][64]
+  bf16* vn = reinterpret_cast<bf16*>(smem + 2 * kStageStride + kStateOperandBytes);  // sw128 [64][64]
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + 2 * kStageStride + kStateOperandBytes + kVnBytes);
+  const uint32_t s_b_address = smem_address(s_b), vn_address = smem_address(vn);
 
-  auto stage_base = [&](int stage) { return smem + stage * kStageBytes; };
-  auto stage_w = [&](int stage) { return reinterpret_cast<const bf16*>(stage_base(stage) + kOffW); };
-  auto stage_qg = [&](int stage) { return reinterpret_cast<const bf16*>(stage_base(stage) + kOffQg); };
-  auto stage_kg = [&](int stage) { return reinterpret_cast<const bf16*>(stage_base(stage) + kOffKg); };
-  auto stage_aqk = [&](int stage) { return reinterpret_cast<const bf16*>(stage_base(stage) + kOffAqk); };
-  auto stage_decay = [&](int stage) { return reinterpret_cast<const float*>(stage_base(stage) + kOffDecay); };
-  auto stage_u = [&](int stage) { return reinterpret_cast<const bf16*>(stage_base(stage) + kOffU); };
-
+  auto stage_base = [&](int stage) { return smem + stage * kStageStride; };
   // Thread 0 only: the chunk's factors into `stage` by two bulk copies (the shared part, this slice's u).
   auto load_stage = [&](int stage, int chunk) {
     const uint8_t* src = p.data + (static_cast<size_t>(chunk) * H + h) * kChunkBytes;
@@ -491,33 +539,48 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(State
                         static_cast<uint32_t>(kUSliceBytes), bar);
   };
 
-  // State rows [16 (warp % 8), +16), slice columns [16 (warp / 8), +16): fragments s[n-tile][c0..c3].
-  float s[2][4];
+  // Accumulator coordinates of this thread (wgmma layout): rows row0 + {0, 8} of each m64 tile, columns
+  // 8 j + col0 + {0, 1} for j = 0..7.
+  const int row0 = 16 * wg_warp + (lane >> 2), col0 = 2 * (lane & 3);
   const size_t state_offset = (static_cast<size_t>(sequence) * H + h) * kD * kD + slice * kStateBv;
-  const int state_row = (warp & 7) * 16 + group, state_col = (warp >> 3) * 16;
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = state_row + half * 8, col = state_col + nt * 8 + quad * 2;
-      float2 value = make_float2(0.0f, 0.0f);
-      if (p.initial_state != nullptr) {
-        value = *reinterpret_cast<const float2*>(p.initial_state + state_offset + row * kD + col);
-      }
-      s[nt][2 * half] = value.x;
-      s[nt][2 * half + 1] = value.y;
-    }
-  }
+  float s[2][32];  // warpgroup 0: S keys [64 half, +64) x the slice's 64 values
   auto store_state = [&](float* base) {
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
+    for (int half = 0; half < 2; ++half) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = state_row + half * 8, col = state_col + nt * 8 + quad * 2;
-        *reinterpret_cast<float2*>(base + row * kD + col) = make_float2(s[nt][2 * half], s[nt][2 * half + 1]);
+      for (int i = 0; i < 32; i += 2) {
+        const int key = 64 * half + row0 + 8 * ((i % 4) / 2), col = 8 * (i / 4) + col0;
+        *reinterpret_cast<float2*>(base + key * kD + col) = make_float2(s[half][i], s[half][i + 1]);
       }
     }
   };
+  auto state_to_shared = [&] {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+      for (int i = 0; i < 32; i += 2) {
+        const int key = 64 * half + row0 + 8 * ((i % 4) / 2), col = 8 * (i / 4) + col0;
+        *reinterpret_cast<uint32_t*>(s_b + sw128(key, col)) = pack_bf16(s[half][i], s[half][i + 1]);
+      }
+    }
+    sm90::fence_proxy_async_shared();  // the bf16 state is a wgmma operand next
+  };
+  if (wg == 0) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+      for (int i = 0; i < 32; i += 2) {
+        const int key = 64 * half + row0 + 8 * ((i % 4) / 2), col = 8 * (i / 4) + col0;
+        float2 value = make_float2(0.0f, 0.0f);
+        if (p.initial_state != nullptr) {
+          value = *reinterpret_cast<const float2*>(p.initial_state + state_offset + key * kD + col);
+        }
+        s[half][i] = value.x;
+        s[half][i + 1] = value.y;
+      }
+    }
+    state_to_shared();
+  }
 
   if (tid == 0) {
     sm90::mbarrier_init(smem_address(&full[0]), 1);
@@ -528,99 +591,90 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(State
   }
   __syncthreads();
 
-  const bool v_warp = warp < 8;
-  const int m0 = (warp & 3) * 16, n0 = ((warp >> 2) & 1) * 16;  // this warp's token-row tile (v_new or o)
   for (int ci = 0; ci < seq.num_chunks; ++ci) {
     const int stage = ci & 1;
     // The other stage was released by the barrier at the end of the previous chunk.
     if (tid == 0 && ci + 1 < seq.num_chunks) load_stage(stage ^ 1, seq.first_chunk + ci + 1);
-      // State to bf16 for the matmuls.
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const int col = state_col + nt * 8 + quad * 2;
-      *reinterpret_cast<uint32_t*>(s_b + state_row * kLdV + col) = pack_bf16(s[nt][0], s[nt][1]);
-      *reinterpret_cast<uint32_t*>(s_b + (state_row + 8) * kLdV + col) = pack_bf16(s[nt][2], s[nt][3]);
-    }
+    const uint32_t base = smem_address(stage_base(stage));
     sm90::mbarrier_wait(smem_address(&full[stage]), static_cast<uint32_t>((ci >> 1) & 1));
-    __syncthreads();
-
-    const bf16* aqk = stage_aqk(stage);
-    const bf16* kg = stage_kg(stage);
-    const float* decay = stage_decay(stage);
-    // v_new = u - w S (warps 0..7) or o = (q e^gc) S (warps 8..15), one 16x16 tile each.
-    float acc[2][4] = {};
-    {
-      const bf16* a_rows = v_warp ? stage_w(stage) : stage_qg(stage);
-#pragma unroll
-      for (int k0 = 0; k0 < kD; k0 += 16) {
-        uint32_t am[4], b[4];
-        load_a(am, a_rows, kLdD, m0, k0);
-        load_b_kn(b, s_b, kLdV, n0, k0);
-        mma_bf16_16816(acc[0], am, b[0], b[1]);
-        mma_bf16_16816(acc[1], am, b[2], b[3]);
-      }
-    }
-    if (v_warp) {
-      const bf16* u = stage_u(stage);
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = m0 + group + half * 8, col = n0 + nt * 8 + quad * 2;
-          const float2 uu = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(u + row * kLdV + col));
-          *reinterpret_cast<uint32_t*>(vn + row * kLdV + col) =
-              pack_bf16(uu.x - acc[nt][2 * half], uu.y - acc[nt][2 * half + 1]);
-        }
-      }
-    }
-    __syncthreads();
     const int chunk_first = ci * kC;
     const int tokens = min(kC, seq.length - chunk_first);
-    if (!v_warp) {
-      // o += Aqk v_new (causal: k-steps up to this warp's row tile).
-      for (int k0 = 0; k0 <= m0; k0 += 16) {
-        uint32_t aa[4], b[4];
-        load_a(aa, aqk, kLdC, m0, k0);
-        load_b_kn(b, vn, kLdV, n0, k0);
-        mma_bf16_16816(acc[0], aa, b[0], b[1]);
-        mma_bf16_16816(acc[1], aa, b[2], b[3]);
+
+    // Phase 1: w S (warpgroup 0) or (q e^gc) S (warpgroup 1), K = 128 keys.
+    float acc[32];
+    sm90::wgmma_fence();
+    const uint32_t a_base = base + static_cast<uint32_t>(wg == 0 ? kOffW : kOffQg);
+#pragma unroll
+    for (int step = 0; step < kD / 16; ++step) {
+      wgmma_m64n64k16<0>(acc, desc_k_major(a_base, step), desc_mn_major(s_b_address, step), step > 0 ? 1 : 0);
+    }
+    sm90::wgmma_commit_group();
+    sm90::wgmma_wait_group<0>();
+    sm90::wgmma_fence_registers(acc);
+    if (wg == 0) {
+      // v_new = u - w S -> shared memory (bf16), the B operand of both products below.
+      const bf16* u = reinterpret_cast<const bf16*>(stage_base(stage) + kOffU);
+#pragma unroll
+      for (int i = 0; i < 32; i += 2) {
+        const int row = row0 + 8 * ((i % 4) / 2), col = 8 * (i / 4) + col0;
+        const float2 uu = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(u + row * kLdU + col));
+        *reinterpret_cast<uint32_t*>(vn + sw128(row, col)) = pack_bf16(uu.x - acc[i], uu.y - acc[i + 1]);
       }
+      sm90::fence_proxy_async_shared();
+    }
+    __syncthreads();  // v_new complete; both warpgroups are done reading the bf16 state
+
+    if (wg == 0) {
+      // S = e^gc_last ⊙ S + kg^T v_new: A = kg^T (MN-major: kg's rows are tokens), B = v_new, K = 64 tokens.
+      const float* decay = reinterpret_cast<const float*>(stage_base(stage) + kOffDecay);
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
+      for (int half = 0; half < 2; ++half) {
+        const float d0 = decay[64 * half + row0], d1 = decay[64 * half + row0 + 8];
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = m0 + group + half * 8, col = slice * kStateBv + n0 + nt * 8 + quad * 2;
-          if (row < tokens) {
-            const size_t index = (static_cast<size_t>(seq.token_begin + chunk_first + row) * H + h) * kD + col;
-            *reinterpret_cast<uint32_t*>(p.o + index) = pack_bf16(acc[nt][2 * half], acc[nt][2 * half + 1]);
-          }
+        for (int i = 0; i < 32; ++i) s[half][i] *= (i % 4) < 2 ? d0 : d1;
+      }
+      sm90::wgmma_fence();
+      const uint32_t kg_base = base + static_cast<uint32_t>(kOffKg);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+#pragma unroll
+        for (int step = 0; step < kC / 16; ++step) {
+          wgmma_m64n64k16<1>(s[half], desc_mn_major(kg_base + half * static_cast<uint32_t>(kBlockBytes), step),
+                             desc_mn_major(vn_address, step), 1);
+        }
+      }
+      sm90::wgmma_commit_group();
+      sm90::wgmma_wait_group<0>();
+      sm90::wgmma_fence_registers(s[0]);
+      sm90::wgmma_fence_registers(s[1]);
+      state_to_shared();
+      if (p.checkpoint_interval > 0 && tokens == kC && (chunk_first + kC) % p.checkpoint_interval == 0) {
+        const int entry = seq.checkpoint_first + (chunk_first + kC) / p.checkpoint_interval - 1;
+        store_state(p.checkpoint_states + (static_cast<size_t>(entry) * H + h) * kD * kD + slice * kStateBv);
+      }
+    } else {
+      // o += Aqk v_new (Aqk is zero above its diagonal), then the chunk's rows of o.
+      sm90::wgmma_fence();
+      const uint32_t aqk_base = base + static_cast<uint32_t>(kOffAqk);
+#pragma unroll
+      for (int step = 0; step < kC / 16; ++step) {
+        wgmma_m64n64k16<0>(acc, desc_k_major(aqk_base, step), desc_mn_major(vn_address, step), 1);
+      }
+      sm90::wgmma_commit_group();
+      sm90::wgmma_wait_group<0>();
+      sm90::wgmma_fence_registers(acc);
+#pragma unroll
+      for (int i = 0; i < 32; i += 2) {
+        const int row = row0 + 8 * ((i % 4) / 2), col = slice * kStateBv + 8 * (i / 4) + col0;
+        if (row < tokens) {
+          const size_t index = (static_cast<size_t>(seq.token_begin + chunk_first + row) * H + h) * kD + col;
+          *reinterpret_cast<uint32_t*>(p.o + index) = pack_bf16(acc[i], acc[i + 1]);
         }
       }
     }
-    // S = e^gc_last ⊙ S + kg^T v_new.
-    const float d0 = decay[state_row], d1 = decay[state_row + 8];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      s[nt][0] *= d0;
-      s[nt][1] *= d0;
-      s[nt][2] *= d1;
-      s[nt][3] *= d1;
-    }
-#pragma unroll
-    for (int k0 = 0; k0 < kC; k0 += 16) {
-      uint32_t ak[4], b[4];
-      load_a_trans(ak, kg, kLdD, (warp & 7) * 16, k0);
-      load_b_kn(b, vn, kLdV, state_col, k0);
-      mma_bf16_16816(s[0], ak, b[0], b[1]);
-      mma_bf16_16816(s[1], ak, b[2], b[3]);
-    }
-    if (p.checkpoint_interval > 0 && tokens == kC && (chunk_first + kC) % p.checkpoint_interval == 0) {
-      const int entry = seq.checkpoint_first + (chunk_first + kC) / p.checkpoint_interval - 1;
-      store_state(p.checkpoint_states + (static_cast<size_t>(entry) * H + h) * kD * kD + slice * kStateBv);
-    }
-    __syncthreads();
+    __syncthreads();  // the new bf16 state is in place; v_new and the stage are free
   }
-  if (p.final_state != nullptr) store_state(p.final_state + state_offset);
+  if (wg == 0 && p.final_state != nullptr) store_state(p.final_state + state_offset);
 }
 
 bool aligned16(const void* pointer) {
