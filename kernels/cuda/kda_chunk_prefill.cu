@@ -508,15 +508,18 @@ constexpr size_t kStateOperandBytes = size_t{kD} * kStateBv * 2;     // S as bf1
 constexpr size_t kVnBytes = size_t{kC} * kStateBv * 2;               // v_new as bf16, [64 tokens][64 values]
 constexpr size_t kStateSmem = 1024 + 2 * kStageStride + kStateOperandBytes + kVnBytes + 2 * sizeof(uint64_t);
 
-// Two warpgroups per (64 value columns, head, sequence), sequential over the sequence's chunks. Warpgroup 0 holds
-// the state slice S [128 keys x 64 values] in fp32 registers (two m64 halves) and runs the chain: v_new = u - w S
-// (wgmma, S read as bf16 from shared memory), then S = e^gc_last ⊙ S + (k e^(gc_last - gc))^T v_new (wgmma with the
-// accumulators in place), then S back to shared memory as bf16. Warpgroup 1 computes the output beside it:
-// o = (q e^gc) S (the same S operand) + Aqk v_new. Both read the chunk's factors from a stage that one thread fills
-// by two bulk copies (an mbarrier a stage, two stages: the next chunk lands during the current one).
+// Two warpgroups per (64 value columns, head, sequence), sequential over the sequence's chunks. Warpgroup wg holds
+// keys [64 wg, +64) of the state slice S [128 keys x 64 values] in fp32 registers. A chunk: warpgroup 0 computes
+// v_new = u - w S and warpgroup 1 the inter-chunk output (q e^gc) S (wgmma, S read as bf16 from shared memory); then
+// each warpgroup updates its half, S = e^gc_last ⊙ S + (k e^(gc_last - gc))^T v_new (wgmma with the accumulators in
+// place), and writes it back as bf16, while warpgroup 1 adds Aqk v_new to the output. Both read the chunk's factors
+// from a stage that one thread fills by two bulk copies (an mbarrier a stage, two stages: the next chunk lands during
+// the current one).
 __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(StateArgs p) {
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  // 1024-byte aligned by an offset from the shared array itself, so that the compiler keeps every access through
+  // `smem` a shared-memory one (LDS/STS; through an integer round trip they become generic loads and stores).
+  uint8_t* smem = smem_raw + ((1024u - (smem_address(smem_raw) & 1023u)) & 1023u);
   const int H = p.num_heads;
   const int slice = blockIdx.x, h = blockIdx.y, sequence = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -543,44 +546,35 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(State
   // 8 j + col0 + {0, 1} for j = 0..7.
   const int row0 = 16 * wg_warp + (lane >> 2), col0 = 2 * (lane & 3);
   const size_t state_offset = (static_cast<size_t>(sequence) * H + h) * kD * kD + slice * kStateBv;
-  float s[2][32];  // warpgroup 0: S keys [64 half, +64) x the slice's 64 values
+  // Warpgroup wg holds the state's keys [64 wg, +64) x the slice's 64 values in fp32 registers.
+  float s[32];
+  const int key0 = 64 * wg + row0;
   auto store_state = [&](float* base) {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-#pragma unroll
-      for (int i = 0; i < 32; i += 2) {
-        const int key = 64 * half + row0 + 8 * ((i % 4) / 2), col = 8 * (i / 4) + col0;
-        *reinterpret_cast<float2*>(base + key * kD + col) = make_float2(s[half][i], s[half][i + 1]);
-      }
+    for (int i = 0; i < 32; i += 2) {
+      const int key = key0 + 8 * ((i % 4) / 2), col = 8 * (i / 4) + col0;
+      *reinterpret_cast<float2*>(base + key * kD + col) = make_float2(s[i], s[i + 1]);
     }
   };
   auto state_to_shared = [&] {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-#pragma unroll
-      for (int i = 0; i < 32; i += 2) {
-        const int key = 64 * half + row0 + 8 * ((i % 4) / 2), col = 8 * (i / 4) + col0;
-        *reinterpret_cast<uint32_t*>(s_b + sw128(key, col)) = pack_bf16(s[half][i], s[half][i + 1]);
-      }
+    for (int i = 0; i < 32; i += 2) {
+      const int key = key0 + 8 * ((i % 4) / 2), col = 8 * (i / 4) + col0;
+      *reinterpret_cast<uint32_t*>(s_b + sw128(key, col)) = pack_bf16(s[i], s[i + 1]);
     }
     sm90::fence_proxy_async_shared();  // the bf16 state is a wgmma operand next
   };
-  if (wg == 0) {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-#pragma unroll
-      for (int i = 0; i < 32; i += 2) {
-        const int key = 64 * half + row0 + 8 * ((i % 4) / 2), col = 8 * (i / 4) + col0;
-        float2 value = make_float2(0.0f, 0.0f);
-        if (p.initial_state != nullptr) {
-          value = *reinterpret_cast<const float2*>(p.initial_state + state_offset + key * kD + col);
-        }
-        s[half][i] = value.x;
-        s[half][i + 1] = value.y;
-      }
+  for (int i = 0; i < 32; i += 2) {
+    const int key = key0 + 8 * ((i % 4) / 2), col = 8 * (i / 4) + col0;
+    float2 value = make_float2(0.0f, 0.0f);
+    if (p.initial_state != nullptr) {
+      value = *reinterpret_cast<const float2*>(p.initial_state + state_offset + key * kD + col);
     }
-    state_to_shared();
+    s[i] = value.x;
+    s[i + 1] = value.y;
   }
+  state_to_shared();
 
   if (tid == 0) {
     sm90::mbarrier_init(smem_address(&full[0]), 1);
@@ -612,49 +606,47 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(State
     sm90::wgmma_wait_group<0>();
     sm90::wgmma_fence_registers(acc);
     if (wg == 0) {
-      // v_new = u - w S -> shared memory (bf16), the B operand of both products below.
+      // v_new = u - w S -> shared memory (bf16), the B operand of both products below. All u loads first: they
+      // and the v_new stores are both shared memory, and the compiler cannot reorder them across each other.
       const bf16* u = reinterpret_cast<const bf16*>(stage_base(stage) + kOffU);
+      __nv_bfloat162 uu[16];
 #pragma unroll
       for (int i = 0; i < 32; i += 2) {
         const int row = row0 + 8 * ((i % 4) / 2), col = 8 * (i / 4) + col0;
-        const float2 uu = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(u + row * kLdU + col));
-        *reinterpret_cast<uint32_t*>(vn + sw128(row, col)) = pack_bf16(uu.x - acc[i], uu.y - acc[i + 1]);
+        uu[i / 2] = *reinterpret_cast<const __nv_bfloat162*>(u + row * kLdU + col);
+      }
+#pragma unroll
+      for (int i = 0; i < 32; i += 2) {
+        const int row = row0 + 8 * ((i % 4) / 2), col = 8 * (i / 4) + col0;
+        const float2 uf = __bfloat1622float2(uu[i / 2]);
+        *reinterpret_cast<uint32_t*>(vn + sw128(row, col)) = pack_bf16(uf.x - acc[i], uf.y - acc[i + 1]);
       }
       sm90::fence_proxy_async_shared();
     }
     __syncthreads();  // v_new complete; both warpgroups are done reading the bf16 state
 
-    if (wg == 0) {
-      // S = e^gc_last ⊙ S + kg^T v_new: A = kg^T (MN-major: kg's rows are tokens), B = v_new, K = 64 tokens.
-      const float* decay = reinterpret_cast<const float*>(stage_base(stage) + kOffDecay);
+    // Both warpgroups: their half of S = e^gc_last ⊙ S + kg^T v_new (A = kg^T, MN-major: kg's rows are tokens;
+    // B = v_new; K = 64 tokens). Warpgroup 1 also: o += Aqk v_new (Aqk is zero above its diagonal).
+    const float* decay = reinterpret_cast<const float*>(stage_base(stage) + kOffDecay);
+    const float d0 = decay[key0], d1 = decay[key0 + 8];
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const float d0 = decay[64 * half + row0], d1 = decay[64 * half + row0 + 8];
-#pragma unroll
-        for (int i = 0; i < 32; ++i) s[half][i] *= (i % 4) < 2 ? d0 : d1;
-      }
+    for (int i = 0; i < 32; ++i) s[i] *= (i % 4) < 2 ? d0 : d1;
+    const uint32_t kg_base = base + static_cast<uint32_t>(kOffKg) + wg * static_cast<uint32_t>(kBlockBytes);
+    auto update = [&] {
       sm90::wgmma_fence();
-      const uint32_t kg_base = base + static_cast<uint32_t>(kOffKg);
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-#pragma unroll
-        for (int step = 0; step < kC / 16; ++step) {
-          wgmma_m64n64k16<1>(s[half], desc_mn_major(kg_base + half * static_cast<uint32_t>(kBlockBytes), step),
-                             desc_mn_major(vn_address, step), 1);
-        }
+      for (int step = 0; step < kC / 16; ++step) {
+        wgmma_m64n64k16<1>(s, desc_mn_major(kg_base, step), desc_mn_major(vn_address, step), 1);
       }
+    };
+    // Each branch issues, commits and waits for its own wgmma (ptxas serialises wgmma issued on a divergent path
+    // after common ones).
+    if (wg == 0) {
+      update();
       sm90::wgmma_commit_group();
       sm90::wgmma_wait_group<0>();
-      sm90::wgmma_fence_registers(s[0]);
-      sm90::wgmma_fence_registers(s[1]);
-      state_to_shared();
-      if (p.checkpoint_interval > 0 && tokens == kC && (chunk_first + kC) % p.checkpoint_interval == 0) {
-        const int entry = seq.checkpoint_first + (chunk_first + kC) / p.checkpoint_interval - 1;
-        store_state(p.checkpoint_states + (static_cast<size_t>(entry) * H + h) * kD * kD + slice * kStateBv);
-      }
     } else {
-      // o += Aqk v_new (Aqk is zero above its diagonal), then the chunk's rows of o.
-      sm90::wgmma_fence();
+      update();
       const uint32_t aqk_base = base + static_cast<uint32_t>(kOffAqk);
 #pragma unroll
       for (int step = 0; step < kC / 16; ++step) {
@@ -662,7 +654,15 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(State
       }
       sm90::wgmma_commit_group();
       sm90::wgmma_wait_group<0>();
-      sm90::wgmma_fence_registers(acc);
+    }
+    sm90::wgmma_fence_registers(s);
+    sm90::wgmma_fence_registers(acc);
+    state_to_shared();
+    if (p.checkpoint_interval > 0 && tokens == kC && (chunk_first + kC) % p.checkpoint_interval == 0) {
+      const int entry = seq.checkpoint_first + (chunk_first + kC) / p.checkpoint_interval - 1;
+      store_state(p.checkpoint_states + (static_cast<size_t>(entry) * H + h) * kD * kD + slice * kStateBv);
+    }
+    if (wg == 1) {
 #pragma unroll
       for (int i = 0; i < 32; i += 2) {
         const int row = row0 + 8 * ((i % 4) / 2), col = slice * kStateBv + 8 * (i / 4) + col0;
@@ -674,7 +674,7 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(State
     }
     __syncthreads();  // the new bf16 state is in place; v_new and the stage are free
   }
-  if (wg == 0 && p.final_state != nullptr) store_state(p.final_state + state_offset);
+  if (p.final_state != nullptr) store_state(p.final_state + state_offset);
 }
 
 bool aligned16(const void* pointer) {
