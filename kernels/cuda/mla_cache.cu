@@ -17,6 +17,27 @@ namespace {
 
 constexpr int kWriteThreads = 128;
 
+// Both kernels: the CTA's inverse RMS from each thread's partial sum of squares, reduced in one order (the warp's
+// butterfly, then the warps in order), so that v1 and v2 stay bitwise equal.
+__device__ __forceinline__ float block_inverse_rms(float sum, float (&s_partial)[kWriteThreads / 32], int kv_lora,
+                                                   float eps) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if ((threadIdx.x & 31) == 0) s_partial[threadIdx.x >> 5] = sum;
+  __syncthreads();
+  float total = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWriteThreads / 32; ++w) total += s_partial[w];
+  return rsqrtf(total / static_cast<float>(kv_lora) + eps);
+}
+
+// The pool row of `slot` in `layer` (pages hold every layer's rows of a page together).
+__device__ __forceinline__ __nv_bfloat16* pool_row(__nv_bfloat16* pages, int num_layers, int page_size,
+                                                   int64_t row_stride, int layer, int64_t slot) {
+  const int64_t page = slot / page_size, offset = slot - page * page_size;
+  return pages + ((page * num_layers + layer) * page_size + offset) * row_stride;
+}
+
 // grid (T), block kWriteThreads: one token per CTA.
 __global__ void __launch_bounds__(kWriteThreads)
     mla_write_rows_kernel(__nv_bfloat16* __restrict__ pages, int64_t num_pages, int num_layers, int page_size,
@@ -30,16 +51,8 @@ __global__ void __launch_bounds__(kWriteThreads)
   const float* x = kv + t * kv_stride;
   float sum = 0.0f;
   for (int c = threadIdx.x; c < kv_lora; c += kWriteThreads) sum = fmaf(x[c], x[c], sum);
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  if ((threadIdx.x & 31) == 0) s_partial[threadIdx.x >> 5] = sum;
-  __syncthreads();
-  float total = 0.0f;
-#pragma unroll
-  for (int w = 0; w < kWriteThreads / 32; ++w) total += s_partial[w];
-  const float inverse_rms = rsqrtf(total / static_cast<float>(kv_lora) + eps);
-  const int64_t page = slot / page_size, offset = slot - page * page_size;
-  __nv_bfloat16* row = pages + ((page * num_layers + layer) * page_size + offset) * row_stride;
+  const float inverse_rms = block_inverse_rms(sum, s_partial, kv_lora, eps);
+  __nv_bfloat16* row = pool_row(pages, num_layers, page_size, row_stride, layer, slot);
   for (int c = threadIdx.x; c < kv_lora; c += kWriteThreads)
     row[c] = __float2bfloat16(x[c] * inverse_rms * norm_weight[c]);
   for (int j = threadIdx.x; j < rope; j += kWriteThreads) row[kv_lora + j] = __float2bfloat16(x[kv_lora + j]);
@@ -81,16 +94,8 @@ __global__ void __launch_bounds__(kWriteThreads)
     if (tid + i * kWriteThreads < kv_lora) sum = fmaf(value[i], value[i], sum);
   }
   for (int c = tid + kWriteRegs * kWriteThreads; c < kv_lora; c += kWriteThreads) sum = fmaf(x[c], x[c], sum);
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  if ((tid & 31) == 0) s_partial[tid >> 5] = sum;
-  __syncthreads();
-  float total = 0.0f;
-#pragma unroll
-  for (int w = 0; w < kWriteThreads / 32; ++w) total += s_partial[w];
-  const float inverse_rms = rsqrtf(total / static_cast<float>(kv_lora) + eps);
-  const int64_t page = slot / page_size, offset = slot - page * page_size;
-  __nv_bfloat16* row = pages + ((page * num_layers + layer) * page_size + offset) * row_stride;
+  const float inverse_rms = block_inverse_rms(sum, s_partial, kv_lora, eps);
+  __nv_bfloat16* row = pool_row(pages, num_layers, page_size, row_stride, layer, slot);
 #pragma unroll
   for (int i = 0; i < kWriteRegs; ++i) {
     const int c = tid + i * kWriteThreads;
