@@ -1,6 +1,8 @@
 // Times deltaserve's CUDA KDA kernels (kernels/cuda/kda.hpp) on the shapes of bench/gpu/kda.sh and prints one
 // JSON object per case (median of timed runs after warm-up, CUDA events; decode as graph replays of 20 layers).
 // bench/gpu/kda_report.py joins these with the peer (fla) timings and the ceilings of the same run.
+//   kda_gpu_bench [all | prefill | decode | prefill16k | decode64 | h=H[,t=T]]
+// (h=H: one prefill at H heads, T = 16384 unless given: how the two kernels scale with the grid under ncu.)
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
