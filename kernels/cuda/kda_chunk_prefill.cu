@@ -7,9 +7,10 @@
 //      layout (wgmma operands in 128-byte-swizzled blocks, u split by value slice), so that the state pass loads a
 //      chunk with two bulk copies.
 //   2. state pass, one CTA of two warpgroups per (64 value columns, head, sequence), sequential over the sequence's
-//      chunks on wgmma, with the state slice [128 x 64] fp32 in warpgroup 0's registers: v_new = u - w S, then
-//      S = e^gc_last ⊙ S + (k e^(gc_last - gc))^T v_new; warpgroup 1 computes o = (q e^gc) S + Aqk v_new beside
-//      it. The next chunk's factors land by bulk copy (one thread, mbarrier, 2 stages) during the current one.
+//      chunks on wgmma, with the state slice [128 x 64] fp32 in registers (64 keys a warpgroup): warpgroup 0
+//      computes v_new = u - w S while warpgroup 1 computes o = (q e^gc) S, then each updates its half,
+//      S = e^gc_last ⊙ S + (k e^(gc_last - gc))^T v_new, and warpgroup 1 adds Aqk v_new to o. The next chunk's
+//      factors land by bulk copy (one thread, mbarrier, 2 stages) during the current one.
 // Sub-tiles of 16 tokens: pair decays are split at the row tile's start r, k_i e^(r - gc_i) and x_t e^(gc_t - r).
 // Across tiles both factors are <= 1; inside the diagonal tile the first is <= e^(16 * 5) = e^80 when the
 // per-step log-decay is >= -5, so the diagonal tiles are plain matmuls too (dense path). A chunk whose tiles
@@ -542,31 +543,32 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(State
                         static_cast<uint32_t>(kUSliceBytes), bar);
   };
 
-  // Accumulator coordinates of this thread (wgmma layout): rows row0 + {0, 8} of each m64 tile, columns
-  // 8 j + col0 + {0, 1} for j = 0..7.
+  // Accumulator coordinates of this thread (wgmma layout): register i (even; i + 1 is the next column) holds row
+  // acc_row(i) and column acc_col(i) of its warpgroup's m64 x n64 tile.
   const int row0 = 16 * wg_warp + (lane >> 2), col0 = 2 * (lane & 3);
+  auto acc_row = [&](int i) { return row0 + 8 * ((i % 4) / 2); };
+  auto acc_col = [&](int i) { return 8 * (i / 4) + col0; };
   const size_t state_offset = (static_cast<size_t>(sequence) * H + h) * kD * kD + slice * kStateBv;
   // Warpgroup wg holds the state's keys [64 wg, +64) x the slice's 64 values in fp32 registers.
   float s[32];
-  const int key0 = 64 * wg + row0;
   auto store_state = [&](float* base) {
 #pragma unroll
     for (int i = 0; i < 32; i += 2) {
-      const int key = key0 + 8 * ((i % 4) / 2), col = 8 * (i / 4) + col0;
+      const int key = 64 * wg + acc_row(i), col = acc_col(i);
       *reinterpret_cast<float2*>(base + key * kD + col) = make_float2(s[i], s[i + 1]);
     }
   };
   auto state_to_shared = [&] {
 #pragma unroll
     for (int i = 0; i < 32; i += 2) {
-      const int key = key0 + 8 * ((i % 4) / 2), col = 8 * (i / 4) + col0;
+      const int key = 64 * wg + acc_row(i), col = acc_col(i);
       *reinterpret_cast<uint32_t*>(s_b + sw128(key, col)) = pack_bf16(s[i], s[i + 1]);
     }
     sm90::fence_proxy_async_shared();  // the bf16 state is a wgmma operand next
   };
 #pragma unroll
   for (int i = 0; i < 32; i += 2) {
-    const int key = key0 + 8 * ((i % 4) / 2), col = 8 * (i / 4) + col0;
+    const int key = 64 * wg + acc_row(i), col = acc_col(i);
     float2 value = make_float2(0.0f, 0.0f);
     if (p.initial_state != nullptr) {
       value = *reinterpret_cast<const float2*>(p.initial_state + state_offset + key * kD + col);
@@ -612,12 +614,12 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(State
       __nv_bfloat162 uu[16];
 #pragma unroll
       for (int i = 0; i < 32; i += 2) {
-        const int row = row0 + 8 * ((i % 4) / 2), col = 8 * (i / 4) + col0;
+        const int row = acc_row(i), col = acc_col(i);
         uu[i / 2] = *reinterpret_cast<const __nv_bfloat162*>(u + row * kLdU + col);
       }
 #pragma unroll
       for (int i = 0; i < 32; i += 2) {
-        const int row = row0 + 8 * ((i % 4) / 2), col = 8 * (i / 4) + col0;
+        const int row = acc_row(i), col = acc_col(i);
         const float2 uf = __bfloat1622float2(uu[i / 2]);
         *reinterpret_cast<uint32_t*>(vn + sw128(row, col)) = pack_bf16(uf.x - acc[i], uf.y - acc[i + 1]);
       }
@@ -628,7 +630,7 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(State
     // Both warpgroups: their half of S = e^gc_last ⊙ S + kg^T v_new (A = kg^T, MN-major: kg's rows are tokens;
     // B = v_new; K = 64 tokens). Warpgroup 1 also: o += Aqk v_new (Aqk is zero above its diagonal).
     const float* decay = reinterpret_cast<const float*>(stage_base(stage) + kOffDecay);
-    const float d0 = decay[key0], d1 = decay[key0 + 8];
+    const float d0 = decay[64 * wg + acc_row(0)], d1 = decay[64 * wg + acc_row(2)];  // rows of i % 4 < 2, >= 2
 #pragma unroll
     for (int i = 0; i < 32; ++i) s[i] *= (i % 4) < 2 ? d0 : d1;
     const uint32_t kg_base = base + static_cast<uint32_t>(kOffKg) + wg * static_cast<uint32_t>(kBlockBytes);
@@ -665,7 +667,7 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(State
     if (wg == 1) {
 #pragma unroll
       for (int i = 0; i < 32; i += 2) {
-        const int row = row0 + 8 * ((i % 4) / 2), col = slice * kStateBv + 8 * (i / 4) + col0;
+        const int row = acc_row(i), col = slice * kStateBv + acc_col(i);
         if (row < tokens) {
           const size_t index = (static_cast<size_t>(seq.token_begin + chunk_first + row) * H + h) * kD + col;
           *reinterpret_cast<uint32_t*>(p.o + index) = pack_bf16(acc[i], acc[i + 1]);
