@@ -115,7 +115,7 @@ struct StateArgs {
   bf16* o;
 };
 
-constexpr int kPrepThreads = 256;  // thread (c, half): key channel c, tokens [32 half, 32 half + 32)
+constexpr int kPrepThreads = 256;  // thread (pair, tile): key channels 2 pair, 2 pair + 1, tokens of one 16-tile
 constexpr size_t kPrepSmem =
     size_t{kC} * kLdD * 2 * 2 + size_t{kKinvRows} * kLdD * 2 + size_t{kC} * kLdF * 4 + kC * 4 + 4 * kD * 4;
 
@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
   bf16* kinv = kd + kC * kLdD;                                     // [160][kLdD] per row tile a: k_i e^(r_a - gc_i)
   float* akk = reinterpret_cast<float*>(kinv + kKinvRows * kLdD);  // [64][kLdF]
   float* beta_s = akk + kC * kLdF;                                 // [64]
-  float* ends = beta_s + kC;  // [4][128] gc at the end of each 16-token tile (ends[a - 1] = r_a)
+  float* ends = beta_s + kC;  // [4][128] each 16-token tile's total log-decay
   // Aliases once their owners are dead: substitution residuals over qd, T_aa / Akk bf16 over kd,
   // beta K e^gc and beta V over kinv, the exact path's gc over kinv.
   bf16* m_b = kd;  // [64][kLdC]: T_aa on the diagonal blocks, Akk below
@@ -203,66 +203,74 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
   cp_async_commit();
   if (tid < kC) beta_s[tid] = tid < n ? p.beta[static_cast<size_t>(chunk.token_begin + tid) * H + h] : 0.0f;
 
-  const int c = tid & (kD - 1), half = tid >> 7, t0 = half * 32;
-  float a = 1.0f, bias = 0.0f;
+  // Thread (pair, tile): key channels c0 = 2 pair and c0 + 1, tokens [16 tile, 16 tile + 16). A warp covers 64
+  // channels of one tile's rows, so every element-wise store below moves two channels at once (one bf16x2).
+  const int pair = tid & 63, tile = tid >> 6, c0 = 2 * pair, t0 = 16 * tile;
+  float2 a = make_float2(1.0f, 1.0f), bias = make_float2(0.0f, 0.0f);
   if (p.gate_mode != kGatePrecomputed) {
-    a = __expf(p.a_log[h]);
-    bias = p.dt_bias[h * kD + c];
+    a.x = a.y = __expf(p.a_log[h]);
+    bias = make_float2(p.dt_bias[h * kD + c0], p.dt_bias[h * kD + c0 + 1]);
   }
   cp_async_wait<0>();
   __syncthreads();
-  // Cumulative log-decay (log2 units) and k of this thread's 32 tokens in registers; the second half adds the first's
-  // total.
-  float gc[32], kr[32];
-  float running = 0.0f;
+  // Log-decay (log2 units) cumulated inside this thread's tile, and k, in registers; the tile totals go to `ends`.
+  float2 gc[16], kr[16];
+  float2 running = make_float2(0.0f, 0.0f);
 #pragma unroll
-  for (int j = 0; j < 32; ++j) {
+  for (int j = 0; j < 16; ++j) {
     const int t = t0 + j;
-    const float g = t < n ? gate_value(g_tile[t * kD + c], p.gate_mode, a, bias, p.lower_bound) * kLog2e : 0.0f;
-    running += g;
+    const float2 raw = *reinterpret_cast<const float2*>(g_tile + t * kD + c0);
+    running.x += t < n ? gate_value(raw.x, p.gate_mode, a.x, bias.x, p.lower_bound) * kLog2e : 0.0f;
+    running.y += t < n ? gate_value(raw.y, p.gate_mode, a.y, bias.y, p.lower_bound) * kLog2e : 0.0f;
     gc[j] = running;
-    kr[j] = __bfloat162float(kd[t * kLdD + c]);
+    kr[j] = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(kd + t * kLdD + c0));
   }
-  if (half == 0) {
-    ends[0 * kD + c] = gc[15];
-    ends[1 * kD + c] = gc[31];
-  }
+  *reinterpret_cast<float2*>(ends + tile * kD + c0) = running;
   __syncthreads();
-  const float r_first = half == 0 ? 0.0f : ends[1 * kD + c];  // reference of this thread's first tile
-  if (half == 1) {
+  // ref[b]: cumulative log-decay at the start of tile b (the sum of the earlier tiles' totals, added in the same
+  // order by every thread, so the two sides of a split pair decay use the same float); gc_last: the chunk's total.
+  float2 ref[4];
+  ref[0] = make_float2(0.0f, 0.0f);
 #pragma unroll
-    for (int j = 0; j < 32; ++j) gc[j] += r_first;
-    ends[2 * kD + c] = gc[15];
-    ends[3 * kD + c] = gc[31];
+  for (int b = 1; b < 4; ++b) {
+    const float2 total = *reinterpret_cast<const float2*>(ends + (b - 1) * kD + c0);
+    ref[b] = make_float2(ref[b - 1].x + total.x, ref[b - 1].y + total.y);
   }
+  float2 gc_last;
+  {
+    const float2 total = *reinterpret_cast<const float2*>(ends + 3 * kD + c0);
+    gc_last = make_float2(ref[3].x + total.x, ref[3].y + total.y);
+  }
+  float2 r_own = ref[0];  // this tile's reference (static register indexing)
+#pragma unroll
+  for (int b = 1; b < 4; ++b) r_own = tile == b ? ref[b] : r_own;
   // Dense diagonal tiles when every 16-token tile (with its reference) spans at most kDenseSpan.
-  bool ok = true;
+  float2 lo = r_own, hi = r_own;
 #pragma unroll
-  for (int tile = 0; tile < 2; ++tile) {
-    const float r = tile == 0 ? r_first : gc[15];
-    float lo = r, hi = r;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      lo = fminf(lo, gc[tile * 16 + i]);
-      hi = fmaxf(hi, gc[tile * 16 + i]);
-    }
-    ok = ok && (hi - lo) <= kDenseSpan;
+  for (int j = 0; j < 16; ++j) {
+    gc[j] = make_float2(gc[j].x + r_own.x, gc[j].y + r_own.y);
+    lo = make_float2(fminf(lo.x, gc[j].x), fminf(lo.y, gc[j].y));
+    hi = make_float2(fmaxf(hi.x, gc[j].x), fmaxf(hi.y, gc[j].y));
   }
+  const bool ok = hi.x - lo.x <= kDenseSpan && hi.y - lo.y <= kDenseSpan;
   const bool dense = __syncthreads_and(ok) != 0;
 
-  const float gc_last = ends[3 * kD + c];
 #pragma unroll
-  for (int j = 0; j < 32; ++j) {
+  for (int j = 0; j < 16; ++j) {
     const int t = t0 + j;
-    const float r = j < 16 ? r_first : gc[15];
-    const float qv = __bfloat162float(qd[t * kLdD + c]) * p.q_scale;
-    const float e = exp2_ftz(gc[j] - r);
-    qd[t * kLdD + c] = __float2bfloat16(qv * e);
-    kd[t * kLdD + c] = __float2bfloat16(kr[j] * e);
-    qg_out[sw128_wide(t, c)] = __float2bfloat16(qv * exp2_ftz(gc[j]));
-    kg_out[sw128_wide(t, c)] = __float2bfloat16(kr[j] * exp2_ftz(gc_last - gc[j]));
+    const float2 q2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(qd + t * kLdD + c0));
+    const float2 qv = make_float2(q2.x * p.q_scale, q2.y * p.q_scale);
+    const float2 e = make_float2(exp2_ftz(gc[j].x - r_own.x), exp2_ftz(gc[j].y - r_own.y));
+    *reinterpret_cast<uint32_t*>(qd + t * kLdD + c0) = pack_bf16(qv.x * e.x, qv.y * e.y);
+    *reinterpret_cast<uint32_t*>(kd + t * kLdD + c0) = pack_bf16(kr[j].x * e.x, kr[j].y * e.y);
+    *reinterpret_cast<uint32_t*>(qg_out + sw128_wide(t, c0)) =
+        pack_bf16(qv.x * exp2_ftz(gc[j].x), qv.y * exp2_ftz(gc[j].y));
+    *reinterpret_cast<uint32_t*>(kg_out + sw128_wide(t, c0)) =
+        pack_bf16(kr[j].x * exp2_ftz(gc_last.x - gc[j].x), kr[j].y * exp2_ftz(gc_last.y - gc[j].y));
   }
-  if (half == 0) decay_out[c] = exp2_ftz(gc_last);
+  if (tile == 0) {
+    *reinterpret_cast<float2*>(decay_out + c0) = make_float2(exp2_ftz(gc_last.x), exp2_ftz(gc_last.y));
+  }
 
   if (!dense) {
     // Exact pairwise decays inside the diagonal tiles, e^(gc_t - gc_i) <= 1 for i <= t, in fp32. gc goes over kinv
@@ -272,7 +280,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
     // transposed warp reduction for the eight sums.
     float* gcs = reinterpret_cast<float*>(kinv);
 #pragma unroll
-    for (int j = 0; j < 32; ++j) gcs[(t0 + j) * kD + c] = gc[j];
+    for (int j = 0; j < 16; ++j) *reinterpret_cast<float2*>(gcs + (t0 + j) * kD + c0) = gc[j];
     __syncthreads();
     const int tile0 = (warp >> 1) * 16;
     const bf16* k_rows = p.k + chunk_offset + 4 * lane;
@@ -316,15 +324,17 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
     __syncthreads();
   }
 
-  // B operands of each row tile: k_i e^(r_a - gc_i) for i before the tile (and inside it when dense).
+  // B operands of each row tile b: k_i e^(ref_b - gc_i) for i before the tile (and inside it when dense). This
+  // thread's tile contributes its 16 rows to every row tile from its own (dense) or the next one on.
 #pragma unroll
-  for (int tile = 0; tile < 4; ++tile) {
-    const float r = tile == 0 ? 0.0f : ends[(tile - 1) * kD + c];
-    const int limit = 16 * tile + (dense ? 16 : 0);
-    bf16* rows = kinv + (8 * tile * (tile + 1)) * kLdD;
+  for (int b = 0; b < 4; ++b) {
+    if (b > tile || (dense && b == tile)) {
+      bf16* rows = kinv + (8 * b * (b + 1) + t0) * kLdD + c0;
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      if (t0 + j < limit) rows[(t0 + j) * kLdD + c] = __float2bfloat16(kr[j] * exp2_ftz(r - gc[j]));
+      for (int j = 0; j < 16; ++j) {
+        *reinterpret_cast<uint32_t*>(rows + j * kLdD) =
+            pack_bf16(kr[j].x * exp2_ftz(ref[b].x - gc[j].x), kr[j].y * exp2_ftz(ref[b].y - gc[j].y));
+      }
     }
   }
   __syncthreads();
@@ -350,10 +360,13 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = m0 + group + (e >> 1) * 8, col = n0 + j * 8 + quad * 2 + (e & 1);
-          akk[row * kLdF + col] = col < row ? beta_s[row] * ck[j][e] : 0.0f;
-          aqk_out[sw128(row, col)] = __float2bfloat16(col <= row ? cq[j][e] : 0.0f);
+        for (int half_row = 0; half_row < 2; ++half_row) {
+          const int row = m0 + group + half_row * 8, col = n0 + j * 8 + quad * 2;
+          const float b = beta_s[row];
+          akk[row * kLdF + col] = col < row ? b * ck[j][2 * half_row] : 0.0f;
+          akk[row * kLdF + col + 1] = col + 1 < row ? b * ck[j][2 * half_row + 1] : 0.0f;
+          *reinterpret_cast<uint32_t*>(aqk_out + sw128(row, col)) =
+              pack_bf16(col <= row ? cq[j][2 * half_row] : 0.0f, col + 1 <= row ? cq[j][2 * half_row + 1] : 0.0f);
         }
       }
     }
@@ -401,11 +414,13 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
   cp_async_wait<0>();
   __syncthreads();
 #pragma unroll
-  for (int j = 0; j < 32; ++j) {
+  for (int j = 0; j < 16; ++j) {
     const int t = t0 + j;
-    const float vv = __bfloat162float(bv[t * kLdD + c]);
-    bk[t * kLdD + c] = __float2bfloat16(beta_s[t] * kr[j] * exp2_ftz(gc[j]));
-    bv[t * kLdD + c] = __float2bfloat16(beta_s[t] * vv);
+    const float b = beta_s[t];
+    const float2 vv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(bv + t * kLdD + c0));
+    *reinterpret_cast<uint32_t*>(bk + t * kLdD + c0) =
+        pack_bf16(b * kr[j].x * exp2_ftz(gc[j].x), b * kr[j].y * exp2_ftz(gc[j].y));
+    *reinterpret_cast<uint32_t*>(bv + t * kLdD + c0) = pack_bf16(b * vv.x, b * vv.y);
   }
   __syncthreads();
 
