@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
   bf16* kinv = kd + kC * kLdD;                                     // [160][kLdD] per row tile a: k_i e^(r_a - gc_i)
   float* akk = reinterpret_cast<float*>(kinv + kKinvRows * kLdD);  // [64][kLdF]
   float* beta_s = akk + kC * kLdF;                                 // [64]
-  float* ends = beta_s + kC;  // [4][128] each 16-token tile's total log-decay
+  float* ends = beta_s + kC;                                       // [4][128] each 16-token tile's total log-decay
   // Aliases once their owners are dead: substitution residuals over qd, T_aa / Akk bf16 over kd,
   // beta K e^gc and beta V over kinv, the exact path's gc over kinv.
   bf16* m_b = kd;  // [64][kLdC]: T_aa on the diagonal blocks, Akk below
