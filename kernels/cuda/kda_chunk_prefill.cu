@@ -36,7 +36,7 @@ constexpr int kD = kKdaHeadDim;
 constexpr int kC = kKdaChunk;
 constexpr int kLdD = kD + 8;    // bf16 row stride of [*, 128] smem tiles (conflict-free ldmatrix)
 constexpr int kLdC = kC + 8;    // bf16 row stride of [*, 64] smem tiles
-constexpr int kLdF = kC + 1;    // fp32 row stride of [64, 64] smem matrices
+constexpr int kLdF = 17;        // fp32 row stride of the [16, 16] diagonal blocks of Akk
 constexpr int kLdR = 32 + 8;    // bf16 row stride of a warp's [16, 32] residual tile
 constexpr int kKinvRows = 160;  // 16 + 32 + 48 + 64: the B operands of the four row tiles
 constexpr float kLog2e = 1.4426950408889634f;
@@ -116,8 +116,12 @@ struct StateArgs {
 };
 
 constexpr int kPrepThreads = 256;  // thread (pair, tile): key channels 2 pair, 2 pair + 1, tokens of one 16-tile
-constexpr size_t kPrepSmem =
-    size_t{kC} * kLdD * 2 * 2 + size_t{kKinvRows} * kLdD * 2 + size_t{kC} * kLdF * 4 + kC * 4 + 4 * kD * 4;
+constexpr size_t kPrepSmem = size_t{kC} * kLdD * 2 * 2 + size_t{kKinvRows} * kLdD * 2 + size_t{kC} * kLdC * 2 +
+                             4 * 16 * kLdF * 4 + kC * 4 + 4 * kD * 4;
+// Akk's diagonal block entry (t, i), both in t's 16-token tile, in the compact fp32 array.
+__host__ __device__ constexpr int diag_index(int t, int i) {
+  return (t >> 4) * 16 * kLdF + (t & 15) * kLdF + (i & 15);
+}
 
 // Four bf16 of a row (8-byte aligned) as floats (exact conversions).
 __device__ __forceinline__ float4 load_bf16x4(const bf16* src) {
@@ -158,15 +162,16 @@ __device__ __forceinline__ float gate_value(float raw, int mode, float a, float 
 
 __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArgs p) {
   extern __shared__ __align__(16) uint8_t smem[];
-  bf16* qd = reinterpret_cast<bf16*>(smem);                        // [64][kLdD] q e^(gc - r) (scaled)
-  bf16* kd = qd + kC * kLdD;                                       // [64][kLdD] k e^(gc - r)
-  bf16* kinv = kd + kC * kLdD;                                     // [160][kLdD] per row tile a: k_i e^(r_a - gc_i)
-  float* akk = reinterpret_cast<float*>(kinv + kKinvRows * kLdD);  // [64][kLdF]
-  float* beta_s = akk + kC * kLdF;                                 // [64]
-  float* ends = beta_s + kC;                                       // [4][128] each 16-token tile's total log-decay
-  // Aliases once their owners are dead: substitution residuals over qd, T_aa / Akk bf16 over kd,
-  // beta K e^gc and beta V over kinv, the exact path's gc over kinv.
-  bf16* m_b = kd;  // [64][kLdC]: T_aa on the diagonal blocks, Akk below
+  bf16* qd = reinterpret_cast<bf16*>(smem);  // [64][kLdD] q e^(gc - r) (scaled)
+  bf16* kd = qd + kC * kLdD;                 // [64][kLdD] k e^(gc - r)
+  bf16* kinv = kd + kC * kLdD;               // [160][kLdD] per row tile a: k_i e^(r_a - gc_i)
+  // [64][kLdC] bf16: T_aa on the diagonal blocks, Akk below them (the Akk products write it directly)
+  bf16* m_b = kinv + kKinvRows * kLdD;
+  float* akd = reinterpret_cast<float*>(m_b + kC * kLdC);  // [4][16][kLdF]: Akk's diagonal blocks in fp32
+  float* beta_s = akd + 4 * 16 * kLdF;                     // [64]
+  float* ends = beta_s + kC;                               // [4][128] each 16-token tile's total log-decay
+  // Aliases once their owners are dead: substitution residuals over qd, beta K e^gc and beta V over kinv, the exact
+  // path's gc over kinv.
   bf16* r_b = qd;  // [8 warps][16][kLdR] residuals of the substitution
   bf16* bk = kinv;
   bf16* bv = kinv + kC * kLdD;
@@ -289,7 +294,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
     for (int t = tile0 + (warp & 1); t < tile0 + 16; t += 2) {
       // Entries right of the diagonal (and every entry of a row past the sequence) are zero.
       if (lane < 16 && (tile0 + lane > t || t >= n)) {
-        akk[t * kLdF + tile0 + lane] = 0.0f;
+        akd[diag_index(t, lane)] = 0.0f;
         aqk_out[sw128(t, tile0 + lane)] = __float2bfloat16(0.0f);
       }
       if (t >= n) continue;
@@ -316,7 +321,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
         const float key_sum = warp_sum8(sk, lane), query_sum = warp_sum8(sq, lane);
         const int i = i0 + lane_key;
         if ((lane & 3) == 0 && i <= t) {
-          akk[t * kLdF + i] = i < t ? beta_s[t] * key_sum : 0.0f;
+          akd[diag_index(t, i)] = i < t ? beta_s[t] * key_sum : 0.0f;
           aqk_out[sw128(t, i)] = __float2bfloat16(query_sum * p.q_scale);
         }
       }
@@ -363,19 +368,23 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
         for (int half_row = 0; half_row < 2; ++half_row) {
           const int row = m0 + group + half_row * 8, col = n0 + j * 8 + quad * 2;
           const float b = beta_s[row];
-          akk[row * kLdF + col] = col < row ? b * ck[j][2 * half_row] : 0.0f;
-          akk[row * kLdF + col + 1] = col + 1 < row ? b * ck[j][2 * half_row + 1] : 0.0f;
+          if (n0 == m0) {
+            akd[diag_index(row, col)] = col < row ? b * ck[j][2 * half_row] : 0.0f;
+            akd[diag_index(row, col + 1)] = col + 1 < row ? b * ck[j][2 * half_row + 1] : 0.0f;
+          } else {
+            *reinterpret_cast<uint32_t*>(m_b + row * kLdC + col) =
+                pack_bf16(b * ck[j][2 * half_row], b * ck[j][2 * half_row + 1]);
+          }
           *reinterpret_cast<uint32_t*>(aqk_out + sw128(row, col)) =
               pack_bf16(col <= row ? cq[j][2 * half_row] : 0.0f, col + 1 <= row ? cq[j][2 * half_row + 1] : 0.0f);
         }
       }
     }
-    // Columns after the tile: zero.
+    // Aqk's columns after the tile: zero (m_b's are never read).
     if (warp < 4) {
       const int first_zero = 16 * (row_tile + 1), width = kC - first_zero;
       for (int index = lane; index < 16 * width; index += 32) {
         const int row = m0 + index / width, col = first_zero + index % width;
-        akk[row * kLdF + col] = 0.0f;
         aqk_out[sw128(row, col)] = __float2bfloat16(0.0f);
       }
     }
@@ -389,27 +398,19 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
   }
   cp_async_commit();
 
-  // m_b (bf16): diagonal blocks hold T_aa = (I + Akk_aa)^-1 (forward substitution in fp32, warps 0..3,
-  // lane = column), blocks below the diagonal hold Akk (warps 4..7).
-  if (warp < 4) {
-    if (lane < 16) {
-      const int m0 = warp * 16;
-      float x[16];
+  // m_b's diagonal blocks: T_aa = (I + Akk_aa)^-1 by forward substitution in fp32 (warps 0..3, lane = column).
+  if (warp < 4 && lane < 16) {
+    const float* block = akd + warp * 16 * kLdF;
+    float x[16];
 #pragma unroll
-      for (int t = 0; t < 16; ++t) {
-        float s = t == lane ? 1.0f : 0.0f;
+    for (int t = 0; t < 16; ++t) {
+      float s = t == lane ? 1.0f : 0.0f;
 #pragma unroll
-        for (int i = 0; i < t; ++i) s -= akk[(m0 + t) * kLdF + m0 + i] * x[i];
-        x[t] = s;
-      }
-#pragma unroll
-      for (int t = 0; t < 16; ++t) m_b[(m0 + t) * kLdC + m0 + lane] = __float2bfloat16(x[t]);
+      for (int i = 0; i < t; ++i) s -= block[t * kLdF + i] * x[i];
+      x[t] = s;
     }
-  } else {
-    for (int index = tid - 128; index < kC * kC; index += 128) {
-      const int row = index / kC, col = index % kC;
-      if (col < (row / 16) * 16) m_b[row * kLdC + col] = __float2bfloat16(akk[row * kLdF + col]);
-    }
+#pragma unroll
+    for (int t = 0; t < 16; ++t) m_b[(warp * 16 + t) * kLdC + warp * 16 + lane] = __float2bfloat16(x[t]);
   }
   cp_async_wait<0>();
   __syncthreads();
@@ -430,11 +431,11 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
   {
     bf16* x = warp < 4 ? bk : bv;
     const int col0 = (warp & 3) * 32;
-    // w goes to its swizzled blocks; the u warp's 32 columns are half warp % 2 of value slice (warp % 4) / 2.
-    bf16* u_rows = u_out + ((warp & 3) >> 1) * (kC * kLdU) + (warp & 1) * 32;
     bf16* residual = r_b + warp * 16 * kLdR;  // [16][kLdR] X_a - sum, bf16
+#pragma unroll
     for (int a0 = 0; a0 < kC; a0 += 16) {
       float acc[4][4] = {};
+#pragma unroll
       for (int k0 = 0; k0 < a0; k0 += 16) {
         uint32_t am[4];
         load_a(am, m_b, kLdC, a0, k0);
@@ -473,13 +474,24 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
 #pragma unroll
         for (int half_row = 0; half_row < 2; ++half_row) {
           const int row = a0 + group + half_row * 8, col = nt * 8 + quad * 2;
-          const uint32_t packed = pack_bf16(wa[nt][2 * half_row], wa[nt][2 * half_row + 1]);
-          *reinterpret_cast<uint32_t*>(x + row * kLdD + col0 + col) = packed;
-          bf16* dst = warp < 4 ? w_out + sw128_wide(row, col0 + col) : u_rows + row * kLdU + col;
-          *reinterpret_cast<uint32_t*>(dst) = packed;
+          *reinterpret_cast<uint32_t*>(x + row * kLdD + col0 + col) =
+              pack_bf16(wa[nt][2 * half_row], wa[nt][2 * half_row + 1]);
         }
       }
       __syncwarp();
+    }
+  }
+  __syncthreads();
+  // w to its two swizzled blocks, u split by value slice: 16 bytes a thread and step, a warp's stores covering whole
+  // rows.
+#pragma unroll
+  for (int i = tid; i < 2 * kC * 16; i += kPrepThreads) {
+    const int r = (i >> 4) & (kC - 1), c = (i & 15) * 8;
+    if (i < kC * 16) {
+      *reinterpret_cast<uint4*>(w_out + sw128_wide(r, c)) = *reinterpret_cast<const uint4*>(bk + r * kLdD + c);
+    } else {
+      *reinterpret_cast<uint4*>(u_out + (c >> 6) * (kC * kLdU) + r * kLdU + (c & 63)) =
+          *reinterpret_cast<const uint4*>(bv + r * kLdD + c);
     }
   }
 }
