@@ -117,7 +117,8 @@ struct StateArgs {
 
 constexpr int kPrepThreads = 256;  // thread (pair, tile): key channels 2 pair, 2 pair + 1, tokens of one 16-tile
 constexpr size_t kPrepSmem = size_t{kC} * kLdD * 2 * 2 + size_t{kKinvRows} * kLdD * 2 + size_t{kC} * kLdC * 2 +
-                             4 * 16 * kLdF * 4 + kC * 4 + 4 * kD * 4;
+                             4 * 16 * kLdF * 4 + kC * 4 + 4 * kD * 4 + size_t{kC} * kLdD * 2;
+static_assert(2 * (kPrepSmem + 1024) <= 228 * 1024, "two prep CTAs share an SM");
 // Akk's diagonal block entry (t, i), both in t's 16-token tile, in the compact fp32 array.
 __host__ __device__ constexpr int diag_index(int t, int i) {
   return (t >> 4) * 16 * kLdF + (t & 15) * kLdF + (i & 15);
@@ -170,11 +171,11 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
   float* akd = reinterpret_cast<float*>(m_b + kC * kLdC);  // [4][16][kLdF]: Akk's diagonal blocks in fp32
   float* beta_s = akd + 4 * 16 * kLdF;                     // [64]
   float* ends = beta_s + kC;                               // [4][128] each 16-token tile's total log-decay
-  // Aliases once their owners are dead: substitution residuals over qd, beta K e^gc and beta V over kinv, the exact
-  // path's gc over kinv.
+  bf16* bv = reinterpret_cast<bf16*>(ends + 4 * kD);       // [64][kLdD] v, then beta v in place
+  // Aliases once their owners are dead: substitution residuals over qd, beta K e^gc over kinv, the exact path's gc
+  // over kinv.
   bf16* r_b = qd;  // [8 warps][16][kLdR] residuals of the substitution
   bf16* bk = kinv;
-  bf16* bv = kinv + kC * kLdD;
 
   const int H = p.num_heads;
   const int h = blockIdx.y;
@@ -195,15 +196,24 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
   const size_t row_stride = static_cast<size_t>(H) * kD;
   const size_t chunk_offset = static_cast<size_t>(chunk.token_begin) * row_stride + static_cast<size_t>(h) * kD;
   float* g_tile = reinterpret_cast<float*>(kinv);
-  for (int i = tid; i < kC * 32; i += kPrepThreads) {
-    const int r = i >> 5, s = (i & 31) * 4;
-    cp_async16_zfill(g_tile + r * kD + s, p.g + chunk_offset + (r < n ? r * row_stride + s : 0), r < n);
-  }
-  for (int i = tid; i < kC * 16; i += kPrepThreads) {
-    const int r = i >> 4, s = (i & 15) * 8;
-    const size_t offset = chunk_offset + (r < n ? r * row_stride + s : 0);
-    cp_async16_zfill(qd + r * kLdD + s, p.q + offset, r < n);
-    cp_async16_zfill(kd + r * kLdD + s, p.k + offset, r < n);
+  {
+    // g: 32 threads a row (16 bytes each), rows tid / 32 + 8 i; q, k, v: 16 threads a row, rows tid / 16 + 16 i.
+    const int gr = tid >> 5, gs = (tid & 31) * 4;
+    const float* g_src = p.g + chunk_offset + gs;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int r = gr + 8 * i;
+      cp_async16_zfill(g_tile + r * kD + gs, g_src + (r < n ? r * row_stride : 0), r < n);
+    }
+    const int xr = tid >> 4, xs = (tid & 15) * 8;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = xr + 16 * i;
+      const size_t offset = chunk_offset + xs + (r < n ? r * row_stride : 0);
+      cp_async16_zfill(qd + r * kLdD + xs, p.q + offset, r < n);
+      cp_async16_zfill(kd + r * kLdD + xs, p.k + offset, r < n);
+      cp_async16_zfill(bv + r * kLdD + xs, p.v + offset, r < n);
+    }
   }
   cp_async_commit();
   if (tid < kC) beta_s[tid] = tid < n ? p.beta[static_cast<size_t>(chunk.token_begin + tid) * H + h] : 0.0f;
@@ -391,13 +401,6 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
   }
   __syncthreads();
 
-  // Stage v into the beta-V area (kinv is dead now); it lands while the diagonal blocks are inverted.
-  for (int i = tid; i < kC * 16; i += kPrepThreads) {
-    const int r = i >> 4, s = (i & 15) * 8;
-    cp_async16_zfill(bv + r * kLdD + s, p.v + chunk_offset + (r < n ? r * row_stride + s : 0), r < n);
-  }
-  cp_async_commit();
-
   // m_b's diagonal blocks: T_aa = (I + Akk_aa)^-1 by forward substitution in fp32 (warps 0..3, lane = column).
   if (warp < 4 && lane < 16) {
     const float* block = akd + warp * 16 * kLdF;
@@ -412,8 +415,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
 #pragma unroll
     for (int t = 0; t < 16; ++t) m_b[(warp * 16 + t) * kLdC + warp * 16 + lane] = __float2bfloat16(x[t]);
   }
-  cp_async_wait<0>();
-  __syncthreads();
+  // beta k e^gc over the dead B operands, beta v in place (v landed with q and k), beside the inversions.
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
     const int t = t0 + j;
