@@ -536,7 +536,9 @@ constexpr size_t kStageBytes = kOffU + kUSliceBytes;                 // the chun
 constexpr size_t kStageStride = (kStageBytes + 1023) / 1024 * 1024;  // stages start 1024-byte aligned
 constexpr size_t kStateOperandBytes = size_t{kD} * kStateBv * 2;     // S as bf16, [128 keys][64 values]
 constexpr size_t kVnBytes = size_t{kC} * kStateBv * 2;               // v_new as bf16, [64 tokens][64 values]
-constexpr size_t kStateSmem = 1024 + 2 * kStageStride + kStateOperandBytes + kVnBytes + 2 * sizeof(uint64_t);
+constexpr size_t kOutBytes = size_t{kC} * kStateBv * 2;  // a chunk's output slice as bf16, [64 tokens][64 values]
+constexpr size_t kStateSmem =
+    1024 + 2 * kStageStride + kStateOperandBytes + kVnBytes + kOutBytes + 2 * sizeof(uint64_t);
 
 // Two warpgroups per (64 value columns, head, sequence), sequential over the sequence's chunks. Warpgroup wg holds
 // keys [64 wg, +64) of the state slice S [128 keys x 64 values] in fp32 registers. A chunk: warpgroup 0 computes
@@ -544,7 +546,8 @@ constexpr size_t kStateSmem = 1024 + 2 * kStageStride + kStateOperandBytes + kVn
 // each warpgroup updates its half, S = e^gc_last ⊙ S + (k e^(gc_last - gc))^T v_new (wgmma with the accumulators in
 // place), and writes it back as bf16, while warpgroup 1 adds Aqk v_new to the output. Both read the chunk's factors
 // from a stage that one thread fills by two bulk copies (an mbarrier a stage, two stages: the next chunk lands during
-// the current one).
+// the current one). Warpgroup 1 stages each chunk's output slice in shared memory and copies it out, 16 bytes a
+// thread, during the next chunk's first product.
 __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(StateArgs p) {
   extern __shared__ uint8_t smem_raw[];
   // 1024-byte aligned by an offset from the shared array itself, so that the compiler keeps every access through
@@ -555,9 +558,10 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(State
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wg = warp >> 2, wg_warp = warp & 3;
   const SequenceEntry seq = p.sequences[sequence];
-  bf16* s_b = reinterpret_cast<bf16*>(smem + 2 * kStageStride);                      // sw128 [128][64]
-  bf16* vn = reinterpret_cast<bf16*>(smem + 2 * kStageStride + kStateOperandBytes);  // sw128 [64][64]
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + 2 * kStageStride + kStateOperandBytes + kVnBytes);
+  bf16* s_b = reinterpret_cast<bf16*>(smem + 2 * kStageStride);                                  // sw128 [128][64]
+  bf16* vn = reinterpret_cast<bf16*>(smem + 2 * kStageStride + kStateOperandBytes);              // sw128 [64][64]
+  bf16* o_s = reinterpret_cast<bf16*>(smem + 2 * kStageStride + kStateOperandBytes + kVnBytes);  // sw128 [64][64]
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + 2 * kStageStride + kStateOperandBytes + kVnBytes + kOutBytes);
   const uint32_t s_b_address = smem_address(s_b), vn_address = smem_address(vn);
 
   auto stage_base = [&](int stage) { return smem + stage * kStageStride; };
@@ -634,6 +638,22 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(State
       wgmma_m64n64k16<0>(acc, desc_k_major(a_base, step), desc_mn_major(s_b_address, step), step > 0 ? 1 : 0);
     }
     sm90::wgmma_commit_group();
+    if (wg == 1 && ci > 0) {
+      // The previous chunk's output slice, staged in shared memory, to global memory while the products run:
+      // 16 bytes a thread and step, 128 bytes a row. (Stored straight from the accumulators at the end of the
+      // chunk, the stores held the accumulator registers that the next chunk's first product overwrites.)
+      const int prev_first = chunk_first - kC;
+#pragma unroll
+      for (int step = 0; step < 4; ++step) {
+        const int index = step * 128 + tid - 128, row = index >> 3, part = index & 7;
+        if (row < kC) {
+          const uint4 value = *reinterpret_cast<const uint4*>(o_s + sw128(row, part * 8));
+          const size_t at =
+              (static_cast<size_t>(seq.token_begin + prev_first + row) * H + h) * kD + slice * kStateBv + part * 8;
+          *reinterpret_cast<uint4*>(p.o + at) = value;
+        }
+      }
+    }
     sm90::wgmma_wait_group<0>();
     sm90::wgmma_fence_registers(acc);
     if (wg == 0) {
@@ -654,12 +674,12 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(State
       }
       sm90::fence_proxy_async_shared();
     }
+    const float* decay = reinterpret_cast<const float*>(stage_base(stage) + kOffDecay);
+    const float d0 = decay[64 * wg + acc_row(0)], d1 = decay[64 * wg + acc_row(2)];  // rows of i % 4 < 2, >= 2
     __syncthreads();  // v_new complete; both warpgroups are done reading the bf16 state
 
     // Both warpgroups: their half of S = e^gc_last ⊙ S + kg^T v_new (A = kg^T, MN-major: kg's rows are tokens;
     // B = v_new; K = 64 tokens). Warpgroup 1 also: o += Aqk v_new (Aqk is zero above its diagonal).
-    const float* decay = reinterpret_cast<const float*>(stage_base(stage) + kOffDecay);
-    const float d0 = decay[64 * wg + acc_row(0)], d1 = decay[64 * wg + acc_row(2)];  // rows of i % 4 < 2, >= 2
 #pragma unroll
     for (int i = 0; i < 32; ++i) s[i] *= (i % 4) < 2 ? d0 : d1;
     const uint32_t kg_base = base + static_cast<uint32_t>(kOffKg) + wg * static_cast<uint32_t>(kBlockBytes);
@@ -694,16 +714,26 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(State
       store_state(p.checkpoint_states + (static_cast<size_t>(entry) * H + h) * kD * kD + slice * kStateBv);
     }
     if (wg == 1) {
+      // Staged in shared memory; the next chunk (or the end) copies the rows out.
 #pragma unroll
       for (int i = 0; i < 32; i += 2) {
-        const int row = acc_row(i), col = slice * kStateBv + acc_col(i);
-        if (row < tokens) {
-          const size_t index = (static_cast<size_t>(seq.token_begin + chunk_first + row) * H + h) * kD + col;
-          *reinterpret_cast<uint32_t*>(p.o + index) = pack_bf16(acc[i], acc[i + 1]);
-        }
+        *reinterpret_cast<uint32_t*>(o_s + sw128(acc_row(i), acc_col(i))) = pack_bf16(acc[i], acc[i + 1]);
       }
     }
     __syncthreads();  // the new bf16 state is in place; v_new and the stage are free
+  }
+  if (wg == 1 && seq.num_chunks > 0) {
+    const int last_first = (seq.num_chunks - 1) * kC, last_tokens = seq.length - last_first;
+#pragma unroll
+    for (int step = 0; step < 4; ++step) {
+      const int index = step * 128 + tid - 128, row = index >> 3, part = index & 7;
+      if (row < last_tokens) {
+        const uint4 value = *reinterpret_cast<const uint4*>(o_s + sw128(row, part * 8));
+        const size_t at =
+            (static_cast<size_t>(seq.token_begin + last_first + row) * H + h) * kD + slice * kStateBv + part * 8;
+        *reinterpret_cast<uint4*>(p.o + at) = value;
+      }
+    }
   }
   if (p.final_state != nullptr) store_state(p.final_state + state_offset);
 }
