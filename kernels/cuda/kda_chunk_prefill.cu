@@ -642,16 +642,19 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(State
       // The previous chunk's output slice, staged in shared memory, to global memory while the products run:
       // 16 bytes a thread and step, 128 bytes a row. (Stored straight from the accumulators at the end of the
       // chunk, the stores held the accumulator registers that the next chunk's first product overwrites.)
-      const int prev_first = chunk_first - kC;
+      // All four loads before the stores, so that their latencies overlap.
+      const int prev_first = chunk_first - kC, part = tid & 7;
+      uint4 value[4];
 #pragma unroll
       for (int step = 0; step < 4; ++step) {
-        const int index = step * 128 + tid - 128, row = index >> 3, part = index & 7;
-        if (row < kC) {
-          const uint4 value = *reinterpret_cast<const uint4*>(o_s + sw128(row, part * 8));
-          const size_t at =
-              (static_cast<size_t>(seq.token_begin + prev_first + row) * H + h) * kD + slice * kStateBv + part * 8;
-          *reinterpret_cast<uint4*>(p.o + at) = value;
-        }
+        value[step] = *reinterpret_cast<const uint4*>(o_s + sw128(16 * step + ((tid - 128) >> 3), part * 8));
+      }
+#pragma unroll
+      for (int step = 0; step < 4; ++step) {
+        const int row = 16 * step + ((tid - 128) >> 3);
+        const size_t at =
+            (static_cast<size_t>(seq.token_begin + prev_first + row) * H + h) * kD + slice * kStateBv + part * 8;
+        *reinterpret_cast<uint4*>(p.o + at) = value[step];
       }
     }
     sm90::wgmma_wait_group<0>();
