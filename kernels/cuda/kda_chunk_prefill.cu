@@ -563,6 +563,25 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(State
   bf16* o_s = reinterpret_cast<bf16*>(smem + 2 * kStageStride + kStateOperandBytes + kVnBytes);  // sw128 [64][64]
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + 2 * kStageStride + kStateOperandBytes + kVnBytes + kOutBytes);
   const uint32_t s_b_address = smem_address(s_b), vn_address = smem_address(vn);
+  // Warpgroup 1: the staged output slice of the chunk starting at token `first` of the sequence, its first `rows`
+  // rows, to global memory: 16 bytes a thread and step, 128 bytes a row, all four loads before the stores.
+  auto store_output = [&](int first, int rows) {
+    const int row0 = (tid - 128) >> 3, part = tid & 7;
+    uint4 value[4];
+#pragma unroll
+    for (int step = 0; step < 4; ++step) {
+      value[step] = *reinterpret_cast<const uint4*>(o_s + sw128(16 * step + row0, part * 8));
+    }
+#pragma unroll
+    for (int step = 0; step < 4; ++step) {
+      const int row = 16 * step + row0;
+      if (row < rows) {
+        const size_t at =
+            (static_cast<size_t>(seq.token_begin + first + row) * H + h) * kD + slice * kStateBv + part * 8;
+        *reinterpret_cast<uint4*>(p.o + at) = value[step];
+      }
+    }
+  };
 
   auto stage_base = [&](int stage) { return smem + stage * kStageStride; };
   // Thread 0 only: the chunk's factors into `stage` by two bulk copies (the shared part, this slice's u).
@@ -638,25 +657,10 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(State
       wgmma_m64n64k16<0>(acc, desc_k_major(a_base, step), desc_mn_major(s_b_address, step), step > 0 ? 1 : 0);
     }
     sm90::wgmma_commit_group();
-    if (wg == 1 && ci > 0) {
-      // The previous chunk's output slice, staged in shared memory, to global memory while the products run:
-      // 16 bytes a thread and step, 128 bytes a row. (Stored straight from the accumulators at the end of the
-      // chunk, the stores held the accumulator registers that the next chunk's first product overwrites.)
-      // All four loads before the stores, so that their latencies overlap.
-      const int prev_first = chunk_first - kC, part = tid & 7;
-      uint4 value[4];
-#pragma unroll
-      for (int step = 0; step < 4; ++step) {
-        value[step] = *reinterpret_cast<const uint4*>(o_s + sw128(16 * step + ((tid - 128) >> 3), part * 8));
-      }
-#pragma unroll
-      for (int step = 0; step < 4; ++step) {
-        const int row = 16 * step + ((tid - 128) >> 3);
-        const size_t at =
-            (static_cast<size_t>(seq.token_begin + prev_first + row) * H + h) * kD + slice * kStateBv + part * 8;
-        *reinterpret_cast<uint4*>(p.o + at) = value[step];
-      }
-    }
+    // The previous chunk's output slice, staged in shared memory, to global memory while the products run. (Stored
+    // straight from the accumulators at the end of the chunk, the stores held the accumulator registers that the
+    // next chunk's first product overwrites.)
+    if (wg == 1 && ci > 0) store_output(chunk_first - kC, kC);
     sm90::wgmma_wait_group<0>();
     sm90::wgmma_fence_registers(acc);
     if (wg == 0) {
@@ -726,17 +730,8 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(State
     __syncthreads();  // the new bf16 state is in place; v_new and the stage are free
   }
   if (wg == 1 && seq.num_chunks > 0) {
-    const int last_first = (seq.num_chunks - 1) * kC, last_tokens = seq.length - last_first;
-#pragma unroll
-    for (int step = 0; step < 4; ++step) {
-      const int index = step * 128 + tid - 128, row = index >> 3, part = index & 7;
-      if (row < last_tokens) {
-        const uint4 value = *reinterpret_cast<const uint4*>(o_s + sw128(row, part * 8));
-        const size_t at =
-            (static_cast<size_t>(seq.token_begin + last_first + row) * H + h) * kD + slice * kStateBv + part * 8;
-        *reinterpret_cast<uint4*>(p.o + at) = value;
-      }
-    }
+    const int last_first = (seq.num_chunks - 1) * kC;
+    store_output(last_first, seq.length - last_first);
   }
   if (p.final_state != nullptr) store_state(p.final_state + state_offset);
 }
