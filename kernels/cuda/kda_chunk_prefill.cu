@@ -168,10 +168,10 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
   bf16* kinv = kd + kC * kLdD;               // [160][kLdD] per row tile a: k_i e^(r_a - gc_i)
   // [64][kLdC] bf16: T_aa on the diagonal blocks, Akk below them (the Akk products write it directly)
   bf16* m_b = kinv + kKinvRows * kLdD;
-  float* akd = reinterpret_cast<float*>(m_b + kC * kLdC);  // [4][16][kLdF]: Akk's diagonal blocks in fp32
-  float* beta_s = akd + 4 * 16 * kLdF;                     // [64]
-  float* ends = beta_s + kC;                               // [4][128] each 16-token tile's total log-decay
-  bf16* bv = reinterpret_cast<bf16*>(ends + 4 * kD);       // [64][kLdD] v, then beta v in place
+  float* akd = reinterpret_cast<float*>(m_b + kC * kLdC);    // [4][16][kLdF]: Akk's diagonal blocks in fp32
+  float* beta_s = akd + 4 * 16 * kLdF;                       // [64]
+  float* tile_totals = beta_s + kC;                          // [4][128] each 16-token tile's total log-decay
+  bf16* bv = reinterpret_cast<bf16*>(tile_totals + 4 * kD);  // [64][kLdD] v, then beta v in place
   // Aliases once their owners are dead: substitution residuals over qd, beta K e^gc over kinv, the exact path's gc
   // over kinv.
   bf16* r_b = qd;  // [8 warps][16][kLdR] residuals of the substitution
@@ -221,26 +221,28 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
   // Thread (pair, tile): key channels c0 = 2 pair and c0 + 1, tokens [16 tile, 16 tile + 16). A warp covers 64
   // channels of one tile's rows, so every element-wise store below moves two channels at once (one bf16x2).
   const int pair = tid & 63, tile = tid >> 6, c0 = 2 * pair, t0 = 16 * tile;
-  float2 a = make_float2(1.0f, 1.0f), bias = make_float2(0.0f, 0.0f);
+  float a = 1.0f;
+  float2 bias = make_float2(0.0f, 0.0f);
   if (p.gate_mode != kGatePrecomputed) {
-    a.x = a.y = __expf(p.a_log[h]);
+    a = __expf(p.a_log[h]);
     bias = make_float2(p.dt_bias[h * kD + c0], p.dt_bias[h * kD + c0 + 1]);
   }
   cp_async_wait<0>();
   __syncthreads();
-  // Log-decay (log2 units) cumulated inside this thread's tile, and k, in registers; the tile totals go to `ends`.
+  // Log-decay (log2 units) cumulated inside this thread's tile, and k, in registers; the tile totals go to
+  // `tile_totals`.
   float2 gc[16], kr[16];
   float2 running = make_float2(0.0f, 0.0f);
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
     const int t = t0 + j;
     const float2 raw = *reinterpret_cast<const float2*>(g_tile + t * kD + c0);
-    running.x += t < n ? gate_value(raw.x, p.gate_mode, a.x, bias.x, p.lower_bound) * kLog2e : 0.0f;
-    running.y += t < n ? gate_value(raw.y, p.gate_mode, a.y, bias.y, p.lower_bound) * kLog2e : 0.0f;
+    running.x += t < n ? gate_value(raw.x, p.gate_mode, a, bias.x, p.lower_bound) * kLog2e : 0.0f;
+    running.y += t < n ? gate_value(raw.y, p.gate_mode, a, bias.y, p.lower_bound) * kLog2e : 0.0f;
     gc[j] = running;
     kr[j] = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(kd + t * kLdD + c0));
   }
-  *reinterpret_cast<float2*>(ends + tile * kD + c0) = running;
+  *reinterpret_cast<float2*>(tile_totals + tile * kD + c0) = running;
   __syncthreads();
   // ref[b]: cumulative log-decay at the start of tile b (the sum of the earlier tiles' totals, added in the same
   // order by every thread, so the two sides of a split pair decay use the same float); gc_last: the chunk's total.
@@ -248,12 +250,12 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
   ref[0] = make_float2(0.0f, 0.0f);
 #pragma unroll
   for (int b = 1; b < 4; ++b) {
-    const float2 total = *reinterpret_cast<const float2*>(ends + (b - 1) * kD + c0);
+    const float2 total = *reinterpret_cast<const float2*>(tile_totals + (b - 1) * kD + c0);
     ref[b] = make_float2(ref[b - 1].x + total.x, ref[b - 1].y + total.y);
   }
   float2 gc_last;
   {
-    const float2 total = *reinterpret_cast<const float2*>(ends + 3 * kD + c0);
+    const float2 total = *reinterpret_cast<const float2*>(tile_totals + 3 * kD + c0);
     gc_last = make_float2(ref[3].x + total.x, ref[3].y + total.y);
   }
   float2 r_own = ref[0];  // this tile's reference (static register indexing)
