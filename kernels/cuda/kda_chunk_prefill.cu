@@ -198,18 +198,23 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
   float* g_tile = reinterpret_cast<float*>(kinv);
   {
     // g: 32 threads a row (16 bytes each), rows tid / 32 + 8 i; q, k, v: 16 threads a row, rows tid / 16 + 16 i.
+    // Rows past the sequence are zero-filled from the chunk's first row (never read). Source offsets advance by a
+    // precomputed row step.
     const int gr = tid >> 5, gs = (tid & 31) * 4;
-    const float* g_src = p.g + chunk_offset + gs;
+    const size_t g_first = chunk_offset + gs, g_step = 8 * row_stride;
+    size_t g_offset = g_first + gr * row_stride;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < 8; ++i, g_offset += g_step) {
       const int r = gr + 8 * i;
-      cp_async16_zfill(g_tile + r * kD + gs, g_src + (r < n ? r * row_stride : 0), r < n);
+      cp_async16_zfill(g_tile + r * kD + gs, p.g + (r < n ? g_offset : g_first), r < n);
     }
     const int xr = tid >> 4, xs = (tid & 15) * 8;
+    const size_t x_first = chunk_offset + xs, x_step = 16 * row_stride;
+    size_t x_offset = x_first + xr * row_stride;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < 4; ++i, x_offset += x_step) {
       const int r = xr + 16 * i;
-      const size_t offset = chunk_offset + xs + (r < n ? r * row_stride : 0);
+      const size_t offset = r < n ? x_offset : x_first;
       cp_async16_zfill(qd + r * kLdD + xs, p.q + offset, r < n);
       cp_async16_zfill(kd + r * kLdD + xs, p.k + offset, r < n);
       cp_async16_zfill(bv + r * kLdD + xs, p.v + offset, r < n);
@@ -488,14 +493,23 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
   __syncthreads();
   // w to its two swizzled blocks, u split by value slice: 16 bytes a thread and step, a warp's stores covering whole
   // rows.
+  // Thread: rows r0 + 16 k, columns [c, c + 8); r % 8 is the same for all four rows, so are the swizzled offsets.
+  {
+    const int r0 = tid >> 4, c = (tid & 15) * 8;
+    bf16* w_dst = w_out + sw128_wide(r0, c);
+    bf16* u_dst = u_out + (c >> 6) * (kC * kLdU) + r0 * kLdU + (c & 63);
+    const bf16* w_src = bk + r0 * kLdD + c;
+    const bf16* u_src = bv + r0 * kLdD + c;
+    uint4 w_rows[4], u_rows[4];
 #pragma unroll
-  for (int i = tid; i < 2 * kC * 16; i += kPrepThreads) {
-    const int r = (i >> 4) & (kC - 1), c = (i & 15) * 8;
-    if (i < kC * 16) {
-      *reinterpret_cast<uint4*>(w_out + sw128_wide(r, c)) = *reinterpret_cast<const uint4*>(bk + r * kLdD + c);
-    } else {
-      *reinterpret_cast<uint4*>(u_out + (c >> 6) * (kC * kLdU) + r * kLdU + (c & 63)) =
-          *reinterpret_cast<const uint4*>(bv + r * kLdD + c);
+    for (int k = 0; k < 4; ++k) {
+      w_rows[k] = *reinterpret_cast<const uint4*>(w_src + 16 * k * kLdD);
+      u_rows[k] = *reinterpret_cast<const uint4*>(u_src + 16 * k * kLdD);
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      *reinterpret_cast<uint4*>(w_dst + 16 * k * 64) = w_rows[k];
+      *reinterpret_cast<uint4*>(u_dst + 16 * k * kLdU) = u_rows[k];
     }
   }
 }
