@@ -149,8 +149,8 @@ __global__ void __launch_bounds__(kThreads, kFusedGates ? 1 : 2)
   __shared__ float squares[8];     // sums of squares of q (0..3) and k (4..7) over 32 channels each
   __shared__ float o_squares[16];  // sum of o^2 over columns 8 i .. 8 i + 7
   __shared__ float beta_s;
-  extern __shared__ uint4
-      gate_weights[];  // kFusedGates: [kGatePieces][kThreads], piece j of thread t at j kThreads + t
+  // kFusedGates: [kGatePieces][kThreads] weight pieces, piece j of thread t at j kThreads + t (conflict-free).
+  extern __shared__ uint4 gate_weights[];
   const int h = blockIdx.x, b = blockIdx.y;
   const int H = p.num_heads, C = H * kD, K = p.conv_kernel;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
