@@ -136,14 +136,18 @@ Status CudaBackend::Impl::run_kda(const DeviceLayer& layer, const PassTables& t,
       return gemm.run_shared_input(GemmNormInput{unnormed, hidden, layer.input_norm, eps, normed}, T, hidden, targets);
     };
     const GemmTarget f_b{w.f_b, C, gate_raw, C};
+    // Small batches: the decode step computes the gate logits from `low` itself (kc::kda_fused_gate_max_rows).
+    const bool fused_gates = T <= kc::kda_fused_gate_max_rows();
     if (low_rank_gate) {
       DS_RETURN_IF_ERROR(project({fg_a, q_target, k_target, v_target, b_target}));
       // f_b and g_b on the two halves of `low` in one launch (g_b first where they run one by one).
-      DS_RETURN_IF_ERROR(gemm.run_shared_input(low, low_width, T, r, {GemmTarget{w.g_b, C, out_gate, C, r}, f_b}));
+      if (!fused_gates) {
+        DS_RETURN_IF_ERROR(gemm.run_shared_input(low, low_width, T, r, {GemmTarget{w.g_b, C, out_gate, C, r}, f_b}));
+      }
     } else {
       const GemmTarget g_target{w.g_proj, C, out_gate, C};
       DS_RETURN_IF_ERROR(project({fg_a, q_target, k_target, v_target, b_target, g_target}));
-      DS_RETURN_IF_ERROR(gemm.run_shared_input(low, low_width, T, r, {f_b}));
+      if (!fused_gates) DS_RETURN_IF_ERROR(gemm.run_shared_input(low, low_width, T, r, {f_b}));
     }
     kc::KdaDecodeParams p;
     p.batch = static_cast<int>(T);
@@ -169,10 +173,20 @@ Status CudaBackend::Impl::run_kda(const DeviceLayer& layer, const PassTables& t,
     p.conv_state = pools->conv_pool(layer.slot);
     p.state = pools->state_pool(layer.slot);
     p.out = out;
-    // Valid here: the kernel enqueued just before is the f_b (+ g_b) GEMM above (it writes gate_raw and out_gate
-    // only; with programmatic dependent launch it lets this kernel start only after its own wait, when everything
-    // before it is complete), the slot table was uploaded at the start of the pass and this layer's state last
-    // written by its previous step.
+    if (fused_gates) {
+      p.gate_raw = nullptr;
+      p.gate_low = low;
+      p.gate_low_stride = low_width;
+      p.f_b = w.f_b;
+      if (low_rank_gate) {
+        p.g_b = w.g_b;
+        p.out_gate = nullptr;
+      }
+    }
+    // Valid here: the kernel enqueued just before is the f_b (+ g_b) GEMM above, or with fused gates the
+    // projections (they write gate_raw / out_gate, or low, q, k, v and beta; with programmatic dependent launch they
+    // let this kernel start only after their own wait, when everything before them is complete), the slot table was
+    // uploaded at the start of the pass and this layer's state last written by its previous step.
     // Measured 3.83 against 4.46 us per layer at B = 1, 77.7 against 79.9 at B = 64 (KdaDecodeGpu.VariantsTiming).
     p.early_state_loads = true;
     profiler.mark(Phase::kKdaRecurrence, stream());

@@ -111,6 +111,16 @@ struct KdaDecodeParams {
   const __nv_bfloat16* gate_raw = nullptr;  // [B, H*d] f_b(f_a(x))
   const __nv_bfloat16* beta_raw = nullptr;  // [B, H] b_proj(x) logits (sigmoid applied inside)
   const __nv_bfloat16* out_gate = nullptr;  // [B, H*d] output gate logits (sigmoid applied inside)
+  // Optional, cols1 only (v1 and the speculative kernels reject it): the gate logits from the layer's low-rank
+  // up-projections inside the step instead of gate_raw (and out_gate): gate_raw[b, c] = f_b[c, :] · gate_low[b,
+  // 0:128] and, with g_b set, out_gate[b, c] = g_b[c, :] · gate_low[b, 128:256], each summed in fp32 and rounded to
+  // bf16 like the projection GEMM's outputs (gate_raw / out_gate are then not read and may be null). It saves the
+  // up-projections' launch at small batches; every (row, head) CTA reads its head's 32 KiB of f_b (and of g_b),
+  // from L2 after the first row, so large batches are better served by the separate GEMM.
+  const __nv_bfloat16* gate_low = nullptr;  // [B, gate_low_stride] f_a(x) (‖ g_a(x))
+  int64_t gate_low_stride = 0;              // elements; a multiple of 8, >= 128 (>= 256 with g_b)
+  const __nv_bfloat16* f_b = nullptr;       // [H*d, 128] row-major (output channel x rank)
+  const __nv_bfloat16* g_b = nullptr;       // [H*d, 128] row-major, or null: out_gate is read
 
   const float* q_conv_weight = nullptr;  // [H*d, K]
   const float* k_conv_weight = nullptr;  // [H*d, K]
@@ -141,6 +151,11 @@ struct KdaDecodeParams {
 };
 
 [[nodiscard]] Status kda_decode_step(const KdaDecodeParams& params, cudaStream_t stream);
+
+// Up to how many batch rows a caller should pass the low-rank gates to the decode step (KdaDecodeParams::gate_low)
+// instead of running their up-projections as a GEMM: DELTASERVE_KDA_FUSED_GATES (read once per process; a
+// non-negative integer), 0 (never) when unset until the H200 measurement picks a default.
+[[nodiscard]] int kda_fused_gate_max_rows();
 
 // ---- speculative decoding ---------------------------------------------------------------------------------
 // Device buffers of one verify/commit pair (kept by the caller between the two calls).

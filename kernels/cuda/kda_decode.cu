@@ -28,8 +28,10 @@
 
 #include <cuda_bf16.h>
 
+#include "kernels/cuda/bf16_stream.cuh"
 #include "kernels/cuda/kda.hpp"
 #include "kernels/cuda/kda_decode_common.cuh"
+#include "kernels/cuda/mma_sm80.cuh"
 
 namespace deltaserve::kernels::cuda {
 namespace {
@@ -126,7 +128,16 @@ __device__ __forceinline__ float conv_channel(const float* weight, const bf16* t
 // of state rows 8 rg .. 8 rg + 7 (a warp is one row group: 32 x 16 bytes contiguous per row). Sums over the 16 row
 // groups run on 4 threads per column (4 partials each, then 2 shuffles), so every thread takes part. Each conv
 // tail element is read and rewritten by one thread only, so the tails are updated in place right away.
-__global__ void __launch_bounds__(kThreads, 2) kda_decode_cols1_kernel(DecodeArgs p, int early_state_loads) {
+// kFusedGates: the gate logits from gate_low and f_b (g_b) instead of gate_raw (out_gate). Thread (column, quarter)
+// takes ranks 32 quarter .. 32 quarter + 31 of column's f_b (g_b) row: its 64 weight bytes (each) are copied into its
+// own shared-memory slots before the wait for the previous grid (weights), the matching gate_low values are read
+// after it, and the 4 threads of a column add their partial dot products by 2 shuffles. The column's decay is
+// written with the prologue's; the output gate stays in a register of the threads that write the column.
+constexpr int kGatePieces = 8;  // 16-byte weight pieces a thread: f_b 0..3, g_b 4..7
+// (One CTA an SM for the fused gates: they are for small batches, and 64 registers would spill.)
+template <bool kFusedGates>
+__global__ void __launch_bounds__(kThreads, kFusedGates ? 1 : 2)
+    kda_decode_cols1_kernel(DecodeArgs p, int early_state_loads) {
   constexpr int kGroups = kD / 4;         // float4 column groups per state row
   constexpr int kPartialStride = kD + 8;  // the 4 threads of a column read rows q, q + 4, ...: 4 distinct banks
   static_assert(kThreads / kGroups == kRowGroups, "16 row groups of 8 rows");
@@ -138,11 +149,25 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_cols1_kernel(DecodeArg
   __shared__ float squares[8];     // sums of squares of q (0..3) and k (4..7) over 32 channels each
   __shared__ float o_squares[16];  // sum of o^2 over columns 8 i .. 8 i + 7
   __shared__ float beta_s;
+  // kFusedGates: [kGatePieces][kThreads] weight pieces, piece j of thread t at j kThreads + t (conflict-free).
+  extern __shared__ uint4 gate_weights[];
   const int h = blockIdx.x, b = blockIdx.y;
   const int H = p.num_heads, C = H * kD, K = p.conv_kernel;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const size_t row = static_cast<size_t>(b) * C;
+  // Column sums and the fused gates: thread (column, quarter).
+  const int column = tid >> 2, quarter = tid & 3;
 
+  if constexpr (kFusedGates) {
+    const size_t weight_row = (static_cast<size_t>(h) * kD + column) * kD + 32 * quarter;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) cp_async16(&gate_weights[j * kThreads + tid], p.f_b + weight_row + 8 * j);
+    if (p.g_b != nullptr) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) cp_async16(&gate_weights[(4 + j) * kThreads + tid], p.g_b + weight_row + 8 * j);
+    }
+    cp_async_commit();
+  }
   if (!early_state_loads) wait_for_previous_grid();
   const int slot = p.slots[b];
   const bool skipped = slot < 0 || slot >= p.num_slots;
@@ -158,8 +183,37 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_cols1_kernel(DecodeArg
   wait_for_previous_grid();
   allow_next_grid();
   if (skipped) {
+    if constexpr (kFusedGates) cp_async_wait<0>();  // nothing of this CTA's shared memory is left in flight
     if (tid < kD) p.out[row + h * kD + tid] = __float2bfloat16(0.0f);
     return;
+  }
+
+  // Fused gates: this column's gate logit (its decay goes to decay_s below, with the prologue's) and output-gate
+  // logit, each rounded to bf16 like the separate GEMM's outputs.
+  float gate_logit = 0.0f, out_gate_logit = 0.0f;
+  if constexpr (kFusedGates) {
+    const bf16* low = p.gate_low + static_cast<size_t>(b) * p.gate_low_stride + 32 * quarter;
+    uint4 x[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) x[j] = *reinterpret_cast<const uint4*>(low + 8 * j);
+    cp_async_wait<0>();  // this thread's own weight pieces
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) sum = dot8_bf16(gate_weights[j * kThreads + tid], x[j], sum);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    gate_logit = __bfloat162float(__float2bfloat16(sum));
+    if (p.g_b != nullptr) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) x[j] = *reinterpret_cast<const uint4*>(low + kD + 8 * j);
+      sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) sum = dot8_bf16(gate_weights[(4 + j) * kThreads + tid], x[j], sum);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      out_gate_logit = __bfloat162float(__float2bfloat16(sum));
+    }
+    if (quarter == 0) decay_s[column] = gate_decay_of(p, gate_logit, h * kD + column, h);
   }
 
   // Prologue: thread = (which, channel), which = 0 q, 1 k, 2 gate, 3 v. A warp's 32 channels share `which`, so
@@ -167,7 +221,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_cols1_kernel(DecodeArg
   {
     const int which = tid / kD, c = tid % kD, channel = h * kD + c;
     if (which == 2) {
-      decay_s[c] = gate_decay(p, row, channel, h);  // decay = e^g
+      if constexpr (!kFusedGates) decay_s[c] = gate_decay(p, row, channel, h);  // decay = e^g
     } else {
       const int conv = which == 3 ? 2 : which;  // q, k, v
       bf16* tail = p.conv_state + ((static_cast<size_t>(slot) * 3 + conv) * C + channel) * (K - 1);
@@ -197,7 +251,6 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_cols1_kernel(DecodeArg
   __syncthreads();
   // Column sums over the 16 row groups: thread (column, quarter) adds row groups quarter, quarter + 4, ..., then
   // two shuffles; the butterfly gives all 4 threads the same value.
-  const int column = tid >> 2, quarter = tid & 3;
   const auto column_sum = [&]() {
     const float* x = &partial[quarter * kPartialStride + column];
     float sum = (x[0] + x[4 * kPartialStride]) + (x[8 * kPartialStride] + x[12 * kPartialStride]);
@@ -229,7 +282,8 @@ __global__ void __launch_bounds__(kThreads, 2) kda_decode_cols1_kernel(DecodeArg
 #pragma unroll
     for (int i = 0; i < 16; ++i) total += o_squares[i];
     const float inverse_rms = rsqrtf(total / static_cast<float>(kD) + p.rms_eps);
-    const float gate = sigmoid(__bfloat162float(p.out_gate[row + h * kD + column]));
+    const float gate =
+        sigmoid(kFusedGates && p.g_b != nullptr ? out_gate_logit : __bfloat162float(p.out_gate[row + h * kD + column]));
     p.out[row + h * kD + column] = __float2bfloat16(o_col * inverse_rms * p.o_norm_weight[column] * gate);
   }
 }
@@ -264,12 +318,34 @@ const EnvironmentKernel& environment_kernel() {
 
 Status launch_cols1(const DecodeArgs& args, const KdaDecodeParams& p, cudaStream_t stream) {
   const int early = p.early_state_loads ? 1 : 0;
-  return launch_kernel_ex(true, kda_decode_cols1_kernel,
-                          dim3(static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch)), dim3(kThreads), 0,
-                          stream, "kda_decode_step (cols1)", args, early);
+  const dim3 grid(static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch));
+  if (p.gate_low == nullptr) {
+    return launch_kernel_ex(true, kda_decode_cols1_kernel<false>, grid, dim3(kThreads), 0, stream,
+                            "kda_decode_step (cols1)", args, early);
+  }
+  constexpr size_t kGateSmem = size_t{kGatePieces} * kThreads * sizeof(uint4);
+  static const cudaError_t attribute = cudaFuncSetAttribute(
+      kda_decode_cols1_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kGateSmem));
+  if (attribute != cudaSuccess) {
+    return internal_error(std::string("kda_decode_step (cols1, fused gates): shared memory attribute: ") +
+                          cudaGetErrorString(attribute));
+  }
+  return launch_kernel_ex(true, kda_decode_cols1_kernel<true>, grid, dim3(kThreads), kGateSmem, stream,
+                          "kda_decode_step (cols1, fused gates)", args, early);
 }
 
 }  // namespace
+
+int kda_fused_gate_max_rows() {
+  static const int rows = [] {
+    const char* value = std::getenv("DELTASERVE_KDA_FUSED_GATES");
+    if (value == nullptr || *value == '\0') return 0;
+    char* end = nullptr;
+    const long parsed = std::strtol(value, &end, 10);
+    return *end == '\0' && parsed >= 0 ? static_cast<int>(std::min<long>(parsed, 65535)) : 0;
+  }();
+  return rows;
+}
 
 const char* kda_decode_kernel_name(KdaDecodeKernel kernel) {
   switch (kernel) {
@@ -297,6 +373,10 @@ Status kda_decode_step(const KdaDecodeParams& p, cudaStream_t stream) {
                               "'");
     }
     kernel = environment.kernel == KdaDecodeKernel::kDefault ? kBuiltInDefault : environment.kernel;
+  }
+  if (p.gate_low != nullptr && kernel != KdaDecodeKernel::kCols1) {
+    return unimplemented(std::string("kda_decode_step: gate_low (fused low-rank gates) needs the cols1 kernel, not ") +
+                         kda_decode_kernel_name(kernel));
   }
   if (p.batch == 0) return Status::ok();
   const DecodeArgs args = make_decode_args(p);

@@ -30,6 +30,10 @@ struct DecodeArgs {
   const bf16* gate_raw;
   const bf16* beta_raw;
   const bf16* out_gate;
+  const bf16* gate_low;  // fused low-rank gates (KdaDecodeParams::gate_low), or null
+  int64_t gate_low_stride;
+  const bf16* f_b;
+  const bf16* g_b;
   const float* q_conv_weight;
   const float* k_conv_weight;
   const float* v_conv_weight;
@@ -69,13 +73,17 @@ __device__ __forceinline__ float conv_step(const float* weight, float (&tail)[3]
   return silu(sum);
 }
 
-// Decay e^g of channel `channel` of head h from the raw gate of the row starting at `row`: g = -e^{a_log}
-// softplus(gate + dt_bias), or lower_bound * sigmoid(e^{a_log} (gate + dt_bias)) when bounded.
-__device__ __forceinline__ float gate_decay(const DecodeArgs& p, size_t row, int channel, int h) {
-  const float x = __bfloat162float(p.gate_raw[row + channel]) + p.dt_bias[channel];
+// Decay e^g of channel `channel` of head h from its raw gate logit: g = -e^{a_log} softplus(gate + dt_bias), or
+// lower_bound * sigmoid(e^{a_log} (gate + dt_bias)) when bounded.
+__device__ __forceinline__ float gate_decay_of(const DecodeArgs& p, float gate, int channel, int h) {
+  const float x = gate + p.dt_bias[channel];
   const float a = __expf(p.a_log[h]);
   const float g = p.bounded ? p.lower_bound * sigmoid(a * x) : -a * (x > 20.0f ? x : log1pf(__expf(x)));
   return __expf(g);
+}
+// The same from gate_raw of the row starting at `row`.
+__device__ __forceinline__ float gate_decay(const DecodeArgs& p, size_t row, int channel, int h) {
+  return gate_decay_of(p, __bfloat162float(p.gate_raw[row + channel]), channel, h);
 }
 
 // The rest of the per-(row, head) step for 512 threads = 16 row groups (warps) x 32 column groups of 4, with
@@ -197,15 +205,30 @@ inline Status validate_decode_params(const KdaDecodeParams& p, const char* who) 
   if (p.lower_bound && !(std::isfinite(*p.lower_bound) && *p.lower_bound < 0.0f)) {
     return invalid_argument(w + ": lower_bound must be finite and < 0");
   }
+  if (p.gate_low != nullptr) {
+    const int64_t needed = p.g_b != nullptr ? 2 * kD : kD;
+    if (p.gate_low_stride < needed || p.gate_low_stride % 8 != 0) {
+      return invalid_argument(w + ": gate_low_stride must be a multiple of 8 and >= " + std::to_string(needed) +
+                              ", got " + std::to_string(p.gate_low_stride));
+    }
+  } else if (p.f_b != nullptr || p.g_b != nullptr) {
+    return invalid_argument(w + ": f_b / g_b are only read with gate_low");
+  }
   if (p.batch == 0) return Status::ok();
+  if (p.gate_low != nullptr) {
+    DS_RETURN_IF_ERROR(check_pointer(p.gate_low, "gate_low", who));
+    DS_RETURN_IF_ERROR(check_pointer(p.f_b, "f_b", who));
+    if (p.g_b != nullptr) DS_RETURN_IF_ERROR(check_pointer(p.g_b, "g_b", who));
+  } else {
+    DS_RETURN_IF_ERROR(check_pointer(p.gate_raw, "gate_raw", who));
+  }
+  if (p.gate_low == nullptr || p.g_b == nullptr) DS_RETURN_IF_ERROR(check_pointer(p.out_gate, "out_gate", who));
   const std::pair<const void*, const char*> pointers[] = {
       {p.slots, "slots"},
       {p.q_in, "q_in"},
       {p.k_in, "k_in"},
       {p.v_in, "v_in"},
-      {p.gate_raw, "gate_raw"},
       {p.beta_raw, "beta_raw"},
-      {p.out_gate, "out_gate"},
       {p.q_conv_weight, "q_conv_weight"},
       {p.k_conv_weight, "k_conv_weight"},
       {p.v_conv_weight, "v_conv_weight"},
@@ -231,6 +254,10 @@ inline DecodeArgs make_decode_args(const KdaDecodeParams& p) {
                     p.gate_raw,
                     p.beta_raw,
                     p.out_gate,
+                    p.gate_low,
+                    p.gate_low_stride,
+                    p.f_b,
+                    p.g_b,
                     p.q_conv_weight,
                     p.k_conv_weight,
                     p.v_conv_weight,

@@ -32,6 +32,8 @@ struct DecodeCase {
   uint32_t seed = 1;
   int layers = 1;                  // launched in order each step, each with its own state, tails and output
   bool early_state_loads = false;  // valid with layers >= 2: the kernel before a layer's is another layer's
+  // cols1 only: 1 = the gate logits from gate_low and f_b inside the kernel, 2 = the output gate's from g_b too.
+  int fused_gates = 0;
 };
 
 constexpr KdaDecodeKernel kAllKernels[] = {KdaDecodeKernel::kV1, KdaDecodeKernel::kCols1};
@@ -42,7 +44,7 @@ void run_decode_case_once(const DecodeCase& c, KdaDecodeKernel kernel) {
   const int H = c.heads, K = c.conv_kernel, B = static_cast<int>(c.slots.size());
   const int64_t C = static_cast<int64_t>(H) * kD;
   const size_t state_size = static_cast<size_t>(H) * kD * kD, tail_size = static_cast<size_t>(3 * C * (K - 1));
-  const KdaDecodeInputs in(rng, B, H);
+  KdaDecodeInputs in(rng, B, H);
   const KdaDecodeWeights w(rng, H, K);
   const int L = c.layers;
   // Tails are bf16 on the device (exact for the bf16 projection inputs they hold): start from bf16 values.
@@ -51,6 +53,41 @@ void run_decode_case_once(const DecodeCase& c, KdaDecodeKernel kernel) {
   std::vector<float> state = normal_vector(rng, L * c.num_slots * state_size, 0.0f, 0.05f);
   const size_t layer_tails = c.num_slots * tail_size, layer_states = c.num_slots * state_size;
   const float eps = 1e-5f;
+
+  // Fused gates: gate_low [B, 2 kD + 8] and f_b, g_b [C, kD] drawn from {-2, ..., 2} / 4, so that every product and
+  // every partial sum is exact in fp32 (multiples of 1/16 below 2^20) and, checked here, every logit is a bf16
+  // value: the kernel's fp32 dot products, whatever their order, round to exactly the logits that the CPU reference
+  // reads as gate_raw (and out_gate).
+  const int64_t low_stride = 2 * kD + 8;
+  DeviceBuffer<__nv_bfloat16> low_d(c.fused_gates ? B * low_stride : 0), f_b_d(c.fused_gates ? C * kD : 0),
+      g_b_d(c.fused_gates ? C * kD : 0);
+  if (c.fused_gates) {
+    std::uniform_int_distribution<int> step(-2, 2);
+    auto draw = [&](size_t n) {
+      std::vector<float> x(n);
+      for (float& value : x) value = 0.25f * static_cast<float>(step(rng));
+      return x;
+    };
+    const std::vector<float> low = draw(B * low_stride), f_b = draw(C * kD), g_b = draw(C * kD);
+    for (int b = 0; b < B; ++b) {
+      for (int64_t channel = 0; channel < C; ++channel) {
+        float gate = 0.0f, out_gate = 0.0f;
+        for (int j = 0; j < kD; ++j) {
+          gate += f_b[channel * kD + j] * low[b * low_stride + j];
+          out_gate += g_b[channel * kD + j] * low[b * low_stride + kD + j];
+        }
+        ASSERT_EQ(bf16_round(gate), gate) << "row " << b << " channel " << channel;
+        in.gate_raw[b * C + channel] = gate;
+        if (c.fused_gates == 2) {
+          ASSERT_EQ(bf16_round(out_gate), out_gate) << "row " << b << " channel " << channel;
+          in.out_gate[b * C + channel] = out_gate;
+        }
+      }
+    }
+    low_d.upload(to_bf16(low));
+    f_b_d.upload(to_bf16(f_b));
+    g_b_d.upload(to_bf16(g_b));
+  }
 
   // Device.
   DeviceBuffer<__nv_bfloat16> out_d(L * B * C);
@@ -71,6 +108,16 @@ void run_decode_case_once(const DecodeCase& c, KdaDecodeKernel kernel) {
     p.out = out_d.get() + static_cast<size_t>(l) * B * C;
     p.kernel = kernel;
     p.early_state_loads = c.early_state_loads;
+    if (c.fused_gates) {
+      p.gate_raw = nullptr;  // not read
+      p.gate_low = low_d.get();
+      p.gate_low_stride = low_stride;
+      p.f_b = f_b_d.get();
+      if (c.fused_gates == 2) {
+        p.g_b = g_b_d.get();
+        p.out_gate = nullptr;  // not read
+      }
+    }
   }
   auto launch_step = [&](cudaStream_t stream) {
     for (const KdaDecodeParams& p : params) {
@@ -113,10 +160,10 @@ void run_decode_case_once(const DecodeCase& c, KdaDecodeKernel kernel) {
   const double state_error = relative_error(state_got.data(), state_ref.data(), state_got.size());
   const double conv_error = relative_error(conv_got.data(), conv_ref.data(), conv_got.size());
   std::printf(
-      "[ kda decode %s ] B=%d H=%d K=%d layers=%d steps=%d graph=%d early=%d lb=%d: out %.2e, state %.2e, conv tails "
-      "%.2e\n",
-      name, B, H, K, L, c.steps, c.graph ? 1 : 0, c.early_state_loads ? 1 : 0, c.lower_bound ? 1 : 0, out_error,
-      state_error, conv_error);
+      "[ kda decode %s ] B=%d H=%d K=%d layers=%d steps=%d graph=%d early=%d lb=%d fused_gates=%d: out %.2e, state "
+      "%.2e, conv tails %.2e\n",
+      name, B, H, K, L, c.steps, c.graph ? 1 : 0, c.early_state_loads ? 1 : 0, c.lower_bound ? 1 : 0, c.fused_gates,
+      out_error, state_error, conv_error);
   if (state_error > 1e-5 || out_error > 1e-2 || conv_error > 1e-6) {
     // First wrong (layer, slot, head, key row, value column), tail and output element, to tell a misplaced item
     // from bad math.
@@ -172,6 +219,10 @@ void run_decode_case_once(const DecodeCase& c, KdaDecodeKernel kernel) {
 }
 
 void run_decode_case(const DecodeCase& c) {
+  if (c.fused_gates) {  // cols1 only
+    run_decode_case_once(c, KdaDecodeKernel::kCols1);
+    return;
+  }
   for (const KdaDecodeKernel kernel : kAllKernels) {
     SCOPED_TRACE(std::string("kernel ") + kda_decode_kernel_name(kernel));
     run_decode_case_once(c, kernel);
@@ -251,6 +302,61 @@ TEST(KdaDecodeGpu, EarlyStateLoadsLayersEagerAndGraph) {
 // so cols1, launched as a programmatic dependent, must wait for it before it loads anything.
 TEST(KdaDecodeGpu, SameStateBackToBackEager) {
   run_decode_case({.heads = 32, .num_slots = 9, .slots = {8, 0, 5, -1, 2}, .steps = 5, .seed = 14});
+}
+
+// The gate (and output-gate) logits from the low-rank up-projections inside cols1: one layer eager with skipped rows,
+// the softplus gate, and three layers with early state loads as a graph (the engine's setting at small batches).
+TEST(KdaDecodeGpu, FusedLowRankGates) {
+  for (const int fused : {1, 2}) {
+    SCOPED_TRACE("fused_gates " + std::to_string(fused));
+    run_decode_case({.seed = 31, .fused_gates = fused});
+    run_decode_case({.heads = 32,
+                     .num_slots = 6,
+                     .slots = {5, 0, -1, 3},
+                     .lower_bound = std::nullopt,
+                     .steps = 2,
+                     .seed = 32,
+                     .fused_gates = fused});
+    run_decode_case({.heads = 32,
+                     .num_slots = 4,
+                     .slots = {2},
+                     .steps = 3,
+                     .graph = true,
+                     .seed = 33,
+                     .layers = 3,
+                     .early_state_loads = true,
+                     .fused_gates = fused});
+  }
+}
+
+TEST(KdaDecodeGpu, FusedLowRankGatesValidation) {
+  std::mt19937 rng(34);
+  const KdaDecodeInputs in(rng, 1, 1);
+  const KdaDecodeWeights w(rng, 1, 4);
+  DeviceBuffer<int32_t> slots_d(1);
+  DeviceBuffer<__nv_bfloat16> low_d(2 * kD), weights_d(2 * kD * kD), out_d(kD), conv_d(3 * kD * 3);
+  DeviceBuffer<float> state_d(kD * kD);
+  KdaDecodeParams p = kda_decode_params(1, 1, 4, 1, slots_d.get(), in, w, -5.0f, 1e-5f);
+  p.conv_state = conv_d.get();
+  p.state = state_d.get();
+  p.out = out_d.get();
+  p.gate_low = low_d.get();
+  p.gate_low_stride = 2 * kD;
+  p.f_b = weights_d.get();
+  p.g_b = weights_d.get() + kD * kD;
+  p.kernel = KdaDecodeKernel::kV1;
+  EXPECT_EQ(kda_decode_step(p, nullptr).code(), StatusCode::kUnimplemented);  // cols1 only
+  p.kernel = KdaDecodeKernel::kCols1;
+  p.gate_low_stride = kD;  // g_b needs the second half
+  EXPECT_EQ(kda_decode_step(p, nullptr).code(), StatusCode::kInvalidArgument);
+  p.gate_low_stride = 2 * kD + 4;  // not a multiple of 8
+  EXPECT_EQ(kda_decode_step(p, nullptr).code(), StatusCode::kInvalidArgument);
+  p.gate_low_stride = 2 * kD;
+  p.f_b = nullptr;
+  EXPECT_EQ(kda_decode_step(p, nullptr).code(), StatusCode::kInvalidArgument);
+  p.gate_low = nullptr;  // f_b / g_b without gate_low
+  p.f_b = weights_d.get();
+  EXPECT_EQ(kda_decode_step(p, nullptr).code(), StatusCode::kInvalidArgument);
 }
 
 TEST(KdaDecodeGpu, ValidationRejectsBadInputs) {

@@ -163,6 +163,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_spec_commit_kernel(DecodeArgs
 
 Status validate_spec(const KdaDecodeParams& p, int draft_tokens, const KdaSpecBuffers& buffers, const char* who) {
   DS_RETURN_IF_ERROR(validate_decode_params(p, who));
+  if (p.gate_low != nullptr) return unimplemented(std::string(who) + ": gate_low (fused low-rank gates) is cols1 only");
   if (draft_tokens < 1 || draft_tokens > kMaxDraft) {
     return invalid_argument(std::string(who) + ": draft_tokens must be in [1, 16], got " +
                             std::to_string(draft_tokens));
