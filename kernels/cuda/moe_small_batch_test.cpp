@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <string>
@@ -697,6 +698,23 @@ TEST(MoeSmallBatch, V2FallsBackToV1) {
 // buffers for every layer. Captured in one graph, v2's launches start while the kernel before them drains (and
 // launch 1 of a layer may start while launch 3 of the layer before runs, in the engine with a plain norm between).
 // Bitwise the layers run one kernel at a time with a device synchronisation after each.
+// Captures `layers` layers of d's params back to back in one graph on `stream`, each after norm(stream) when norm is
+// set (the engine's order).
+void capture_layer_chain(cudaStream_t stream, DeviceLayer& d, int layers,
+                         const std::function<Status(cudaStream_t)>& norm, cudaGraphExec_t* exec) {
+  ASSERT_NO_FATAL_FAILURE(capture_graph(
+      stream, cudaStreamCaptureModeThreadLocal,
+      [&](cudaStream_t st) {
+        Status status = Status::ok();
+        for (int layer = 0; layer < layers && status; ++layer) {
+          if (norm) status = norm(st);
+          if (status) status = moe_small_batch_layer(d.p, st);
+        }
+        return status;
+      },
+      exec));
+}
+
 void run_layer_chain_case(const SmallCase& c) {
   SCOPED_TRACE("layer chain " + describe_case(c));
   constexpr int kLayers = 3;
@@ -720,17 +738,7 @@ void run_layer_chain_case(const SmallCase& c) {
   cudaStream_t stream = nullptr;
   DS_CUDA_OK(cudaStreamCreate(&stream));
   cudaGraphExec_t exec = nullptr;
-  ASSERT_NO_FATAL_FAILURE(capture_graph(
-      stream, cudaStreamCaptureModeThreadLocal,
-      [&](cudaStream_t st) {
-        Status status = Status::ok();
-        for (int layer = 0; layer < kLayers && status; ++layer) {
-          status = norm(st);
-          if (status) status = moe_small_batch_layer(d.p, st);
-        }
-        return status;
-      },
-      &exec));
+  ASSERT_NO_FATAL_FAILURE(capture_layer_chain(stream, d, kLayers, norm, &exec));
   for (int replay = 0; replay < 3; ++replay) {
     d.poison(h);
     DS_CUDA_OK(cudaGraphLaunch(exec, stream));
@@ -786,20 +794,14 @@ void run_fused_norm_case(const SmallCase& c) {
     cudaStream_t stream = nullptr;
     DS_CUDA_OK(cudaStreamCreate(&stream));
     cudaGraphExec_t exec = nullptr;
-    ASSERT_NO_FATAL_FAILURE(capture_graph(
-        stream, cudaStreamCaptureModeThreadLocal,
-        [&](cudaStream_t st) {
-          Status status = Status::ok();
-          for (int layer = 0; layer < kLayers && status; ++layer) {
-            if (!fuse) {
-              status = rms_norm_dual(d.residual.get(), residual_stride, norm_weight.get(), c.T, c.hidden, kEps,
-                                     d.x.get(), c.hidden, d.x_f32.get(), c.hidden, st);
-            }
-            if (status) status = moe_small_batch_layer(d.p, st);
-          }
-          return status;
-        },
-        &exec));
+    std::function<Status(cudaStream_t)> norm;
+    if (!fuse) {
+      norm = [&](cudaStream_t st) {
+        return rms_norm_dual(d.residual.get(), residual_stride, norm_weight.get(), c.T, c.hidden, kEps, d.x.get(),
+                             c.hidden, d.x_f32.get(), c.hidden, st);
+      };
+    }
+    ASSERT_NO_FATAL_FAILURE(capture_layer_chain(stream, d, kLayers, norm, &exec));
     d.poison(h);
     DS_CUDA_OK(cudaGraphLaunch(exec, stream));
     DS_CUDA_OK(cudaStreamSynchronize(stream));
