@@ -14,6 +14,7 @@
 #include "kernels/cuda/mla.hpp"
 #include "kernels/cuda/moe.hpp"
 #include "kernels/cuda/ops.hpp"
+#include "kernels/cuda/small_batch.hpp"
 
 namespace deltaserve::engine::cuda {
 
@@ -416,8 +417,17 @@ Status CudaBackend::Impl::run_dense_ffn(const DeviceFfn& ffn, const __nv_bfloat1
   return gemm.run(activated, I, ffn.down, rows, I, width, residual, config.hidden_size, /*accumulate=*/true);
 }
 
-Status CudaBackend::Impl::run_moe(const DeviceMoe& moe, int64_t T) {
+Status CudaBackend::Impl::run_moe(const DeviceMoe& moe, int64_t T, const float* unnormed, const float* norm_weight) {
   const MoeConfig& mc = config.moe;
+  // The input norm the caller left to this layer: rms_norm_dual, unless the small-batch launches fuse it below.
+  auto norm_input = [&]() -> Status {
+    if (unnormed == nullptr) return Status::ok();
+    DS_RETURN_IF_ERROR(kc::rms_norm_dual(unnormed, config.hidden_size, norm_weight, T, config.hidden_size,
+                                         config.rms_norm_eps, normed, config.hidden_size, normed_f32,
+                                         config.hidden_size, stream()));
+    unnormed = nullptr;
+    return Status::ok();
+  };
   const int64_t hidden = config.hidden_size, E = mc.num_experts, k = mc.num_experts_per_token;
   const int64_t width = moe.width, I = moe.intermediate, R = T * k;
   const bool latent = mc.routed_expert_hidden_size.has_value();
@@ -496,6 +506,20 @@ Status CudaBackend::Impl::run_moe(const DeviceMoe& moe, int64_t T) {
       p.residual = residual;
       p.residual_stride = hidden;
       p.counter = static_cast<unsigned int*>(moe_small_batch_counter.data());
+      if (unnormed != nullptr) {
+        // The fused norm reads the residual stream itself (launch 3 adds to it only after launches 1 and 2 are
+        // done); v2 only.
+        p.x_f32 = unnormed;
+        p.x = nullptr;
+        p.norm_weight = norm_weight;
+        p.norm_eps = config.rms_norm_eps;
+        if (kc::moe_small_batch_kernel_for(p) != kc::MoeSmallBatchKernel::kV2) {
+          p.x_f32 = normed_f32;
+          p.x = normed;
+          p.norm_weight = nullptr;
+          DS_RETURN_IF_ERROR(norm_input());
+        }
+      }
       DS_RETURN_IF_ERROR(arena_check("MoE small batch"));
       profiler.mark(Phase::kMoeRouter, stream());
       DS_RETURN_IF_ERROR_CTX(kc::moe_small_batch_route(p, stream()), "moe_small_batch_route");
@@ -505,6 +529,7 @@ Status CudaBackend::Impl::run_moe(const DeviceMoe& moe, int64_t T) {
     }
   }
 
+  DS_RETURN_IF_ERROR(norm_input());
   // Router: fp32 input, fp32 weights, fp32 GEMM.
   auto* router_logits = arena.take<float>(T * E);
   auto* expert_ids = arena.take<int32_t>(R);

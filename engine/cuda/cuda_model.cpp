@@ -372,6 +372,7 @@ Status CudaBackend::Impl::forward_layers(const PassTables& t, const float** fina
     arena.reset();
     // MoE at small batches: the bf16 (experts) and fp32 (router) normalisations in one launch.
     if (layer.is_moe && T <= kc::kSkinnyGemmMaxRows && kc::skinny_gemm_enabled(kc::SkinnyGemmInput::kBf16)) {
+      if (kc::moe_small_batch_fused_norm_enabled()) return run_moe(layer.moe, T, x, layer.post_attention_norm);
       DS_RETURN_IF_ERROR(kc::rms_norm_dual(x, hidden, layer.post_attention_norm, T, hidden, eps, normed, hidden,
                                            normed_f32, hidden, stream()));
       return run_moe(layer.moe, T);

@@ -199,7 +199,10 @@ struct CudaBackend::Impl {
                                            const __nv_bfloat16* k, const __nv_bfloat16* v, const float* gate_raw,
                                            const float* beta, float* beta_group, __nv_bfloat16* o);
   [[nodiscard]] Status run_mla(const DeviceLayer& layer, const PassTables& tables, const float* unnormed);
-  [[nodiscard]] Status run_moe(const DeviceMoe& moe, int64_t rows);
+  // `normed` / `normed_f32` hold the layer's normalised input, or (unnormed set) the caller left the norm with
+  // norm_weight to it: fused into the small-batch launches when they take it, rms_norm_dual first otherwise.
+  [[nodiscard]] Status run_moe(const DeviceMoe& moe, int64_t rows, const float* unnormed = nullptr,
+                               const float* norm_weight = nullptr);
   [[nodiscard]] Status run_dense_ffn(const DeviceFfn& ffn, const __nv_bfloat16* x, int64_t x_stride, int64_t rows);
   [[nodiscard]] Status ensure_mla_workspace(size_t bytes);
   [[nodiscard]] Status arena_check(const char* where) const;

@@ -236,15 +236,22 @@ enum class MoeSmallBatchKernel { kDefault, kV1, kV2 };
 const char* moe_small_batch_kernel_name(MoeSmallBatchKernel kernel);
 
 struct MoeSmallBatchParams {
-  MoeRoutingConfig routing;                       // as moe_route's (checked the same way)
-  int64_t tokens = 0;                             // T in [0, kMoeSmallBatchMaxTokens], T * top_k <= 256
-  int64_t hidden = 0;                             // width of x, of the router and of the experts; a multiple of 8
-  const float* x_f32 = nullptr;                   // [T, hidden] router input
-  int64_t x_f32_stride = 0;                       // >= hidden, a multiple of 4
-  const float* router = nullptr;                  // [E, hidden] fp32
-  const float* correction_bias = nullptr;         // [E] fp32 or nullptr
-  const __nv_bfloat16* x = nullptr;               // [T, hidden] expert input
-  int64_t x_stride = 0;                           // >= hidden, a multiple of 8
+  MoeRoutingConfig routing;                // as moe_route's (checked the same way)
+  int64_t tokens = 0;                      // T in [0, kMoeSmallBatchMaxTokens], T * top_k <= 256
+  int64_t hidden = 0;                      // width of x, of the router and of the experts; a multiple of 8
+  const float* x_f32 = nullptr;            // [T, hidden] router input
+  int64_t x_f32_stride = 0;                // >= hidden, a multiple of 4
+  const float* router = nullptr;           // [E, hidden] fp32
+  const float* correction_bias = nullptr;  // [E] fp32 or nullptr
+  const __nv_bfloat16* x = nullptr;        // [T, hidden] expert input
+  int64_t x_stride = 0;                    // >= hidden, a multiple of 8
+  // Optional, v2 only (v1 rejects it): the input RMSNorm fused in. With norm_weight set, x_f32 holds the rows before
+  // the norm (the layer's residual stream: it may be `residual` itself) and x is not read (may be null): launch 1
+  // normalises them for the router and launch 2 for the experts, each in rms_norm_dual's reduction order, so both
+  // see bitwise what rms_norm_dual would have written (x_f32 / rms ⊙ norm_weight in fp32, and its bf16 rounding).
+  // x_sorted must be null. It saves the norm's launch in front of every MoE layer.
+  const float* norm_weight = nullptr;  // [hidden]
+  float norm_eps = 0.0f;
   MoeExpertWeights experts;                       // width == hidden; intermediate a multiple of 8
   const __nv_bfloat16* shared_gate_up = nullptr;  // [2 I_s, hidden] (gate rows, then up rows), nullptr: no shared
   const __nv_bfloat16* shared_down = nullptr;     // [hidden, I_s]
@@ -294,5 +301,9 @@ MoeSmallBatchKernel moe_small_batch_kernel_for(const MoeSmallBatchParams& params
 // (read once per process); the previous chain (router GEMM, moe_route, moe_plan, gather, moe_expert_ffn_decode,
 // moe_combine, shared FFN) then runs at every batch size.
 bool moe_small_batch_enabled();
+// Whether the engine fuses the MoE layer's input norm into the small-batch launches (MoeSmallBatchParams::
+// norm_weight): DELTASERVE_MOE_FUSED_NORM=1 (read once per process); off otherwise until the H200 measurement picks
+// a default.
+bool moe_small_batch_fused_norm_enabled();
 
 }  // namespace deltaserve::kernels::cuda

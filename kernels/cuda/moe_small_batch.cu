@@ -53,6 +53,7 @@
 // does not run through this layer.
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -293,6 +294,7 @@ __device__ void finish_route_v2(const LayerArgs& a, const RouterSmem& s) {
 __global__ void __launch_bounds__(kThreads, 2) small_batch_router_kernel(const __grid_constant__ LayerArgs a) {
   extern __shared__ __align__(16) unsigned char router_smem[];
   __shared__ int is_last;
+  __shared__ float norm_sums[kMaxTokens * 8], inverse_rms[kMaxTokens];  // the fused input norm
   const int tid = threadIdx.x, warp = tid >> 5;
   const RouterSmem s = router_smem_layout(a, router_smem);
 
@@ -317,13 +319,23 @@ __global__ void __launch_bounds__(kThreads, 2) small_batch_router_kernel(const _
     }
   }
 
+  // The fused input norm: every CTA takes the rows' 1 / rms itself (the rows are in L2: a few KB a token).
+  const bool normed = a.norm_weight != nullptr;
+  if (normed) {
+    moe_small_batch_detail::rows_inverse_rms(a.x_f32, a.x_f32_stride, a.hidden, a.T, a.norm_eps, tid, norm_sums,
+                                             inverse_rms, [] { __syncthreads(); });
+  }
   if (e < a.E) {
     float acc[kMaxTokens];
 #pragma unroll
     for (int t = 0; t < kMaxTokens; ++t) acc[t] = 0.0f;
     for (int base = first_base; base < c1; base += 32 * kRouterGroup) {
       if (base != first_base) load_router_group(w, base, c1, wv);
-      router_group_dot(a, wv, base, c1, acc);
+      if (normed) {
+        moe_small_batch_detail::router_group_dot_normed(a, wv, base, c1, inverse_rms, acc);
+      } else {
+        router_group_dot(a, wv, base, c1, acc);
+      }
     }
     store_router_partials(a, acc, slice, e);
   }
@@ -379,7 +391,7 @@ size_t parallel_route_floats(const MoeRoutingConfig& r, int pass_tokens) {
 }
 
 // Static shared memory of the v2 router kernel (block-scan totals, the last-CTA flag).
-constexpr size_t kRouterStaticSmem = kWarps * sizeof(int) + sizeof(int);
+constexpr size_t kRouterStaticSmem = kWarps * sizeof(int) + sizeof(int) + kMaxTokens * 9 * sizeof(float);
 
 bool env_disabled(const char* name) {
   const char* value = std::getenv(name);
@@ -473,11 +485,17 @@ Status check(const MoeSmallBatchParams& p, const char* who) {
       p.residual_stride < p.hidden) {
     return invalid_argument(name + ": strides must be >= hidden (x_f32_stride a multiple of 4, x_stride of 8)");
   }
+  const bool fused_norm = p.norm_weight != nullptr;
+  if (fused_norm && !(p.norm_eps >= 0.0f && std::isfinite(p.norm_eps))) {
+    return invalid_argument(name + ": norm_eps must be finite and >= 0");
+  }
+  if (fused_norm && p.x_sorted != nullptr) return invalid_argument(name + ": the fused norm writes no x_sorted");
   if (p.tokens == 0) return Status::ok();
-  if (p.x_f32 == nullptr || p.router == nullptr || p.x == nullptr || w.gate_up == nullptr || w.down == nullptr ||
-      p.logits == nullptr || p.expert_ids == nullptr || p.weights == nullptr || p.plan.expert_offsets == nullptr ||
-      p.plan.sorted_assignments == nullptr || p.plan.assignment_pos == nullptr || p.activated == nullptr ||
-      p.residual == nullptr || p.workspace == nullptr || p.counter == nullptr) {
+  if (fused_norm && !aligned16(p.norm_weight)) return invalid_argument(name + ": norm_weight must be 16-byte aligned");
+  if (p.x_f32 == nullptr || p.router == nullptr || (p.x == nullptr && !fused_norm) || w.gate_up == nullptr ||
+      w.down == nullptr || p.logits == nullptr || p.expert_ids == nullptr || p.weights == nullptr ||
+      p.plan.expert_offsets == nullptr || p.plan.sorted_assignments == nullptr || p.plan.assignment_pos == nullptr ||
+      p.activated == nullptr || p.residual == nullptr || p.workspace == nullptr || p.counter == nullptr) {
     return invalid_argument(name + ": inputs, weights, outputs, workspace and counter must be non-null");
   }
   if (p.shared_gate_up != nullptr && (p.shared_down == nullptr || p.shared_activated == nullptr)) {
@@ -510,6 +528,8 @@ LayerArgs make_args(const MoeSmallBatchParams& p, MoeSmallBatchKernel kernel) {
   a.route = {r.num_experts, r.top_k, r.num_groups, r.top_k_groups, r.renormalize, r.routed_scaling_factor};
   a.x_f32 = p.x_f32;
   a.x_f32_stride = p.x_f32_stride;
+  a.norm_weight = p.norm_weight;
+  a.norm_eps = p.norm_eps;
   a.router = p.router;
   a.bias = p.correction_bias;
   a.router_slices = router_slices(a.E, p.hidden);
@@ -596,6 +616,9 @@ Status select_kernel(const MoeSmallBatchParams& p, const char* who, MoeSmallBatc
       !moe_small_batch_detail::pipeline_fits(make_args(p, MoeSmallBatchKernel::kV2))) {
     selected = MoeSmallBatchKernel::kV1;
   }
+  if (selected == MoeSmallBatchKernel::kV1 && p.norm_weight != nullptr) {
+    return unimplemented(std::string(who) + ": the fused input norm (norm_weight) needs the v2 kernels");
+  }
   *kernel = selected;
   return Status::ok();
 }
@@ -669,6 +692,14 @@ Status moe_small_batch_layer(const MoeSmallBatchParams& params, cudaStream_t str
 
 bool moe_small_batch_enabled() {
   static const bool enabled = !env_disabled("DELTASERVE_MOE_SMALL_BATCH");
+  return enabled;
+}
+
+bool moe_small_batch_fused_norm_enabled() {
+  static const bool enabled = [] {
+    const char* value = std::getenv("DELTASERVE_MOE_FUSED_NORM");
+    return value != nullptr && (std::strcmp(value, "1") == 0 || std::strcmp(value, "on") == 0);
+  }();
   return enabled;
 }
 

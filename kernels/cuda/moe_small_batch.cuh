@@ -51,6 +51,8 @@ struct LayerArgs {
   moe_route_device::RouteConfig route;
   const float* x_f32;
   int64_t x_f32_stride;
+  const float* norm_weight;  // v2: x_f32 is normalised in the kernels (MoeSmallBatchParams::norm_weight), or null
+  float norm_eps;
   const float* router;
   const float* bias;
   int router_slices, slice_chunks, expert_blocks, router_ctas, route_warps;
@@ -132,6 +134,56 @@ __device__ __forceinline__ void router_group_dot(const LayerArgs& a, const uint4
       }
     }
   }
+}
+
+// router_group_dot with the fused input norm: x_f32's element times inverse_rms[t], times the norm weight, as
+// rms_norm_dual computes it (fp32, in that order).
+__device__ __forceinline__ void router_group_dot_normed(const LayerArgs& a, const uint4 (&wv)[kRouterGroup], int base,
+                                                        int end, const float* inverse_rms, float (&acc)[kMaxTokens]) {
+  const float4* norm = reinterpret_cast<const float4*>(a.norm_weight);
+#pragma unroll
+  for (int t = 0; t < kMaxTokens; ++t) {
+    if (t < a.T) {
+      const float4* xr = reinterpret_cast<const float4*>(a.x_f32 + t * a.x_f32_stride);
+      const float inverse = inverse_rms[t];
+#pragma unroll
+      for (int q = 0; q < kRouterGroup; ++q) {
+        const int ch = base + 32 * q;
+        if (ch < end) {
+          const float4 x = __ldg(xr + ch), w = __ldg(norm + ch);
+          const float4 normed =
+              make_float4(x.x * inverse * w.x, x.y * inverse * w.y, x.z * inverse * w.z, x.w * inverse * w.w);
+          acc[t] = dot4(wv[q], normed, acc[t]);
+        }
+      }
+    }
+  }
+}
+
+// 1 / rms of rows x[t * stride, + dim) for t < rows into inverse_rms[t], by the `threads` threads 0.. of the CTA
+// (8 whole warps; thread_index in [0, 256)), in rms_norm_dual's order: thread i sums the squares of columns i, i +
+// 256, ... in increasing order, a warp xor-shuffle reduction, then the 8 warp sums in warp order from 0.0f;
+// 1 / sqrtf(sum / dim + eps). warp_sums: [rows][8] scratch. `sync` is a barrier of exactly those threads, called
+// twice (inverse_rms is complete after it returns).
+template <class Sync>
+__device__ __forceinline__ void rows_inverse_rms(const float* x, int64_t stride, int dim, int rows, float eps,
+                                                 int thread_index, float* warp_sums, float* inverse_rms, Sync sync) {
+  constexpr int kNormThreads = 256;
+  const int lane = thread_index & 31, warp = thread_index >> 5;
+  for (int t = 0; t < rows; ++t) {
+    const float* x_row = x + t * stride;
+    float partial = 0.0f;
+    for (int c = thread_index; c < dim; c += kNormThreads) partial += x_row[c] * x_row[c];
+    for (int offset = 16; offset > 0; offset >>= 1) partial += __shfl_xor_sync(0xffffffffu, partial, offset);
+    if (lane == 0) warp_sums[t * 8 + warp] = partial;
+  }
+  sync();
+  if (thread_index < rows) {
+    float sum_squares = 0.0f;
+    for (int w = 0; w < 8; ++w) sum_squares += warp_sums[thread_index * 8 + w];
+    inverse_rms[thread_index] = 1.0f / sqrtf(sum_squares / static_cast<float>(dim) + eps);
+  }
+  sync();
 }
 
 // partials[slice, t, e] = the warp's sum for token t.

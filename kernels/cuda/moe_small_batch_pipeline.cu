@@ -281,12 +281,15 @@ __device__ void gate_up_producer(const PipelineArgs& p, uint32_t base, const Tab
   uint64_t policy = 0;
   if (lane == 0) {
     policy = detail::l2_evict_first_policy();
-    // x was written before launch 1 started (launch 1 starts its dependents after its own wait): complete now.
-    const uint32_t x_bytes = 2u * static_cast<uint32_t>(a.hidden);
-    sm90::mbarrier_arrive_expect_tx(x_full_barrier(base), static_cast<uint32_t>(a.T) * x_bytes);
-    for (int token = 0; token < a.T; ++token) {
-      detail::bulk_copy_to_shared(base + pipe.extra + token * pipe.x_row_bytes, a.x + token * a.x_stride, x_bytes,
-                                  x_full_barrier(base));
+    // x was written before launch 1 started (launch 1 starts its dependents after its own wait): complete now. With
+    // the fused norm the consumers stage x themselves.
+    if (a.norm_weight == nullptr) {
+      const uint32_t x_bytes = 2u * static_cast<uint32_t>(a.hidden);
+      sm90::mbarrier_arrive_expect_tx(x_full_barrier(base), static_cast<uint32_t>(a.T) * x_bytes);
+      for (int token = 0; token < a.T; ++token) {
+        detail::bulk_copy_to_shared(base + pipe.extra + token * pipe.x_row_bytes, a.x + token * a.x_stride, x_bytes,
+                                    x_full_barrier(base));
+      }
     }
     for (; item < p.shared_items; item += ctas) {
       issue_gate_up_item(p, base, ring, a.shared_gate_up, a.shared_inter, kColumnsPerItem * item, policy);
@@ -343,13 +346,38 @@ __device__ void consume_gate_up_item(const PipelineArgs& p, uint32_t base, Ring&
   }
 }
 
-__device__ void gate_up_consumer(const PipelineArgs& p, uint32_t base, const Tables& t, float* reduce) {
+// The fused input norm (LayerArgs::norm_weight): the consumer warps write x's rows, normalised and rounded to bf16 as
+// rms_norm_dual does, into the staged x rows. x_f32 was written before launch 1 started, like the unfused x. The
+// reduce buffer is free until the first item ends.
+__device__ void stage_normed_x(const PipelineArgs& p, unsigned char* smem, float* reduce) {
+  const LayerArgs& a = p.a;
+  __shared__ float inverse_rms[kMaxTokens];
+  const int tid = static_cast<int>(threadIdx.x);  // consumer threads are 0 .. kConsumerThreads - 1
+  rows_inverse_rms(a.x_f32, a.x_f32_stride, a.hidden, a.T, a.norm_eps, tid, reduce, inverse_rms,
+                   [] { consumer_barrier(); });
+  for (int t = 0; t < a.T; ++t) {
+    const float* x_row = a.x_f32 + t * a.x_f32_stride;
+    auto* row = reinterpret_cast<__nv_bfloat16*>(smem + p.pipe.extra + t * p.pipe.x_row_bytes);
+    const float inverse = inverse_rms[t];
+    for (int c = tid; c < a.hidden; c += kConsumerThreads) {
+      row[c] = __float2bfloat16_rn(x_row[c] * inverse * a.norm_weight[c]);
+    }
+  }
+  consumer_barrier();
+}
+
+__device__ void gate_up_consumer(const PipelineArgs& p, unsigned char* smem, uint32_t base, const Tables& t,
+                                 float* reduce) {
   const LayerArgs& a = p.a;
   const int ctas = static_cast<int>(gridDim.x);
   Ring ring;
   int parity = 0;
   int item = static_cast<int>(blockIdx.x);
-  sm90::mbarrier_wait(x_full_barrier(base), 0);
+  if (a.norm_weight != nullptr) {
+    stage_normed_x(p, smem, reduce);
+  } else {
+    sm90::mbarrier_wait(x_full_barrier(base), 0);
+  }
   for (; item < p.shared_items; item += ctas) {
     const int j0 = kColumnsPerItem * item;
     consume_gate_up_item(p, base, ring, reduce, parity, nullptr, a.T, a.shared_activated + j0, a.shared_inter);
@@ -392,7 +420,7 @@ __global__ void __launch_bounds__(kPipelineThreads, 1) pipeline_gate_up_kernel(c
   if (static_cast<int>(threadIdx.x >> 5) == kProducerWarp) {
     gate_up_producer(p, base, t);
   } else {
-    gate_up_consumer(p, base, t, reinterpret_cast<float*>(smem + p.pipe.reduce));
+    gate_up_consumer(p, smem, base, t, reinterpret_cast<float*>(smem + p.pipe.reduce));
   }
 }
 

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <string>
@@ -697,6 +698,23 @@ TEST(MoeSmallBatch, V2FallsBackToV1) {
 // buffers for every layer. Captured in one graph, v2's launches start while the kernel before them drains (and
 // launch 1 of a layer may start while launch 3 of the layer before runs, in the engine with a plain norm between).
 // Bitwise the layers run one kernel at a time with a device synchronisation after each.
+// Captures `layers` layers of d's params back to back in one graph on `stream`, each after norm(stream) when norm is
+// set (the engine's order).
+void capture_layer_chain(cudaStream_t stream, DeviceLayer& d, int layers,
+                         const std::function<Status(cudaStream_t)>& norm, cudaGraphExec_t* exec) {
+  ASSERT_NO_FATAL_FAILURE(capture_graph(
+      stream, cudaStreamCaptureModeThreadLocal,
+      [&](cudaStream_t st) {
+        Status status = Status::ok();
+        for (int layer = 0; layer < layers && status; ++layer) {
+          if (norm) status = norm(st);
+          if (status) status = moe_small_batch_layer(d.p, st);
+        }
+        return status;
+      },
+      exec));
+}
+
 void run_layer_chain_case(const SmallCase& c) {
   SCOPED_TRACE("layer chain " + describe_case(c));
   constexpr int kLayers = 3;
@@ -720,17 +738,7 @@ void run_layer_chain_case(const SmallCase& c) {
   cudaStream_t stream = nullptr;
   DS_CUDA_OK(cudaStreamCreate(&stream));
   cudaGraphExec_t exec = nullptr;
-  ASSERT_NO_FATAL_FAILURE(capture_graph(
-      stream, cudaStreamCaptureModeThreadLocal,
-      [&](cudaStream_t st) {
-        Status status = Status::ok();
-        for (int layer = 0; layer < kLayers && status; ++layer) {
-          status = norm(st);
-          if (status) status = moe_small_batch_layer(d.p, st);
-        }
-        return status;
-      },
-      &exec));
+  ASSERT_NO_FATAL_FAILURE(capture_layer_chain(stream, d, kLayers, norm, &exec));
   for (int replay = 0; replay < 3; ++replay) {
     d.poison(h);
     DS_CUDA_OK(cudaGraphLaunch(exec, stream));
@@ -758,6 +766,92 @@ TEST(MoeSmallBatch, LayerChainInOneGraph) {
                             .kernel = kernel});
     }
   }
+}
+
+// The input norm fused into v2's launches (MoeSmallBatchParams::norm_weight) against the engine's unfused order:
+// rms_norm_dual of the residual into x and x_f32, then the layer. Three layers back to back on one residual, each
+// way captured in one graph as the engine runs them; the fused launches normalise in rms_norm_dual's reduction
+// order, so the residual and the last layer's logits must be bitwise the same.
+void run_fused_norm_case(const SmallCase& c) {
+  SCOPED_TRACE("fused norm " + describe_case(c));
+  constexpr int kLayers = 3;
+  constexpr float kEps = 1e-5f;
+  const HostLayer h = make_host(c);
+  const int64_t residual_stride = c.hidden + kStrideGap;
+  std::mt19937 rng(c.seed + 1000);
+  DeviceBuffer<float> norm_weight(c.hidden);
+  norm_weight.upload(normal_vector(rng, c.hidden, 1.0f, 0.1f));
+  DeviceLayer plain(c, h), fused(c, h);
+  plain.p.x_sorted = nullptr;
+  fused.p.x_sorted = nullptr;
+  fused.p.x_f32 = fused.residual.get();
+  fused.p.x_f32_stride = residual_stride;
+  fused.p.x = nullptr;
+  fused.p.norm_weight = norm_weight.get();
+  fused.p.norm_eps = kEps;
+  ASSERT_EQ(moe_small_batch_kernel_for(fused.p), MoeSmallBatchKernel::kV2);
+  auto run = [&](DeviceLayer& d, bool fuse) {
+    cudaStream_t stream = nullptr;
+    DS_CUDA_OK(cudaStreamCreate(&stream));
+    cudaGraphExec_t exec = nullptr;
+    std::function<Status(cudaStream_t)> norm;
+    if (!fuse) {
+      norm = [&](cudaStream_t st) {
+        return rms_norm_dual(d.residual.get(), residual_stride, norm_weight.get(), c.T, c.hidden, kEps, d.x.get(),
+                             c.hidden, d.x_f32.get(), c.hidden, st);
+      };
+    }
+    ASSERT_NO_FATAL_FAILURE(capture_layer_chain(stream, d, kLayers, norm, &exec));
+    d.poison(h);
+    DS_CUDA_OK(cudaGraphLaunch(exec, stream));
+    DS_CUDA_OK(cudaStreamSynchronize(stream));
+    d.expect_counter_zero(fuse ? "fused" : "unfused");
+    cudaGraphExecDestroy(exec);
+    DS_CUDA_OK(cudaStreamDestroy(stream));
+  };
+  ASSERT_NO_FATAL_FAILURE(run(plain, false));
+  ASSERT_NO_FATAL_FAILURE(run(fused, true));
+  const std::vector<float> want = residual_delta(plain.residual, h, c, "unfused");
+  const std::vector<float> got = residual_delta(fused.residual, h, c, "fused");
+  for (size_t i = 0; i < want.size(); ++i) {
+    ASSERT_FALSE(std::isnan(want[i])) << "unfused residual not written at " << i;
+    ASSERT_EQ(got[i], want[i]) << "fused norm: residual differs at row " << i / c.hidden << " column " << i % c.hidden;
+  }
+  const std::vector<float> want_logits = plain.logits.download(), got_logits = fused.logits.download();
+  for (int64_t i = 0; i < c.T * c.E; ++i) ASSERT_EQ(got_logits[i], want_logits[i]) << "logit " << i;
+  EXPECT_EQ(fused.ids.download(), plain.ids.download());
+}
+
+TEST(MoeSmallBatch, FusedInputNormBitwise) {
+  run_fused_norm_case({.E = 8, .k = 2, .hidden = 64, .inter = 32, .shared_inter = 16, .T = 3, .seed = 121});
+  for (const int64_t T : {1, 4}) {
+    run_fused_norm_case({.E = 256,
+                         .k = 8,
+                         .hidden = 2304,
+                         .inter = 1024,
+                         .shared_inter = 1024,
+                         .T = T,
+                         .seed = static_cast<uint32_t>(122 + T)});
+  }
+}
+
+TEST(MoeSmallBatch, FusedInputNormRejects) {
+  const SmallCase c{.E = 8, .k = 2, .hidden = 32, .inter = 16, .shared_inter = 16, .T = 2, .seed = 4};
+  const HostLayer h = make_host(c);
+  DeviceLayer d(c, h);
+  DeviceBuffer<float> norm_weight(c.hidden);
+  d.p.norm_weight = norm_weight.get();
+  d.p.norm_eps = 1e-5f;
+  // x_sorted is a gather of the normalised rows, which the fused launches do not write.
+  EXPECT_EQ(moe_small_batch_route(d.p, 0).code(), StatusCode::kInvalidArgument);
+  d.p.x_sorted = nullptr;
+  d.p.norm_eps = -1.0f;
+  EXPECT_EQ(moe_small_batch_route(d.p, 0).code(), StatusCode::kInvalidArgument);
+  d.p.norm_eps = 1e-5f;
+  d.p.kernel = MoeSmallBatchKernel::kV1;  // v2 only
+  EXPECT_EQ(moe_small_batch_route(d.p, 0).code(), StatusCode::kUnimplemented);
+  EXPECT_EQ(moe_small_batch_experts(d.p, 0).code(), StatusCode::kUnimplemented);
+  EXPECT_EQ(moe_small_batch_kernel_for(d.p), MoeSmallBatchKernel::kDefault);
 }
 
 TEST(MoeSmallBatch, RejectsBadInputs) {
