@@ -154,7 +154,9 @@ struct KdaDecodeParams {
 
 // Up to how many batch rows a caller should pass the low-rank gates to the decode step (KdaDecodeParams::gate_low)
 // instead of running their up-projections as a GEMM: DELTASERVE_KDA_FUSED_GATES (read once per process; a
-// non-negative integer), 0 (never) when unset until the H200 measurement picks a default.
+// non-negative integer, 0: never), 4 when unset or not such an integer. Measured on the H200 (Kimi-Linear-48B decode
+// step, ctx 4k, graphs, 2026-12-01, bench/results/engine_gpu_ab.jsonl): 2.777 / 3.962 / 5.639 -> 2.769 / 3.911 /
+// 5.580 ms at 1 / 2 / 4 rows; larger batches are not measured and keep the GEMM.
 [[nodiscard]] int kda_fused_gate_max_rows();
 
 // ---- speculative decoding ---------------------------------------------------------------------------------

@@ -338,11 +338,12 @@ Status launch_cols1(const DecodeArgs& args, const KdaDecodeParams& p, cudaStream
 
 int kda_fused_gate_max_rows() {
   static const int rows = [] {
+    constexpr int kDefaultRows = 4;
     const char* value = std::getenv("DELTASERVE_KDA_FUSED_GATES");
-    if (value == nullptr || *value == '\0') return 0;
+    if (value == nullptr || *value == '\0') return kDefaultRows;
     char* end = nullptr;
     const long parsed = std::strtol(value, &end, 10);
-    return *end == '\0' && parsed >= 0 ? static_cast<int>(std::min<long>(parsed, 65535)) : 0;
+    return *end == '\0' && parsed >= 0 ? static_cast<int>(std::min<long>(parsed, 65535)) : kDefaultRows;
   }();
   return rows;
 }

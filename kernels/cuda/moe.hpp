@@ -302,8 +302,9 @@ MoeSmallBatchKernel moe_small_batch_kernel_for(const MoeSmallBatchParams& params
 // moe_combine, shared FFN) then runs at every batch size.
 bool moe_small_batch_enabled();
 // Whether the engine fuses the MoE layer's input norm into the small-batch launches (MoeSmallBatchParams::
-// norm_weight): DELTASERVE_MOE_FUSED_NORM=1 (read once per process); off otherwise until the H200 measurement picks
-// a default.
+// norm_weight): yes unless DELTASERVE_MOE_FUSED_NORM is "0" or "off" (read once per process). Measured on the H200
+// (Kimi-Linear-48B decode step, ctx 4k, graphs, 2026-12-01, bench/results/engine_gpu_ab.jsonl): 2.777 / 3.962 /
+// 5.639 -> 2.704 / 3.856 / 5.612 ms at 1 / 2 / 4 rows.
 bool moe_small_batch_fused_norm_enabled();
 
 }  // namespace deltaserve::kernels::cuda

@@ -696,10 +696,7 @@ bool moe_small_batch_enabled() {
 }
 
 bool moe_small_batch_fused_norm_enabled() {
-  static const bool enabled = [] {
-    const char* value = std::getenv("DELTASERVE_MOE_FUSED_NORM");
-    return value != nullptr && (std::strcmp(value, "1") == 0 || std::strcmp(value, "on") == 0);
-  }();
+  static const bool enabled = !env_disabled("DELTASERVE_MOE_FUSED_NORM");
   return enabled;
 }
 
