@@ -295,55 +295,72 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
   }
 
   if (!dense) {
-    // Exact pairwise decays inside the diagonal tiles, e^(gc_t - gc_i) <= 1 for i <= t, in fp32. gc goes over kinv
-    // (g_tile is dead); q and k are reread unscaled from global memory (L1/L2: the chunk was just staged). Warp w
-    // takes tile w / 2 and its rows of parity w % 2; lane l holds channels 4 l .. 4 l + 3, so every load is a
-    // contiguous row segment. A row's keys go eight at a time: eight independent loads and products, then one
-    // transposed warp reduction for the eight sums.
+    // Exact pairwise decays inside the diagonal tiles, E(t, i) = e^(gc_t - gc_i) <= 1 for i <= t, in fp32, built
+    // row by row as E(t, i) = E(t - 1, i) e^(gc_t - gc_(t-1)): one exponential per channel and row instead of one per
+    // pair. gc goes over kinv (g_tile is dead); q and k are reread unscaled from global memory (L1/L2: the chunk was
+    // just staged). Warp w takes tile w / 2 and its eight keys of parity w % 2, i_j = tile0 + 2 j + w % 2, through
+    // all 16 rows; lane l holds channels 4 l .. 4 l + 3, so every load is a contiguous row segment. A row's eight
+    // sums go through one transposed warp reduction.
     float* gcs = reinterpret_cast<float*>(kinv);
 #pragma unroll
     for (int j = 0; j < 16; ++j) *reinterpret_cast<float2*>(gcs + (t0 + j) * kD + c0) = gc[j];
     __syncthreads();
-    const int tile0 = (warp >> 1) * 16;
+    const int tile0 = (warp >> 1) * 16, parity = warp & 1;
     const bf16* k_rows = p.k + chunk_offset + 4 * lane;
     const bf16* q_rows = p.q + chunk_offset + 4 * lane;
     const int lane_key = 4 * ((lane >> 4) & 1) + 2 * ((lane >> 3) & 1) + ((lane >> 2) & 1);  // warp_sum8's j
-    for (int t = tile0 + (warp & 1); t < tile0 + 16; t += 2) {
-      // Entries right of the diagonal (and every entry of a row past the sequence) are zero.
-      if (lane < 16 && (tile0 + lane > t || t >= n)) {
-        akd[diag_index(t, lane)] = 0.0f;
-        aqk_out[sw128(t, tile0 + lane)] = __float2bfloat16(0.0f);
-      }
-      if (t >= n) continue;
-      const float4 kt = load_bf16x4(k_rows + t * row_stride), qt = load_bf16x4(q_rows + t * row_stride);
-      const float4 gt = *reinterpret_cast<const float4*>(gcs + t * kD + 4 * lane);
-      for (int i0 = tile0; i0 <= t; i0 += 8) {
-        float sk[8], sq[8];
+    float4 decay[8];  // E(t, i_j) for this lane's channels; zero until row i_j
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          // Keys past t load row t (in the sequence; unconditional loads can all be issued up front) and count zero
-          // without spending exponentials (the branch is uniform over the warp).
-          const int i = min(i0 + j, t);
+    for (int j = 0; j < 8; ++j) decay[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float4 g_prev = *reinterpret_cast<const float4*>(gcs + tile0 * kD + 4 * lane);
+    for (int t = tile0; t < tile0 + 16; ++t) {
+      const bool live = t < n;  // rows past the sequence are zero and never read
+      const float4 gt = *reinterpret_cast<const float4*>(gcs + t * kD + 4 * lane);
+      const float4 step = make_float4(exp2_ftz(gt.x - g_prev.x), exp2_ftz(gt.y - g_prev.y), exp2_ftz(gt.z - g_prev.z),
+                                      exp2_ftz(gt.w - g_prev.w));
+      g_prev = gt;
+      float4 kt = make_float4(0.0f, 0.0f, 0.0f, 0.0f), qt = kt;
+      if (live) {
+        kt = load_bf16x4(k_rows + t * row_stride);
+        qt = load_bf16x4(q_rows + t * row_stride);
+      }
+      float sk[8], sq[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int i = tile0 + 2 * j + parity;  // uniform over the warp
+        sk[j] = 0.0f;
+        sq[j] = 0.0f;
+        if (i < t) {
+          decay[j] = make_float4(decay[j].x * step.x, decay[j].y * step.y, decay[j].z * step.z, decay[j].w * step.w);
+        } else if (i == t) {
+          decay[j] = make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+        }
+        if (live && i <= t) {
           const float4 ki = load_bf16x4(k_rows + i * row_stride);
-          const float4 gi = *reinterpret_cast<const float4*>(gcs + i * kD + 4 * lane);
-          sk[j] = 0.0f;
-          sq[j] = 0.0f;
-          if (i0 + j <= t) {
-            const float e0 = ki.x * exp2_ftz(gt.x - gi.x), e1 = ki.y * exp2_ftz(gt.y - gi.y);
-            const float e2 = ki.z * exp2_ftz(gt.z - gi.z), e3 = ki.w * exp2_ftz(gt.w - gi.w);
-            sk[j] = kt.x * e0 + kt.y * e1 + kt.z * e2 + kt.w * e3;
-            sq[j] = qt.x * e0 + qt.y * e1 + qt.z * e2 + qt.w * e3;
-          }
+          const float e0 = ki.x * decay[j].x, e1 = ki.y * decay[j].y, e2 = ki.z * decay[j].z, e3 = ki.w * decay[j].w;
+          sk[j] = kt.x * e0 + kt.y * e1 + kt.z * e2 + kt.w * e3;
+          sq[j] = qt.x * e0 + qt.y * e1 + qt.z * e2 + qt.w * e3;
         }
-        const float key_sum = warp_sum8(sk, lane), query_sum = warp_sum8(sq, lane);
-        const int i = i0 + lane_key;
-        if ((lane & 3) == 0 && i <= t) {
-          akd[diag_index(t, i)] = i < t ? beta_s[t] * key_sum : 0.0f;
-          aqk_out[sw128(t, i)] = __float2bfloat16(query_sum * p.q_scale);
-        }
+      }
+      const float key_sum = warp_sum8(sk, lane), query_sum = warp_sum8(sq, lane);
+      if ((lane & 3) == 0) {
+        // Every entry of the tile once: right of the diagonal (and rows past the sequence) zero.
+        const int i = tile0 + 2 * lane_key + parity;
+        akd[diag_index(t, i)] = live && i < t ? beta_s[t] * key_sum : 0.0f;
+        aqk_out[sw128(t, i)] = __float2bfloat16(live && i <= t ? query_sum * p.q_scale : 0.0f);
       }
     }
-    __syncthreads();
+    // This thread's gc and k again (from gcs and from global memory): not holding them through the loop above
+    // leaves it the registers for the eight running decays.
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int t = t0 + j;
+      gc[j] = *reinterpret_cast<const float2*>(gcs + t * kD + c0);
+      kr[j] =
+          t < n ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p.k + chunk_offset + t * row_stride + c0))
+                : make_float2(0.0f, 0.0f);
+    }
+    __syncthreads();  // gcs is read; the B operands below overwrite it
   }
 
   // B operands of each row tile b: k_i e^(ref_b - gc_i) for i before the tile (and inside it when dense). This
