@@ -71,8 +71,10 @@ struct SkinnyGemmParams {
 // one, otherwise by shape, as measured on the H200 (SkinnyGemmGpu.Timing and the 48B decode step, 2026-12-01):
 // v2-r1 at 1 row when 1024 < in <= 2304 (a whole row in flight: the KDA projection 15.6 against v2's 16.7 and v1's
 // 16.4 us, MLA kv_a + q_proj 9.7 against 12.2 and 14.5), v2 at 1 row otherwise (o_proj 7.4 against 8.5, KDA f_b + g_b
-// 3.6 against 5.5) and at 2 rows (decode step at batch 2: 3.92 against 4.10 ms), v1 above 2 rows (at 4 rows v2 is
-// slower: o_proj 18.0 against 13.1 us, the LM head 249 against 193; decode step 5.82 against 5.65 ms). Never kDefault.
+// 3.6 against 5.5), v2-r1 at 2 rows (the 48B decode step at batch 2 with the fused gates and MoE norm, 2026-12-01:
+// 3.710 against v2's 3.806-3.813 ms; at 1 and 4 rows r1 everywhere was slower, 2.688 against 2.677 and 5.689 against
+// 5.549), v1 above 2 rows (at 4 rows v2 is slower: o_proj 18.0 against 13.1 us, the LM head 249 against 193; decode
+// step 5.82 against 5.65 ms). Never kDefault.
 [[nodiscard]] SkinnyGemmKernel skinny_gemm_kernel_for(int64_t rows, int64_t in);
 
 // Whether skinny_gemm handles these shapes and alignments (rows, in % (16 / element size), 16-byte

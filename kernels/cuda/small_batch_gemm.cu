@@ -573,7 +573,7 @@ SkinnyGemmKernel skinny_gemm_kernel_for(int64_t rows, int64_t in) {
   }();
   if (environment != SkinnyGemmKernel::kDefault) return environment;
   if (rows > 2) return SkinnyGemmKernel::kV1;
-  if (rows == 1 && in > 1024 && in <= 2304) return SkinnyGemmKernel::kV2R1;
+  if (rows == 2 || (in > 1024 && in <= 2304)) return SkinnyGemmKernel::kV2R1;
   return SkinnyGemmKernel::kV2;
 }
 
