@@ -370,7 +370,8 @@ Status CudaBackend::Impl::forward_layers(const PassTables& t, const float** fina
   auto ffn = [&](const DeviceLayer& layer, const float* x) -> Status {
     profiler.mark(Phase::kNorms, stream());
     arena.reset();
-    // MoE at small batches: the bf16 (experts) and fp32 (router) normalisations in one launch.
+    // MoE at small batches: the bf16 (experts) and fp32 (router) normalisations in one launch, or inside the
+    // small-batch launches themselves (run_moe decides, and falls back to that launch).
     if (layer.is_moe && T <= kc::kSkinnyGemmMaxRows && kc::skinny_gemm_enabled(kc::SkinnyGemmInput::kBf16)) {
       if (kc::moe_small_batch_fused_norm_enabled()) return run_moe(layer.moe, T, x, layer.post_attention_norm);
       DS_RETURN_IF_ERROR(kc::rms_norm_dual(x, hidden, layer.post_attention_norm, T, hidden, eps, normed, hidden,

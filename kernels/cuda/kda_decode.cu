@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(kThreads, kFusedGates ? 1 : 2)
 
   // Fused gates: this column's gate logit (its decay goes to decay_s below, with the prologue's) and output-gate
   // logit, each rounded to bf16 like the separate GEMM's outputs.
-  float gate_logit = 0.0f, out_gate_logit = 0.0f;
+  float out_gate_logit = 0.0f;
   if constexpr (kFusedGates) {
     const bf16* low = p.gate_low + static_cast<size_t>(b) * p.gate_low_stride + 32 * quarter;
     uint4 x[4];
@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(kThreads, kFusedGates ? 1 : 2)
     for (int j = 0; j < 4; ++j) sum = dot8_bf16(gate_weights[j * kThreads + tid], x[j], sum);
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    gate_logit = __bfloat162float(__float2bfloat16(sum));
+    const float gate_logit = __bfloat162float(__float2bfloat16(sum));
     if (p.g_b != nullptr) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) x[j] = *reinterpret_cast<const uint4*>(low + kD + 8 * j);

@@ -17,6 +17,7 @@
 #include "kernels/cuda/launch_status.hpp"
 #include "kernels/cuda/moe.hpp"
 #include "kernels/cuda/moe_route.cuh"
+#include "kernels/cuda/rms_norm_order.cuh"
 
 namespace deltaserve::kernels::cuda::moe_small_batch_detail {
 
@@ -160,28 +161,16 @@ __device__ __forceinline__ void router_group_dot_normed(const LayerArgs& a, cons
   }
 }
 
-// 1 / rms of rows x[t * stride, + dim) for t < rows into inverse_rms[t], by the `threads` threads 0.. of the CTA
-// (8 whole warps; thread_index in [0, 256)), in rms_norm_dual's order: thread i sums the squares of columns i, i +
-// 256, ... in increasing order, a warp xor-shuffle reduction, then the 8 warp sums in warp order from 0.0f;
-// 1 / sqrtf(sum / dim + eps). warp_sums: [rows][8] scratch. `sync` is a barrier of exactly those threads, called
-// twice (inverse_rms is complete after it returns).
+// 1 / rms of rows x[t * stride, + dim) for t < rows into inverse_rms[t] in rms_norm_dual's order
+// (rms_norm_order.cuh), by the 256 threads 0.. of the CTA (thread_index in [0, 256)); warp_sums: [rows][8] scratch.
+// `sync` is a barrier of exactly those threads, called twice (inverse_rms is complete when this returns).
 template <class Sync>
 __device__ __forceinline__ void rows_inverse_rms(const float* x, int64_t stride, int dim, int rows, float eps,
                                                  int thread_index, float* warp_sums, float* inverse_rms, Sync sync) {
-  constexpr int kNormThreads = 256;
-  const int lane = thread_index & 31, warp = thread_index >> 5;
-  for (int t = 0; t < rows; ++t) {
-    const float* x_row = x + t * stride;
-    float partial = 0.0f;
-    for (int c = thread_index; c < dim; c += kNormThreads) partial += x_row[c] * x_row[c];
-    for (int offset = 16; offset > 0; offset >>= 1) partial += __shfl_xor_sync(0xffffffffu, partial, offset);
-    if (lane == 0) warp_sums[t * 8 + warp] = partial;
-  }
+  detail::rms_square_partials(x, stride, dim, rows, thread_index, warp_sums);
   sync();
   if (thread_index < rows) {
-    float sum_squares = 0.0f;
-    for (int w = 0; w < 8; ++w) sum_squares += warp_sums[thread_index * 8 + w];
-    inverse_rms[thread_index] = 1.0f / sqrtf(sum_squares / static_cast<float>(dim) + eps);
+    inverse_rms[thread_index] = detail::rms_inverse(warp_sums + thread_index * detail::kRmsOrderWarps, dim, eps);
   }
   sync();
 }

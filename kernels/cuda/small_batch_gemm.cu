@@ -26,6 +26,7 @@
 
 #include "kernels/cuda/bf16_stream.cuh"
 #include "kernels/cuda/launch_status.hpp"
+#include "kernels/cuda/rms_norm_order.cuh"
 #include "kernels/cuda/small_batch.hpp"
 
 namespace deltaserve::kernels::cuda {
@@ -297,27 +298,19 @@ __device__ __forceinline__ void load_chunk(uint4 (&w)[U][R], const TIn* weight, 
 }
 
 // Stages x (rows >= params.rows zero) as TIn [M, x_cols] in shared memory; with kNorm, the bf16 RMSNorm of the
-// fp32 rows over `in` columns in rms_norm_kernel's order (ops_norm.cu): thread t sums the squares of columns
-// t, t + kThreads, ... in that order (the same contracted multiply-add), a warp xor-shuffle reduction, then the
-// kWarps warp sums in warp order from 0.0f; 1 / sqrtf(sum / in + eps); value = (x * inverse_rms) * weight, rounded
-// to nearest bf16.
+// fp32 rows over `in` columns in rms_norm_dual's order (rms_norm_order.cuh); value = (x * inverse_rms) * weight,
+// rounded to nearest bf16.
 template <class TIn, int M, bool kNorm>
 __device__ __forceinline__ void stage_x(const SkinnyGemmArgsV2& args, TIn* x_shared) {
   const SkinnyGemmParams& p = args.p;
   const int64_t cols = args.x_cols;
   if constexpr (kNorm) {
+    static_assert(kThreads == detail::kRmsOrderThreads, "the norm's reduction order is that of 256 threads");
     __shared__ float warp_sums[M][kWarps];
     const float* x = static_cast<const float*>(p.x);
     const int64_t in = p.in;
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      if (m >= p.rows) break;
-      const float* x_row = x + m * p.x_stride;
-      float sum_squares = 0.0f;
-      for (int64_t c = threadIdx.x; c < in; c += kThreads) sum_squares += x_row[c] * x_row[c];
-      for (int offset = 16; offset > 0; offset >>= 1) sum_squares += __shfl_xor_sync(0xffffffffu, sum_squares, offset);
-      if ((threadIdx.x & 31) == 0) warp_sums[m][threadIdx.x >> 5] = sum_squares;
-    }
+    detail::rms_square_partials(x, p.x_stride, in, static_cast<int>(p.rows < M ? p.rows : M),
+                                static_cast<int>(threadIdx.x), &warp_sums[0][0]);
     __syncthreads();
 #pragma unroll
     for (int m = 0; m < M; ++m) {
@@ -326,9 +319,7 @@ __device__ __forceinline__ void stage_x(const SkinnyGemmArgsV2& args, TIn* x_sha
         for (int64_t c = threadIdx.x; c < in; c += kThreads) shared_row[c] = zero_of(TIn{});
         continue;
       }
-      float total = 0.0f;
-      for (int w = 0; w < kWarps; ++w) total += warp_sums[m][w];
-      const float inverse_rms = 1.0f / sqrtf(total / static_cast<float>(in) + p.norm_eps);
+      const float inverse_rms = detail::rms_inverse(warp_sums[m], in, p.norm_eps);
       const float* x_row = x + m * p.x_stride;
       for (int64_t c = threadIdx.x; c < in; c += kThreads) {
         shared_row[c] =

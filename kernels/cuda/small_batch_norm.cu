@@ -1,16 +1,15 @@
-// rms_norm_dual: one block of kThreads per row; each thread sums the squares of the columns c = tid (mod kThreads)
-// in increasing c, a warp xor-shuffle reduction, then thread 0..kThreads-1 each add the kWarps warp sums in warp
-// order — the reduction order of rms_norm_kernel (ops_norm.cu), so the results are expected to be bitwise those of
-// rms_norm.
+// rms_norm_dual: one block of 256 threads per row, in the reduction order of rms_norm_order.cuh (that of
+// rms_norm_kernel in ops_norm.cu, so the results are expected to be bitwise those of rms_norm).
 #include <string>
 
+#include "kernels/cuda/rms_norm_order.cuh"
 #include "kernels/cuda/small_batch.hpp"
 
 namespace deltaserve::kernels::cuda {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
+constexpr int kThreads = detail::kRmsOrderThreads;
+constexpr int kWarps = detail::kRmsOrderWarps;
 
 __global__ void __launch_bounds__(kThreads)
     rms_norm_dual_kernel(const float* __restrict__ x, int64_t x_stride, const float* __restrict__ weight, int64_t dim,
@@ -18,14 +17,9 @@ __global__ void __launch_bounds__(kThreads)
                          float* __restrict__ y_f32, int64_t y_f32_stride) {
   __shared__ float warp_sums[kWarps];
   const float* x_row = x + blockIdx.x * x_stride;
-  float partial = 0.0f;
-  for (int64_t c = threadIdx.x; c < dim; c += kThreads) partial += x_row[c] * x_row[c];
-  for (int offset = 16; offset > 0; offset >>= 1) partial += __shfl_xor_sync(0xffffffffu, partial, offset);
-  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = partial;
+  detail::rms_square_partials(x_row, 0, dim, 1, static_cast<int>(threadIdx.x), warp_sums);
   __syncthreads();
-  float sum_squares = 0.0f;
-  for (int w = 0; w < kWarps; ++w) sum_squares += warp_sums[w];
-  const float inverse_rms = 1.0f / sqrtf(sum_squares / static_cast<float>(dim) + eps);
+  const float inverse_rms = detail::rms_inverse(warp_sums, dim, eps);
   __nv_bfloat16* bf16_row = y_bf16 + blockIdx.x * y_bf16_stride;
   float* f32_row = y_f32 + blockIdx.x * y_f32_stride;
   for (int64_t c = threadIdx.x; c < dim; c += kThreads) {
