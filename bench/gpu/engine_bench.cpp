@@ -6,7 +6,7 @@
 //                    --commit C --date D
 //                    [--batches 1,8,32,128,256] [--contexts 4096,32768] [--prompts 4096,32768,131072]
 //                    [--memory-fraction 0.92] [--max-prefill-seconds 90] [--prefill-chunk 8192]
-//                    [--profiler-step]
+//                    [--profiler-step] [--trace-step]
 //
 // Output: JSON lines in the bench/results format on stdout; progress on stderr.
 //
@@ -26,6 +26,8 @@
 // decode step (B=1 and B=256 at context 4096) and of one eager 32k prefill goes to stderr.
 // --profiler-step: one more graph-mode decode step per case between cudaProfilerStart and cudaProfilerStop, so that
 // `ncu --profile-from-start off` sees exactly the kernels of one step.
+// --trace-step: the kernel timeline of one more graph-mode decode step per case (CUPTI activity records: every
+// kernel's start and end as the GPU ran it, programmatic overlaps included, and what each adds to the step) on stderr.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -42,6 +44,7 @@
 #include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
+#include "bench/gpu/kernel_trace.hpp"
 #include "engine/cuda/cuda_backend.hpp"
 #include "engine/model.hpp"
 #include "engine/model_config.hpp"
@@ -61,6 +64,7 @@ struct Args {
   int64_t prefill_chunk = 8192;  // the backend's max_batch_tokens: rows of one prefill pass
   bool ceilings = true;
   bool profiler_step = false;  // one graph-mode decode step per case inside cudaProfilerStart/Stop
+  bool trace_step = false;     // the kernel timeline of one graph-mode decode step per case (stderr)
 };
 
 std::vector<int64_t> parse_list(const std::string& text) {
@@ -306,6 +310,20 @@ struct Bench {
       check(cuda->synchronize(), "synchronize");
       check_cuda(cudaProfilerStop(), "cudaProfilerStop");
     }
+    if (g_args->trace_step) {
+      cuda->set_cuda_graphs(true);
+      check(cuda->synchronize(), "synchronize");
+      const std::string started = bench::kernel_trace_start();
+      if (!started.empty()) {
+        std::fprintf(stderr, "%s: no kernel trace: %s\n", name.c_str(), started.c_str());
+      } else {
+        step();
+        check(cuda->synchronize(), "synchronize");
+        const std::vector<bench::KernelRecord> kernels = bench::kernel_trace_stop();
+        std::fprintf(stderr, "kernel timeline of one graph-mode decode step, %s:\n%s", name.c_str(),
+                     bench::kernel_timeline_report(kernels).c_str());
+      }
+    }
     // Per-phase GPU time of one eager step (stderr) at B=1 and B=256, context 4096.
     if (context == 4096 && (batch == 1 || batch == 256)) {
       cuda->enable_profile(true);
@@ -439,6 +457,8 @@ int main(int argc, char** argv) {
       args.ceilings = false;
     else if (flag == "--profiler-step")
       args.profiler_step = true;
+    else if (flag == "--trace-step")
+      args.trace_step = true;
     else
       die("unknown flag " + flag);
   }
