@@ -311,16 +311,27 @@ struct Bench {
       check_cuda(cudaProfilerStop(), "cudaProfilerStop");
     }
     if (g_args->trace_step) {
+      // The graph is captured again with the tracer on (a tracer enabled after a graph's capture may not see its
+      // kernels): the capture (with its first replay) and one more replay, then the traced replay.
       cuda->set_cuda_graphs(true);
       check(cuda->synchronize(), "synchronize");
       const std::string started = bench::kernel_trace_start();
       if (!started.empty()) {
         std::fprintf(stderr, "%s: no kernel trace: %s\n", name.c_str(), started.c_str());
       } else {
+        cuda->clear_cuda_graphs();
+        const int64_t replays_before = cuda->graph_stats().replays;
+        for (int i = 0; i < 2; ++i) step();
+        check(cuda->synchronize(), "synchronize");
+        (void)bench::kernel_trace_stop();  // the eager step and the capture
+        const std::string restarted = bench::kernel_trace_start();
         step();
         check(cuda->synchronize(), "synchronize");
         const std::vector<bench::KernelRecord> kernels = bench::kernel_trace_stop();
-        std::fprintf(stderr, "kernel timeline of one graph-mode decode step, %s:\n%s", name.c_str(),
+        const bool replayed = cuda->graph_stats().replays > replays_before;
+        std::fprintf(stderr, "kernel timeline of one %s decode step, %s%s:\n%s",
+                     replayed ? "graph-replayed" : "eager (no replay)", name.c_str(),
+                     restarted.empty() ? "" : (" (restart: " + restarted + ")").c_str(),
                      bench::kernel_timeline_report(kernels).c_str());
       }
     }

@@ -234,6 +234,12 @@ void CudaBackend::set_cuda_graphs(bool on) {
   impl_->options.cuda_graphs = on;
 }
 
+void CudaBackend::clear_cuda_graphs() {
+  std::lock_guard<std::recursive_mutex> lock(impl_->pools->mutex());
+  (void)cudaStreamSynchronize(impl_->pools->stream());
+  impl_->decode_graphs.clear();
+}
+
 bool CudaBackend::cuda_graphs() const {
   std::lock_guard<std::recursive_mutex> lock(impl_->pools->mutex());
   return impl_->options.cuda_graphs;

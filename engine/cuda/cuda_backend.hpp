@@ -96,6 +96,9 @@ class CudaBackend final : public Backend {
 
   // CUDA graphs on or off from the next pass on (graphs already captured are kept).
   void set_cuda_graphs(bool on);
+  // Destroys every captured decode graph (after the stream's work is done): the next graph-eligible passes capture
+  // again (benchmarks that must see a capture, e.g. a tracer enabled after the first one).
+  void clear_cuda_graphs();
   bool cuda_graphs() const;
   struct GraphStats {
     int64_t cached = 0;    // instantiated graphs held now

@@ -289,8 +289,8 @@ TEST(CudaGraphs, DeviceLogitsAndRuntimeSwitch) {
   Pair p = make_pair_of_backends(23);
   ASSERT_NE(p.graph, nullptr);
   const int64_t vocab = p.config.vocab_size;
-  Request a{p.graph->new_state(), p.eager->new_state(), random_tokens(6, vocab, 41)};
-  Request b{p.graph->new_state(), p.eager->new_state(), random_tokens(6, vocab, 42)};
+  Request a{p.graph->new_state(), p.eager->new_state(), random_tokens(8, vocab, 41)};
+  Request b{p.graph->new_state(), p.eager->new_state(), random_tokens(8, vocab, 42)};
   prefill(p, a, random_tokens(20, vocab, 43));
   prefill(p, b, random_tokens(9, vocab, 44));
   for (int step = 0; step < 4; ++step) {
@@ -322,6 +322,17 @@ TEST(CudaGraphs, DeviceLogitsAndRuntimeSwitch) {
   p.graph_backend->set_cuda_graphs(true);
   decode_step(p, active, 5, kTiny, &failures);
   EXPECT_EQ(p.graph_backend->graph_stats().replays, replays + 1);
+  // clear_cuda_graphs: none cached; the next pass of the (already seen) shape captures again and replays the new
+  // graph, the one after it replays it, both still matching eager.
+  const CudaBackend::GraphStats before = p.graph_backend->graph_stats();
+  p.graph_backend->clear_cuda_graphs();
+  EXPECT_EQ(p.graph_backend->graph_stats().cached, 0);
+  decode_step(p, active, 6, kTiny, &failures);
+  decode_step(p, active, 7, kTiny, &failures);
+  EXPECT_EQ(p.graph_backend->graph_stats().captures, before.captures + 1);
+  EXPECT_EQ(p.graph_backend->graph_stats().replays, before.replays + 2);
+  EXPECT_EQ(p.graph_backend->graph_stats().cached, 1);
+  EXPECT_EQ(failures, 0);
 }
 
 // The profile of eager passes names the phases of the layers this model has; graph replays count as one phase;
