@@ -323,7 +323,7 @@ struct Bench {
         const int64_t replays_before = cuda->graph_stats().replays;
         for (int i = 0; i < 2; ++i) step();
         check(cuda->synchronize(), "synchronize");
-        (void)bench::kernel_trace_stop();  // the eager step and the capture
+        (void)bench::kernel_trace_stop();  // the capture's replay and the one after it
         const std::string restarted = bench::kernel_trace_start();
         step();
         check(cuda->synchronize(), "synchronize");

@@ -50,14 +50,6 @@ std::string cupti_error(const char* what, CUptiResult result) {
 
 }  // namespace
 
-bool kernel_trace_available() {
-#ifdef DELTASERVE_HAVE_CUPTI
-  return true;
-#else
-  return false;
-#endif
-}
-
 std::string kernel_trace_start() {
 #ifdef DELTASERVE_HAVE_CUPTI
   {

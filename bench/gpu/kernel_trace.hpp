@@ -15,8 +15,6 @@ struct KernelRecord {
   int grid = 0, block = 0;      // x * y * z of each
 };
 
-// Whether this build has CUPTI.
-bool kernel_trace_available();
 // Starts recording kernels (every context of the process); returns an error message, or "" on success.
 std::string kernel_trace_start();
 // Flushes and stops recording; the kernels recorded since kernel_trace_start, in start order.
