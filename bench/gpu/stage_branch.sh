@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Here, from the repo root: copies the kernels/engine/bench/common/tests trees of a branch into .devsrc/NAME (ignored
+# Here, from the repo root: copies the whole tree of a branch (~4.5 MB) into .devsrc/NAME (ignored
 # by git; carry it with `carry: [".devsrc"]`) so that one device call can build and measure it beside main.
 #   bench/gpu/stage_branch.sh BRANCH [NAME (default: BRANCH)]
 # Then, on the device: (cd .devsrc/NAME && bash bench/gpu/SCRIPT.sh "$OUT/NAME").
@@ -9,5 +9,5 @@ name=${2:-$branch}
 grep -qx '/.devsrc/' .git/info/exclude 2>/dev/null || echo '/.devsrc/' >>.git/info/exclude
 rm -rf ".devsrc/$name"
 mkdir -p ".devsrc/$name"
-git archive "$branch" CMakeLists.txt cmake common kernels engine bench tests/data | tar -x -C ".devsrc/$name"
+git archive "$branch" | tar -x -C ".devsrc/$name"
 echo ".devsrc/$name: $(git rev-parse --short "$branch") ($(du -sh ".devsrc/$name" | cut -f1))"

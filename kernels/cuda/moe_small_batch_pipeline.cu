@@ -37,6 +37,8 @@
 // DRAM peak (23-24 us against 25.7 unsplit): more CTAs in flight were not what it lacked most.
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include <cuda_bf16.h>
@@ -85,6 +87,7 @@ struct Pipeline {
 struct PipelineArgs {
   LayerArgs a;
   Pipeline pipe;
+  int lane_issue;     // 1: lane r of the producer warp issues weight row r of a stage; 0: lane 0 issues all 16
   int shared_items;   // gate/up: column blocks of the shared expert (0 without one)
   int column_blocks;  // gate/up: I / 8
 };
@@ -237,19 +240,29 @@ __device__ __forceinline__ float reduced_register(const float* buffer, int r, in
 
 // ---- launch 2: gate/up + GLU ----------------------------------------------------------------------------------
 
+// The producer lanes that issue weight-row copies: the whole warp (lane r copies row r; the ring's waits and the
+// expected bytes are lane 0's, the rest wait on the same barriers) or lane 0 alone.
+__device__ __forceinline__ unsigned issue_lanes(const PipelineArgs& p) {
+  return p.lane_issue ? 0xffffffffu : 1u;
+}
+
 // Stages of one gate/up item: rows j0..j0+7 (gate) and inter+j0..inter+j0+7 (up) of `w` ([2 inter, hidden]), one
-// stage per k segment.
+// stage per k segment. Called by the issuing lanes of the producer warp (issue_lanes).
 __device__ void issue_gate_up_item(const PipelineArgs& p, uint32_t base, Ring& ring, const __nv_bfloat16* w, int inter,
                                    int j0, uint64_t policy) {
   const LayerArgs& a = p.a;
   const Pipeline& pipe = p.pipe;
+  const int lane = threadIdx.x & 31;
+  const unsigned issuers = issue_lanes(p);
+  const int first_row = p.lane_issue ? lane : 0, row_step = p.lane_issue ? 32 : 1;
   for (int k0 = 0; k0 < a.hidden; k0 += pipe.segment) {
     const uint32_t bytes = 2u * static_cast<uint32_t>(min(pipe.segment, a.hidden - k0));
     const uint32_t full = full_barrier(base, ring.stage);
     sm90::mbarrier_wait(empty_barrier(base, ring.stage), ring.phase ^ 1u);
-    sm90::mbarrier_arrive_expect_tx(full, kTileRows * bytes);
+    if (lane == 0) sm90::mbarrier_arrive_expect_tx(full, kTileRows * bytes);
+    __syncwarp(issuers);
     const uint32_t dst = stage_address(base, pipe, ring.stage);
-    for (int r = 0; r < kTileRows; ++r) {
+    for (int r = first_row; r < kTileRows; r += row_step) {
       const int row = r < kColumnsPerItem ? j0 + r : inter + j0 + r - kColumnsPerItem;
       detail::bulk_copy_to_shared(dst + r * pipe.row_bytes, w + static_cast<int64_t>(row) * a.hidden + k0, bytes, full,
                                   policy);
@@ -278,9 +291,9 @@ __device__ void gate_up_producer(const PipelineArgs& p, uint32_t base, const Tab
   const int ctas = static_cast<int>(gridDim.x);
   Ring ring;
   int item = static_cast<int>(blockIdx.x);
-  uint64_t policy = 0;
+  const uint64_t policy = detail::l2_evict_first_policy();
+  const bool issues = p.lane_issue || lane == 0;
   if (lane == 0) {
-    policy = detail::l2_evict_first_policy();
     // x was written before launch 1 started (launch 1 starts its dependents after its own wait): complete now. With
     // the fused norm the consumers stage x themselves.
     if (a.norm_weight == nullptr) {
@@ -291,17 +304,19 @@ __device__ void gate_up_producer(const PipelineArgs& p, uint32_t base, const Tab
                                     x_full_barrier(base));
       }
     }
+  }
+  if (issues) {
     for (; item < p.shared_items; item += ctas) {
       issue_gate_up_item(p, base, ring, a.shared_gate_up, a.shared_inter, kColumnsPerItem * item, policy);
     }
-    if (a.shared_down != nullptr) prefetch_shared_down(a);
   }
+  if (lane == 0 && a.shared_down != nullptr) prefetch_shared_down(a);
   __syncwarp();
   grid_dependency_wait();  // launch 1: the routing
   if (lane == 0) allow_dependent_grids();
   load_tables(a, t, true);
-  if (lane != 0) return;
-  sm90::mbarrier_arrive(tables_barrier(base));
+  if (!issues) return;
+  if (lane == 0) sm90::mbarrier_arrive(tables_barrier(base));
   const int items = p.shared_items + *t.num_active * p.column_blocks;
   for (; item < items; item += ctas) {
     const int routed = item - p.shared_items;
@@ -518,8 +533,11 @@ __device__ void down_producer(const PipelineArgs& p, uint32_t base, const Tables
   const Pipeline& pipe = p.pipe;
   // Launch 1 completed before this grid started (launch 2 starts its dependents after waiting for it).
   load_tables(a, t, false);
-  if ((threadIdx.x & 31) != 0) return;
-  sm90::mbarrier_arrive(tables_barrier(base));
+  const int lane = threadIdx.x & 31;
+  if (!p.lane_issue && lane != 0) return;
+  const unsigned issuers = issue_lanes(p);
+  const int first_row = p.lane_issue ? lane : 0, row_step = p.lane_issue ? 32 : 1;
+  if (lane == 0) sm90::mbarrier_arrive(tables_barrier(base));
   const DownShare share = down_share(p, *t.num_active);
   const int d0 = share.tile * kTileRows, rows = min(kTileRows, a.hidden - d0);
   const uint64_t policy = detail::l2_evict_first_policy();
@@ -531,24 +549,29 @@ __device__ void down_producer(const PipelineArgs& p, uint32_t base, const Tables
   for (int f = 0; f < fills; ++f) {
     if (f == pipe.stages) {
       wait_for_activations();
-      for (int g = 0; g < pipe.stages; ++g) issue_down_activations(p, base, down_fill(p, t, first_fill + g, d0), g);
+      if (lane == 0) {
+        for (int g = 0; g < pipe.stages; ++g) issue_down_activations(p, base, down_fill(p, t, first_fill + g, d0), g);
+      }
       waited = true;
     }
     const DownFill fill = down_fill(p, t, first_fill + f, d0);
     const uint32_t full = full_barrier(base, ring.stage);
     sm90::mbarrier_wait(empty_barrier(base, ring.stage), ring.phase ^ 1u);
-    sm90::mbarrier_arrive_expect_tx(full, static_cast<uint32_t>(rows + fill.count) * fill.bytes);
+    if (lane == 0) sm90::mbarrier_arrive_expect_tx(full, static_cast<uint32_t>(rows + fill.count) * fill.bytes);
+    __syncwarp(issuers);
     const uint32_t dst = stage_address(base, pipe, ring.stage);
-    for (int m = 0; m < rows; ++m) {
+    for (int m = first_row; m < rows; m += row_step) {
       detail::bulk_copy_to_shared(dst + m * pipe.row_bytes, fill.weights + static_cast<int64_t>(m) * fill.k_total,
                                   fill.bytes, full, policy);
     }
-    if (waited) issue_down_activations(p, base, fill, ring.stage);
+    if (waited && lane == 0) issue_down_activations(p, base, fill, ring.stage);
     ring.advance(pipe.stages);
   }
   if (!waited) {
     wait_for_activations();
-    for (int g = 0; g < fills; ++g) issue_down_activations(p, base, down_fill(p, t, first_fill + g, d0), g);
+    if (lane == 0) {
+      for (int g = 0; g < fills; ++g) issue_down_activations(p, base, down_fill(p, t, first_fill + g, d0), g);
+    }
   }
 }
 
@@ -675,6 +698,26 @@ __global__ void __launch_bounds__(kPipelineThreads, 3) pipeline_down_kernel(cons
 
 // ---- host side ------------------------------------------------------------------------------------------------
 
+// Experiment switches, read once. DELTASERVE_MOE_LANE_ISSUE=1: the producer warps issue a stage's 16 weight-row
+// copies from 16 lanes at once instead of one lane's loop. DELTASERVE_MOE_DOWN_MIN_STAGES=2 (2..4, default 3): the
+// down launch may take longer segments (whole 2 KB rows at inter 1024) in fewer stages.
+bool environment_lane_issue() {
+  static const bool on = [] {
+    const char* value = std::getenv("DELTASERVE_MOE_LANE_ISSUE");
+    return value != nullptr && std::strcmp(value, "1") == 0;
+  }();
+  return on;
+}
+int environment_down_min_stages() {
+  static const int stages = [] {
+    const char* value = std::getenv("DELTASERVE_MOE_DOWN_MIN_STAGES");
+    if (value == nullptr) return kMinStages;
+    const int v = std::atoi(value);
+    return v >= 2 && v <= kMaxStages ? v : kMinStages;
+  }();
+  return stages;
+}
+
 // The layout for `segment` and `stages`.
 Pipeline layout(const LayerArgs& a, bool down, int segment, int stages) {
   Pipeline p;
@@ -712,9 +755,10 @@ Pipeline plan_pipeline(const LayerArgs& a, bool down) {
   const int k = down ? std::max(a.inter, a.shared_down != nullptr ? a.shared_inter : 0) : a.hidden;
   const int max_segment = down ? kDownMaxSegment : kGateUpMaxSegment;
   const size_t budget = down ? (a.down_split > 1 ? kDownSplitSmemBudget : kDownSmemBudget) : kGateUpSmemBudget;
+  const int min_stages = down ? environment_down_min_stages() : kMinStages;
   for (int parts = (k + max_segment - 1) / max_segment; parts <= k; ++parts) {
     const int segment = ((k + parts - 1) / parts + 15) / 16 * 16;
-    for (int stages = kMaxStages; stages >= kMinStages; --stages) {
+    for (int stages = kMaxStages; stages >= min_stages; --stages) {
       const Pipeline p = layout(a, down, segment, stages);
       if (p.smem_bytes <= budget) return p;
     }
@@ -759,9 +803,10 @@ bool pipeline_fits(const LayerArgs& a) {
 Status launch_pipeline_experts(const LayerArgs& a, cudaStream_t stream) {
   const char* who_gate_up = "moe_small_batch_experts gate/up (v2)";
   const char* who_down = "moe_small_batch_experts down (v2)";
-  PipelineArgs gate_up{a, plan_pipeline(a, false), a.shared_down != nullptr ? a.shared_inter / kColumnsPerItem : 0,
-                       a.inter / kColumnsPerItem};
-  PipelineArgs down{a, plan_pipeline(a, true), 0, 0};
+  const int lane_issue = environment_lane_issue() ? 1 : 0;
+  PipelineArgs gate_up{a, plan_pipeline(a, false), lane_issue,
+                       a.shared_down != nullptr ? a.shared_inter / kColumnsPerItem : 0, a.inter / kColumnsPerItem};
+  PipelineArgs down{a, plan_pipeline(a, true), lane_issue, 0, 0};
   if (gate_up.pipe.stages == 0 || down.pipe.stages == 0) {
     return internal_error("moe_small_batch_experts: shapes outside the v2 kernels (select_kernel should run v1)");
   }
