@@ -498,6 +498,9 @@ Status check(const MoeSmallBatchParams& p, const char* who) {
       p.activated == nullptr || p.residual == nullptr || p.workspace == nullptr || p.counter == nullptr) {
     return invalid_argument(name + ": inputs, weights, outputs, workspace and counter must be non-null");
   }
+  if (p.l2_prefetch == nullptr && p.l2_prefetch_bytes != 0) {
+    return invalid_argument(name + ": l2_prefetch_bytes without l2_prefetch");
+  }
   if (p.shared_gate_up != nullptr && (p.shared_down == nullptr || p.shared_activated == nullptr)) {
     return invalid_argument(name + ": a shared expert needs shared_down and shared_activated");
   }
@@ -563,6 +566,8 @@ LayerArgs make_args(const MoeSmallBatchParams& p, MoeSmallBatchKernel kernel) {
   a.down = p.experts.down;
   a.shared_gate_up = p.shared_gate_up;
   a.shared_down = p.shared_gate_up != nullptr ? p.shared_down : nullptr;
+  a.l2_prefetch = static_cast<const char*>(p.l2_prefetch);
+  a.l2_prefetch_bytes = p.l2_prefetch != nullptr ? p.l2_prefetch_bytes : 0;
   a.glu = {p.glu == GluKind::kSitu ? 1 : 0, p.situ_beta, p.situ_linear_beta};
   a.logits = p.logits;
   a.expert_ids = p.expert_ids;

@@ -60,7 +60,8 @@ constexpr int kConsumerBarrier = 1;             // named barrier of the consumer
 constexpr int kTileRows = 16;                   // weight rows per stage: one m16 tile
 constexpr int kColumnsPerItem = kTileRows / 2;  // gate/up: 8 gate rows and the 8 matching up rows
 constexpr int kMaxStages = 4;
-constexpr int kMinStages = 3;
+constexpr int kMinStages = 3;      // gate/up
+constexpr int kDownMinStages = 2;  // whole 2 KB rows (inter 1024) in two stages beat 1 KB halves in four
 constexpr int kGateUpMaxSegment = 1152;  // k elements per staged row segment (hidden 2304: two)
 constexpr int kDownMaxSegment = 1024;
 constexpr size_t kGateUpSmemBudget = 180 * 1024;  // one CTA per SM, room for a launch-1 CTA beside it
@@ -271,16 +272,28 @@ __device__ void issue_gate_up_item(const PipelineArgs& p, uint32_t base, Ring& r
   }
 }
 
-// This CTA's share (a contiguous 1 / gridDim.x of the bytes) of the shared expert's down matrix into L2: launch 3
-// reads it first, and nothing else is known to stream while launch 1 routes.
-__device__ void prefetch_shared_down(const LayerArgs& a) {
+// This CTA's share (a contiguous 1 / gridDim.x of the 16-byte chunks) of `bytes` at `data` into L2.
+__device__ void prefetch_share(const char* data, int64_t bytes) {
   constexpr int64_t kPiece = 32 * 1024;
-  const int64_t chunks = static_cast<int64_t>(a.hidden) * a.shared_inter / 8;  // 16-byte chunks
+  const int64_t chunks = bytes / 16;
   const int64_t begin = chunks * blockIdx.x / gridDim.x, end = chunks * (blockIdx.x + 1) / gridDim.x;
-  const char* matrix = reinterpret_cast<const char*>(a.shared_down);
   for (int64_t offset = 16 * begin; offset < 16 * end; offset += kPiece) {
-    const int64_t bytes = 16 * end - offset < kPiece ? 16 * end - offset : kPiece;
-    detail::bulk_prefetch_l2(matrix + offset, static_cast<uint32_t>(bytes));
+    const int64_t piece = 16 * end - offset < kPiece ? 16 * end - offset : kPiece;
+    detail::bulk_prefetch_l2(data + offset, static_cast<uint32_t>(piece));
+  }
+}
+
+// The shared expert's down matrix into L2 (launch 3 reads it first), then the caller's prefetch range (the next
+// layer's first weights): nothing else is known to stream while launch 1 routes.
+__device__ void prefetch_while_routing(const LayerArgs& a) {
+  if (a.shared_down != nullptr) {
+    prefetch_share(reinterpret_cast<const char*>(a.shared_down), int64_t{2} * a.hidden * a.shared_inter);
+  }
+  // Whole 16-byte chunks from a 16-byte boundary (bulk prefetches need both).
+  const uintptr_t first = (reinterpret_cast<uintptr_t>(a.l2_prefetch) + 15) & ~uintptr_t{15};
+  const uintptr_t last = (reinterpret_cast<uintptr_t>(a.l2_prefetch) + a.l2_prefetch_bytes) & ~uintptr_t{15};
+  if (a.l2_prefetch_bytes > 0 && last > first) {
+    prefetch_share(reinterpret_cast<const char*>(first), static_cast<int64_t>(last - first));
   }
 }
 
@@ -310,7 +323,7 @@ __device__ void gate_up_producer(const PipelineArgs& p, uint32_t base, const Tab
       issue_gate_up_item(p, base, ring, a.shared_gate_up, a.shared_inter, kColumnsPerItem * item, policy);
     }
   }
-  if (lane == 0 && a.shared_down != nullptr) prefetch_shared_down(a);
+  if (lane == 0) prefetch_while_routing(a);
   __syncwarp();
   grid_dependency_wait();  // launch 1: the routing
   if (lane == 0) allow_dependent_grids();
@@ -698,22 +711,21 @@ __global__ void __launch_bounds__(kPipelineThreads, 3) pipeline_down_kernel(cons
 
 // ---- host side ------------------------------------------------------------------------------------------------
 
-// Experiment switches, read once. DELTASERVE_MOE_LANE_ISSUE=1: the producer warps issue a stage's 16 weight-row
-// copies from 16 lanes at once instead of one lane's loop. DELTASERVE_MOE_DOWN_MIN_STAGES=2 (2..4, default 3): the
-// down launch may take longer segments (whole 2 KB rows at inter 1024) in fewer stages.
+// Switches for A/B runs, read once. DELTASERVE_MOE_LANE_ISSUE=0: lane 0 of the producer warps issues a stage's 16
+// weight-row copies in a loop (the earlier behaviour) instead of 16 lanes at once. DELTASERVE_MOE_DOWN_MIN_STAGES
+// (2..4, default 2): the fewest stages the down ring may have; 3 keeps the unsplit down launch at 1 KB half rows.
 bool environment_lane_issue() {
   static const bool on = [] {
     const char* value = std::getenv("DELTASERVE_MOE_LANE_ISSUE");
-    return value != nullptr && std::strcmp(value, "1") == 0;
+    return value == nullptr || std::strcmp(value, "0") != 0;
   }();
   return on;
 }
 int environment_down_min_stages() {
   static const int stages = [] {
     const char* value = std::getenv("DELTASERVE_MOE_DOWN_MIN_STAGES");
-    if (value == nullptr) return kMinStages;
-    const int v = std::atoi(value);
-    return v >= 2 && v <= kMaxStages ? v : kMinStages;
+    const int v = value != nullptr ? std::atoi(value) : kDownMinStages;
+    return v >= 2 && v <= kMaxStages ? v : kDownMinStages;
   }();
   return stages;
 }
