@@ -506,8 +506,6 @@ Status CudaBackend::Impl::run_moe(const DeviceMoe& moe, int64_t T, const float* 
       p.residual = residual;
       p.residual_stride = hidden;
       p.counter = static_cast<unsigned int*>(moe_small_batch_counter.data());
-      p.l2_prefetch = moe_l2_prefetch;
-      p.l2_prefetch_bytes = moe_l2_prefetch_bytes;
       if (unnormed != nullptr) {
         // The fused norm reads the residual stream itself (launch 3 adds to it only after launches 1 and 2 are
         // done); v2 only.

@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <set>
@@ -351,30 +350,6 @@ Status CudaBackend::Impl::build_tables(std::span<SequenceInput> batch, PassTable
 
 // ---- the pass -----------------------------------------------------------------------------------------------
 
-void CudaBackend::Impl::set_moe_l2_prefetch(size_t l) {
-  static const size_t cap = [] {
-    const char* value = std::getenv("DELTASERVE_MOE_L2_PREFETCH_MB");
-    const long mb = value != nullptr ? std::strtol(value, nullptr, 10) : 0;
-    return mb > 0 ? static_cast<size_t>(mb) << 20 : size_t{0};
-  }();
-  moe_l2_prefetch = nullptr;
-  moe_l2_prefetch_bytes = 0;
-  if (cap == 0) return;
-  const int64_t hidden = config.hidden_size;
-  int64_t rows = 0;
-  if (l + 1 >= weights->layers.size()) {
-    moe_l2_prefetch = weights->lm_head;
-    rows = config.vocab_size;
-  } else if (const DeviceLayer& next = weights->layers[l + 1]; next.kind == LayerKind::kKda) {
-    moe_l2_prefetch = next.kda.qkv;
-    rows = 3 * shape.heads * shape.head_dim;
-  } else {
-    moe_l2_prefetch = next.mla.qa_kva;
-    rows = config.mla.q_lora_rank.value_or(0) + config.mla.cache_width();
-  }
-  moe_l2_prefetch_bytes = std::min(cap, static_cast<size_t>(rows * hidden) * sizeof(__nv_bfloat16));
-}
-
 Status CudaBackend::Impl::forward_layers(const PassTables& t, const float** final_hidden) {
   const int64_t T = t.rows, hidden = config.hidden_size;
   const float eps = config.rms_norm_eps;
@@ -397,7 +372,6 @@ Status CudaBackend::Impl::forward_layers(const PassTables& t, const float** fina
     arena.reset();
     // MoE at small batches: the bf16 (experts) and fp32 (router) normalisations in one launch, or inside the
     // small-batch launches themselves (run_moe decides, and falls back to that launch).
-    set_moe_l2_prefetch(static_cast<size_t>(&layer - weights->layers.data()));  // used by the small-batch launches
     if (layer.is_moe && T <= kc::kSkinnyGemmMaxRows && kc::skinny_gemm_enabled(kc::SkinnyGemmInput::kBf16)) {
       if (kc::moe_small_batch_fused_norm_enabled()) return run_moe(layer.moe, T, x, layer.post_attention_norm);
       DS_RETURN_IF_ERROR(kc::rms_norm_dual(x, hidden, layer.post_attention_norm, T, hidden, eps, normed, hidden,

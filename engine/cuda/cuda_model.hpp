@@ -156,10 +156,6 @@ struct CudaBackend::Impl {
   // Grid counter of kernels::cuda::moe_small_batch_route: allocated and zeroed at the first small-batch MoE layer,
   // left 0 by every launch.
   DeviceMemory moe_small_batch_counter;
-  // What the next small-batch MoE launch prefetches into L2 while it routes: the first weights of the layer after
-  // it (set by the decode loop before each MoE layer; see next_layer_prefetch).
-  const void* moe_l2_prefetch = nullptr;
-  size_t moe_l2_prefetch_bytes = 0;
   Profiler profiler;
 
   // The pass: resolve residencies (taking slots and pages), upload tables, run, copy logits (when `out`) or sample
@@ -207,9 +203,6 @@ struct CudaBackend::Impl {
   // norm_weight to it: fused into the small-batch launches when they take it, rms_norm_dual first otherwise.
   [[nodiscard]] Status run_moe(const DeviceMoe& moe, int64_t rows, const float* unnormed = nullptr,
                                const float* norm_weight = nullptr);
-  // Sets moe_l2_prefetch to the first weights the layer after layer `l` streams (its fused input projection; the LM
-  // head after the last layer), at most DELTASERVE_MOE_L2_PREFETCH_MB (read once; 0 or unset: none).
-  void set_moe_l2_prefetch(size_t l);
   [[nodiscard]] Status run_dense_ffn(const DeviceFfn& ffn, const __nv_bfloat16* x, int64_t x_stride, int64_t rows);
   [[nodiscard]] Status ensure_mla_workspace(size_t bytes);
   [[nodiscard]] Status arena_check(const char* where) const;

@@ -278,14 +278,9 @@ struct MoeSmallBatchParams {
   // Which kernels run; moe_small_batch_route and moe_small_batch_experts must get the same value.
   MoeSmallBatchKernel kernel = MoeSmallBatchKernel::kDefault;
   // v2's down launch for T <= kMoeSmallBatchSplitTokens: each 16-column tile by two CTAs, each streaming half of
-  // the experts (the same sums: results are bitwise those of the unsplit launch). 0: split unless the environment
-  // says DELTASERVE_MOE_DOWN_SPLIT=0 (read once); 1: never; 2: split. Route and experts must get the same value.
+  // the experts (the same sums: results are bitwise those of the unsplit launch). 0: unsplit unless the environment
+  // says DELTASERVE_MOE_DOWN_SPLIT=1 (read once); 1: never; 2: split. Route and experts must get the same value.
   int down_split = 0;
-  // v2 only: bytes [l2_prefetch, l2_prefetch + l2_prefetch_bytes) of any device memory prefetched into L2 by launch
-  // 2 while launch 1 routes, when little else streams (the engine passes the next layer's first weights). Without
-  // effect on the results; l2_prefetch_bytes 0: none.
-  const void* l2_prefetch = nullptr;
-  size_t l2_prefetch_bytes = 0;
 };
 
 // Whether the small-batch path takes these shapes (the engine's choice; the launchers check the rest).

@@ -413,9 +413,14 @@ bool environment_allows_warp_plan() {
   return allowed;
 }
 
-// DELTASERVE_MOE_DOWN_SPLIT=0 (or off), read once: v2's down launch unsplit whatever the token count.
+// DELTASERVE_MOE_DOWN_SPLIT=1, read once: v2's down launch split up to kMoeSmallBatchSplitTokens (the default
+// before the copies were issued from 16 lanes; unsplit with whole-row stages has been faster since: the 48B step at
+// B = 1 / 2 / 4 2.596 / 3.553 / 5.446 against 2.684 / 3.686 / 5.588 ms, bench/results/engine_gpu_ab.jsonl).
 bool environment_allows_down_split() {
-  static const bool allowed = !env_disabled("DELTASERVE_MOE_DOWN_SPLIT");
+  static const bool allowed = [] {
+    const char* value = std::getenv("DELTASERVE_MOE_DOWN_SPLIT");
+    return value != nullptr && std::strcmp(value, "1") == 0;
+  }();
   return allowed;
 }
 
@@ -498,9 +503,6 @@ Status check(const MoeSmallBatchParams& p, const char* who) {
       p.activated == nullptr || p.residual == nullptr || p.workspace == nullptr || p.counter == nullptr) {
     return invalid_argument(name + ": inputs, weights, outputs, workspace and counter must be non-null");
   }
-  if (p.l2_prefetch == nullptr && p.l2_prefetch_bytes != 0) {
-    return invalid_argument(name + ": l2_prefetch_bytes without l2_prefetch");
-  }
   if (p.shared_gate_up != nullptr && (p.shared_down == nullptr || p.shared_activated == nullptr)) {
     return invalid_argument(name + ": a shared expert needs shared_down and shared_activated");
   }
@@ -566,8 +568,6 @@ LayerArgs make_args(const MoeSmallBatchParams& p, MoeSmallBatchKernel kernel) {
   a.down = p.experts.down;
   a.shared_gate_up = p.shared_gate_up;
   a.shared_down = p.shared_gate_up != nullptr ? p.shared_down : nullptr;
-  a.l2_prefetch = static_cast<const char*>(p.l2_prefetch);
-  a.l2_prefetch_bytes = p.l2_prefetch != nullptr ? p.l2_prefetch_bytes : 0;
   a.glu = {p.glu == GluKind::kSitu ? 1 : 0, p.situ_beta, p.situ_linear_beta};
   a.logits = p.logits;
   a.expert_ids = p.expert_ids;

@@ -45,9 +45,6 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 struct LayerArgs {
-  // launch 2's L2 prefetch while launch 1 routes (MoeSmallBatchParams::l2_prefetch), bytes 0: none
-  const char* l2_prefetch;
-  size_t l2_prefetch_bytes;
   // shapes
   int T, E, k, hidden, inter, shared_inter;
   int R;  // T * k

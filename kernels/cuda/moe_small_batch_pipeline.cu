@@ -272,28 +272,17 @@ __device__ void issue_gate_up_item(const PipelineArgs& p, uint32_t base, Ring& r
   }
 }
 
-// This CTA's share (a contiguous 1 / gridDim.x of the 16-byte chunks) of `bytes` at `data` into L2.
-__device__ void prefetch_share(const char* data, int64_t bytes) {
+// This CTA's share (a contiguous 1 / gridDim.x of the bytes) of the shared expert's down matrix into L2: launch 3
+// reads it first, and nothing else is known to stream while launch 1 routes. (Prefetching the next layer's first
+// weights here as well, 24 MB of them, made the 48B step slower: bench/results/engine_gpu_ab.jsonl.)
+__device__ void prefetch_shared_down(const LayerArgs& a) {
   constexpr int64_t kPiece = 32 * 1024;
-  const int64_t chunks = bytes / 16;
+  const int64_t chunks = static_cast<int64_t>(a.hidden) * a.shared_inter / 8;  // 16-byte chunks
   const int64_t begin = chunks * blockIdx.x / gridDim.x, end = chunks * (blockIdx.x + 1) / gridDim.x;
+  const char* matrix = reinterpret_cast<const char*>(a.shared_down);
   for (int64_t offset = 16 * begin; offset < 16 * end; offset += kPiece) {
-    const int64_t piece = 16 * end - offset < kPiece ? 16 * end - offset : kPiece;
-    detail::bulk_prefetch_l2(data + offset, static_cast<uint32_t>(piece));
-  }
-}
-
-// The shared expert's down matrix into L2 (launch 3 reads it first), then the caller's prefetch range (the next
-// layer's first weights): nothing else is known to stream while launch 1 routes.
-__device__ void prefetch_while_routing(const LayerArgs& a) {
-  if (a.shared_down != nullptr) {
-    prefetch_share(reinterpret_cast<const char*>(a.shared_down), int64_t{2} * a.hidden * a.shared_inter);
-  }
-  // Whole 16-byte chunks from a 16-byte boundary (bulk prefetches need both).
-  const uintptr_t first = (reinterpret_cast<uintptr_t>(a.l2_prefetch) + 15) & ~uintptr_t{15};
-  const uintptr_t last = (reinterpret_cast<uintptr_t>(a.l2_prefetch) + a.l2_prefetch_bytes) & ~uintptr_t{15};
-  if (a.l2_prefetch_bytes > 0 && last > first) {
-    prefetch_share(reinterpret_cast<const char*>(first), static_cast<int64_t>(last - first));
+    const int64_t bytes = 16 * end - offset < kPiece ? 16 * end - offset : kPiece;
+    detail::bulk_prefetch_l2(matrix + offset, static_cast<uint32_t>(bytes));
   }
 }
 
@@ -323,7 +312,7 @@ __device__ void gate_up_producer(const PipelineArgs& p, uint32_t base, const Tab
       issue_gate_up_item(p, base, ring, a.shared_gate_up, a.shared_inter, kColumnsPerItem * item, policy);
     }
   }
-  if (lane == 0) prefetch_while_routing(a);
+  if (lane == 0 && a.shared_down != nullptr) prefetch_shared_down(a);
   __syncwarp();
   grid_dependency_wait();  // launch 1: the routing
   if (lane == 0) allow_dependent_grids();
@@ -730,6 +719,16 @@ int environment_down_min_stages() {
   return stages;
 }
 
+// DELTASERVE_MOE_GATE_UP_WHOLE_ROWS=1 (an experiment, read once): gate/up stages of whole weight rows (4.5 KB at
+// hidden 2304) in two or more stages instead of half rows in three or four.
+bool environment_gate_up_whole_rows() {
+  static const bool on = [] {
+    const char* value = std::getenv("DELTASERVE_MOE_GATE_UP_WHOLE_ROWS");
+    return value != nullptr && std::strcmp(value, "1") == 0;
+  }();
+  return on;
+}
+
 // The layout for `segment` and `stages`.
 Pipeline layout(const LayerArgs& a, bool down, int segment, int stages) {
   Pipeline p;
@@ -762,12 +761,13 @@ Pipeline layout(const LayerArgs& a, bool down, int segment, int stages) {
 }
 
 // The largest segment (<= the maximum, a multiple of 16, the k extent split into equal parts) with the most stages
-// (kMinStages..kMaxStages) that fits the launch's shared-memory budget; stages = 0 if none does.
+// (the launch's minimum..kMaxStages) that fits the launch's shared-memory budget; stages = 0 if none does.
 Pipeline plan_pipeline(const LayerArgs& a, bool down) {
   const int k = down ? std::max(a.inter, a.shared_down != nullptr ? a.shared_inter : 0) : a.hidden;
-  const int max_segment = down ? kDownMaxSegment : kGateUpMaxSegment;
+  const bool whole_rows = !down && environment_gate_up_whole_rows();
+  const int max_segment = down ? kDownMaxSegment : whole_rows ? (k + 15) / 16 * 16 : kGateUpMaxSegment;
   const size_t budget = down ? (a.down_split > 1 ? kDownSplitSmemBudget : kDownSmemBudget) : kGateUpSmemBudget;
-  const int min_stages = down ? environment_down_min_stages() : kMinStages;
+  const int min_stages = down ? environment_down_min_stages() : whole_rows ? 2 : kMinStages;
   for (int parts = (k + max_segment - 1) / max_segment; parts <= k; ++parts) {
     const int segment = ((k + parts - 1) / parts + 15) / 16 * 16;
     for (int stages = kMaxStages; stages >= min_stages; --stages) {

@@ -584,16 +584,6 @@ void run_layer_case_with(const SmallCase& c) {
       for (size_t i = 0; i < delta.size(); ++i) ASSERT_EQ(other[i], delta[i]) << "down_split run differs at " << i;
     }
     d.p.down_split = 0;
-    // An L2 prefetch range (here the routed experts' gate/up rows from an odd address, an odd number of bytes short
-    // of their end) changes nothing in the results.
-    d.p.l2_prefetch = reinterpret_cast<const char*>(d.p.experts.gate_up) + 3;
-    d.p.l2_prefetch_bytes = static_cast<size_t>(d.p.experts.num_experts) * 2 * d.p.experts.intermediate *
-                                d.p.experts.width * sizeof(__nv_bfloat16) - 7;
-    ASSERT_NO_FATAL_FAILURE(d.run_poisoned(h, moe_small_batch_layer, "layer, l2_prefetch"));
-    const std::vector<float> prefetched = residual_delta(d.residual, h, c, "l2_prefetch");
-    for (size_t i = 0; i < delta.size(); ++i) ASSERT_EQ(prefetched[i], delta[i]) << "l2_prefetch run differs at " << i;
-    d.p.l2_prefetch = nullptr;
-    d.p.l2_prefetch_bytes = 0;
   }
 
   // The previous chain on the same logits, and the CPU.
@@ -900,9 +890,6 @@ TEST(MoeSmallBatch, RejectsBadInputs) {
   p = d.p;
   p.down_split = 3;
   expect_invalid(p, "down_split 3");
-  p = d.p;
-  p.l2_prefetch_bytes = 4096;
-  expect_invalid(p, "l2_prefetch_bytes without l2_prefetch");
   p = d.p;
   p.workspace_bytes -= 1;
   expect_invalid(p, "small workspace");
