@@ -51,6 +51,10 @@
 // 5.719 -> 2.811 / 3.994 / 5.675 ms (one binary, DELTASERVE_MOE_PARALLEL_ROUTE=0 for the warp routing;
 // bench/results/engine_gpu_ab.jsonl). At T = 16 it is slower (launch 1 alone 43.8 against 39.4 us), which the engine
 // does not run through this layer.
+// Launches 2 and 3 were held back by the rate of one thread issuing bulk copies; issued from 16 lanes, with whole-row
+// down stages and the down launch unsplit, the layer takes 51.6 / 84.1 / 125.0 us at T = 1 / 2 / 4 (was 66.6 / 109.1
+// / 163.0 in the same session; moe_small_batch_pipeline.cu has the measurements). Launch 1 alone is unchanged
+// (10.4 us at T = 1) and now ~20 % of the layer: the next thing to shorten.
 #include <algorithm>
 #include <climits>
 #include <cmath>

@@ -1,9 +1,10 @@
 // Launches 2 and 3 of the small-batch MoE layer, v2 (contract in moe.hpp; launch 1, v1 and the design notes with
 // the measured figures in moe_small_batch.cu).
 //
-// Both kernels stream weight rows through a ring of shared-memory stages: one producer warp (lane 0) issues bulk
-// copies (cp.async.bulk, L2 evict-first: the weights are read once per step) of 16 weight-row segments per stage
-// and tracks them with mbarriers; eight consumer warps split each stage's k16 steps among themselves and run
+// Both kernels stream weight rows through a ring of shared-memory stages: one producer warp issues bulk copies
+// (cp.async.bulk, L2 evict-first: the weights are read once per step) of 16 weight-row segments per stage, lane r
+// the copy of row r, and tracks them with mbarriers (lane 0 waits, expects the bytes and issues the activation
+// rows); eight consumer warps split each stage's k16 steps among themselves and run
 // mma.sync m16n8k16 (bf16 in, fp32 accumulators) with the weight rows as A and up to 16 token rows as B (one or two
 // n tiles, rows past the item's count read a zero row), then add their partial tiles in warp order through shared
 // memory (deterministic). Staged rows are padded to an odd number of 16-byte chunks (conflict-free ldmatrix); a
@@ -35,6 +36,18 @@
 // dims (MoeDecodeLayerGpu.Timing, the whole layer, graph replays): 60.4 against 63.2 us at T=1, 91.7 against 100.1
 // at T=2, 131.8 against 147.2 at T=4. The down kernel alone at T=1 (Nsight Compute, cold caches) stays at ~38 % of
 // DRAM peak (23-24 us against 25.7 unsplit): more CTAs in flight were not what it lacked most.
+//
+// What it lacked was the rate at which one thread issues bulk copies. bench/gpu/dram_pattern_bench.cu streams the
+// same rings with nothing else running (H200, 2026-12-01, bench/results/kernels_gpu.jsonl): 16 copies of 2 KB a
+// stage issued by one lane reached 0.38-0.77 of the copy bandwidth (it varied between two machines of the same
+// kind), the same 32 KB as one copy 1.07-1.10, and the 16 copies issued by 16 lanes at once 1.07; launch 3's
+// stages as they were (16 half rows of 1 KB, two or three CTAs an SM) 0.38-0.52 from one lane and 1.06 from 16.
+// So the producers issue from 16 lanes, and the down ring takes whole 2 KB rows in two stages, unsplit (144 CTAs):
+// the layer at T = 1 / 2 / 4 51.6 / 84.1 / 125.0 us (was 66.6 / 109.1 / 163.0 in the run that measured the change;
+// v1 65.7 / 102.5 / 160.4), the 48B decode step at B = 1 / 2 / 4 2.590 / 3.556 / 5.427 ms against 2.939 / 4.151 /
+// 6.308 with one issuing lane (bench/results/engine_gpu_ab.jsonl). The split launch is still there
+// (DELTASERVE_MOE_DOWN_SPLIT=1 or down_split 2): with 16-lane issue it is the slower one (2.680 ms at B = 1). Copying
+// rows in an order rotated by the CTA, against channel conflicts, streamed at less than half the rate.
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -719,16 +732,6 @@ int environment_down_min_stages() {
   return stages;
 }
 
-// DELTASERVE_MOE_GATE_UP_WHOLE_ROWS=1 (an experiment, read once): gate/up stages of whole weight rows (4.5 KB at
-// hidden 2304) in two or more stages instead of half rows in three or four.
-bool environment_gate_up_whole_rows() {
-  static const bool on = [] {
-    const char* value = std::getenv("DELTASERVE_MOE_GATE_UP_WHOLE_ROWS");
-    return value != nullptr && std::strcmp(value, "1") == 0;
-  }();
-  return on;
-}
-
 // The layout for `segment` and `stages`.
 Pipeline layout(const LayerArgs& a, bool down, int segment, int stages) {
   Pipeline p;
@@ -764,10 +767,9 @@ Pipeline layout(const LayerArgs& a, bool down, int segment, int stages) {
 // (the launch's minimum..kMaxStages) that fits the launch's shared-memory budget; stages = 0 if none does.
 Pipeline plan_pipeline(const LayerArgs& a, bool down) {
   const int k = down ? std::max(a.inter, a.shared_down != nullptr ? a.shared_inter : 0) : a.hidden;
-  const bool whole_rows = !down && environment_gate_up_whole_rows();
-  const int max_segment = down ? kDownMaxSegment : whole_rows ? (k + 15) / 16 * 16 : kGateUpMaxSegment;
+  const int max_segment = down ? kDownMaxSegment : kGateUpMaxSegment;
   const size_t budget = down ? (a.down_split > 1 ? kDownSplitSmemBudget : kDownSmemBudget) : kGateUpSmemBudget;
-  const int min_stages = down ? environment_down_min_stages() : whole_rows ? 2 : kMinStages;
+  const int min_stages = down ? environment_down_min_stages() : kMinStages;
   for (int parts = (k + max_segment - 1) / max_segment; parts <= k; ++parts) {
     const int segment = ((k + parts - 1) / parts + 15) / 16 * 16;
     for (int stages = kMaxStages; stages >= min_stages; --stages) {

@@ -1000,12 +1000,12 @@ TEST(MoeDecodeLayerGpu, Timing) {
     // Graph replays of v2, v1 and the previous chain.
     cudaStream_t stream = nullptr;
     DS_CUDA_OK(cudaStreamCreate(&stream));
-    // 0: v2 (down split at T <= kMoeSmallBatchSplitTokens), 1: v1, 2: the previous chain, 3: v2 unsplit, 4: v2's
-    // launch 1 alone (router, route, plan).
+    // 0: v2 as the engine runs it (down_split 0), 1: v1, 2: the previous chain, 3: v2 with the down launch split
+    // (T <= kMoeSmallBatchSplitTokens; unsplit above), 4: v2's launch 1 alone (router, route, plan).
     double us[5] = {0.0, 0.0, 0.0, 0.0, 0.0};
     for (const int variant : {0, 1, 2, 3, 4}) {
       d.p.kernel = variant == 1 ? MoeSmallBatchKernel::kV1 : MoeSmallBatchKernel::kV2;
-      d.p.down_split = variant == 3 ? 1 : 2;
+      d.p.down_split = variant == 3 ? 2 : 0;
       double ms = 0.0;
       ASSERT_NO_FATAL_FAILURE(time_graph_replays(
           stream, cudaStreamCaptureModeThreadLocal, 10, kReplays,
@@ -1023,9 +1023,9 @@ TEST(MoeDecodeLayerGpu, Timing) {
     const double bytes = active * expert_bytes + 3.0 * W * Is * 2.0 + static_cast<double>(c.E) * W * 4.0;
     const double floor_us = 1e6 * bytes / kCopyBandwidth;
     std::printf(
-        "[ moe decode layer ] T=%2lld: v2 %7.1f us (down unsplit %7.1f, launch 1 alone %5.1f), v1 %7.1f us (%.2fx), "
+        "[ moe decode layer ] T=%2lld: v2 %7.1f us (down split %7.1f, launch 1 alone %5.1f), v1 %7.1f us (%.2fx), "
         "previous chain %7.1f us "
-        "(%.2fx); %3d experts + shared + router = %6.1f MB -> %6.1f us at 4.26 TB/s: v2 at %.2f (unsplit %.2f), v1 at "
+        "(%.2fx); %3d experts + shared + router = %6.1f MB -> %6.1f us at 4.26 TB/s: v2 at %.2f (split %.2f), v1 at "
         "%.2f, previous at %.2f of it\n",
         static_cast<long long>(T), us[0], us[3], us[4], us[1], us[1] / us[0], us[2], us[2] / us[0], active, bytes / 1e6,
         floor_us, floor_us / us[0], floor_us / us[3], floor_us / us[1], floor_us / us[2]);
