@@ -3,12 +3,13 @@
 // physical limit measured in the same run (device copy bandwidth, cuBLAS bf16 GEMM peak). GPU machine only.
 //
 //   engine_gpu_bench --config CONFIG.json [--layers N | --kinds kda,mla,...] [--first-dense K] --label NAME
-//                    --commit C --date D
+//                    --commit C --date D [--machine M] [--command TEXT]
 //                    [--batches 1,8,32,128,256] [--contexts 4096,32768] [--prompts 4096,32768,131072]
 //                    [--memory-fraction 0.92] [--max-prefill-seconds 90] [--prefill-chunk 8192]
 //                    [--profiler-step] [--trace-step]
 //
-// Output: JSON lines in the bench/results format on stdout; progress on stderr.
+// Output: JSON lines in the bench/results format on stdout; progress on stderr. Each record's command is --command,
+// or else this process's command line.
 //
 // Limits:
 //   decode: bytes one step must read (and write) at least, over the measured copy bandwidth (bytes read+written /
@@ -27,7 +28,8 @@
 // --profiler-step: one more graph-mode decode step per case between cudaProfilerStart and cudaProfilerStop, so that
 // `ncu --profile-from-start off` sees exactly the kernels of one step.
 // --trace-step: the kernel timeline of one more graph-mode decode step per case (CUPTI activity records: every
-// kernel's start and end as the GPU ran it, programmatic overlaps included, and what each adds to the step) on stderr.
+// kernel's start and end as the GPU ran it, programmatic overlaps included, and what each adds to the step) on stderr,
+// and per kernel name as decode_step_trace records (summed_adds: the adds sum to the span; summed_duration).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -57,6 +59,7 @@ using Clock = std::chrono::steady_clock;
 
 struct Args {
   std::string config_path, label = "model", commit = "unknown", date = "unknown", machine = "nvidia-h200";
+  std::string command;  // the records' command: --command, else this process's command line
   std::optional<int64_t> layers, first_dense;
   std::vector<engine::LayerKind> kinds;  // --kinds kda,mla,...: these layers instead of the config's
   std::vector<int64_t> batches = {1, 8, 32, 128, 256}, contexts = {4096, 32768}, prompts = {4096, 32768, 131072};
@@ -117,7 +120,7 @@ void emit(const std::string& bench, const std::string& case_name, const std::str
       "\"commit\": %s, \"date\": %s, \"command\": %s}\n",
       quoted(bench).c_str(), quoted(case_name).c_str(), quoted(metric).c_str(), number(value).c_str(),
       quoted(unit).c_str(), number(limit).c_str(), number(ratio).c_str(), quoted(g_args->machine).c_str(),
-      quoted(g_args->commit).c_str(), quoted(g_args->date).c_str(), quoted("bench/gpu/engine.sh").c_str());
+      quoted(g_args->commit).c_str(), quoted(g_args->date).c_str(), quoted(g_args->command).c_str());
   std::fflush(stdout);
 }
 
@@ -333,6 +336,16 @@ struct Bench {
                      replayed ? "graph-replayed" : "eager (no replay)", name.c_str(),
                      restarted.empty() ? "" : (" (restart: " + restarted + ")").c_str(),
                      bench::kernel_timeline_report(kernels).c_str());
+        // The same per kernel name as records: what each adds to the step (the adds sum to the span) and its time.
+        const bench::KernelTimelineSummary summary = bench::summarize_kernel_timeline(kernels);
+        const std::string traced = name + (replayed ? ",graph" : ",eager");
+        emit("decode_step_trace", traced + ",whole step (" + std::to_string(summary.kernels) + " kernels)", "span",
+             summary.span_us, "us");
+        for (const bench::KernelGroup& g : summary.groups) {
+          const std::string kernel_case = traced + "," + g.name + " x" + std::to_string(g.count);
+          emit("decode_step_trace", kernel_case, "summed_adds", g.adds_us, "us");
+          emit("decode_step_trace", kernel_case, "summed_duration", g.duration_us, "us");
+        }
       }
     }
     // Per-phase GPU time of one eager step (stderr) at B=1 and B=256, context 4096.
@@ -441,6 +454,8 @@ int main(int argc, char** argv) {
       args.date = value();
     else if (flag == "--machine")
       args.machine = value();
+    else if (flag == "--command")
+      args.command = value();
     else if (flag == "--layers")
       args.layers = std::stoll(value());
     else if (flag == "--first-dense")
@@ -474,6 +489,15 @@ int main(int argc, char** argv) {
       die("unknown flag " + flag);
   }
   if (args.config_path.empty()) die("--config is required");
+  if (args.command.empty()) {  // the command line as run: the program's file name, then every argument
+    const std::string program = argv[0];
+    args.command = program.substr(program.find_last_of('/') + 1);
+    for (int i = 1; i < argc; ++i) {
+      const std::string arg = argv[i];
+      const bool plain = !arg.empty() && arg.find_first_of(" '\"$") == std::string::npos;
+      args.command += " " + (plain ? arg : "'" + arg + "'");
+    }
+  }
   g_args = &args;
 
   Bench bench{args};

@@ -121,16 +121,34 @@ std::string short_kernel_name(const std::string& name) {
   return flat.empty() ? name : flat;
 }
 
+KernelTimelineSummary summarize_kernel_timeline(const std::vector<KernelRecord>& kernels) {
+  KernelTimelineSummary summary;
+  summary.kernels = kernels.size();
+  if (kernels.empty()) return summary;
+  const uint64_t t0 = kernels.front().start;
+  uint64_t reach = t0;  // the latest end so far
+  std::map<std::string, KernelGroup> groups;
+  for (const KernelRecord& k : kernels) {
+    const std::string name = short_kernel_name(k.name);
+    KernelGroup& g = groups[name];
+    g.name = name;
+    ++g.count;
+    g.duration_us += (k.end - k.start) / 1e3;
+    g.adds_us += k.end > reach ? (k.end - reach) / 1e3 : 0.0;
+    reach = std::max(reach, k.end);
+  }
+  summary.span_us = (reach - t0) / 1e3;
+  for (auto& [name, g] : groups) summary.groups.push_back(std::move(g));
+  std::stable_sort(summary.groups.begin(), summary.groups.end(),
+                   [](const KernelGroup& a, const KernelGroup& b) { return a.adds_us > b.adds_us; });
+  return summary;
+}
+
 std::string kernel_timeline_report(const std::vector<KernelRecord>& kernels) {
   std::string out;
   if (kernels.empty()) return "no kernels recorded\n";
   const uint64_t t0 = kernels.front().start;
   uint64_t reach = t0;  // the latest end so far
-  struct Group {
-    int count = 0;
-    double duration_us = 0.0, adds_us = 0.0;
-  };
-  std::map<std::string, Group> groups;
   char line[512];
   std::snprintf(line, sizeof(line), "%5s %10s %9s %9s %7s  %s\n", "#", "start_us", "dur_us", "adds_us", "grid",
                 "kernel");
@@ -140,25 +158,17 @@ std::string kernel_timeline_report(const std::vector<KernelRecord>& kernels) {
     const double start_us = (k.start - t0) / 1e3, duration_us = (k.end - k.start) / 1e3;
     const double adds_us = k.end > reach ? (k.end - reach) / 1e3 : 0.0;
     reach = std::max(reach, k.end);
-    const std::string name = short_kernel_name(k.name);
-    Group& g = groups[name];
-    ++g.count;
-    g.duration_us += duration_us;
-    g.adds_us += adds_us;
     std::snprintf(line, sizeof(line), "%5zu %10.2f %9.2f %9.2f %7d  %s\n", i, start_us, duration_us, adds_us, k.grid,
-                  name.c_str());
+                  short_kernel_name(k.name).c_str());
     out += line;
   }
-  const double span_us = (reach - t0) / 1e3;
-  std::vector<std::pair<std::string, Group>> sorted(groups.begin(), groups.end());
-  std::sort(sorted.begin(), sorted.end(),
-            [](const auto& a, const auto& b) { return a.second.adds_us > b.second.adds_us; });
+  const KernelTimelineSummary summary = summarize_kernel_timeline(kernels);
   std::snprintf(line, sizeof(line), "span %.2f us, %zu kernels; by kernel (count, summed duration, summed adds):\n",
-                span_us, kernels.size());
+                summary.span_us, summary.kernels);
   out += line;
-  for (const auto& [name, g] : sorted) {
-    std::snprintf(line, sizeof(line), "  %-48s %4d %10.2f %10.2f (%4.1f %%)\n", name.c_str(), g.count, g.duration_us,
-                  g.adds_us, span_us > 0 ? 100.0 * g.adds_us / span_us : 0.0);
+  for (const KernelGroup& g : summary.groups) {
+    std::snprintf(line, sizeof(line), "  %-48s %4d %10.2f %10.2f (%4.1f %%)\n", g.name.c_str(), g.count,
+                  g.duration_us, g.adds_us, summary.span_us > 0 ? 100.0 * g.adds_us / summary.span_us : 0.0);
     out += line;
   }
   return out;

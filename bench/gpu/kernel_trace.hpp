@@ -24,6 +24,20 @@ std::vector<KernelRecord> kernel_trace_stop();
 // and parameters (`skinny_gemm_v2_kernel`), or the name unchanged when it cannot be parsed.
 std::string short_kernel_name(const std::string& name);
 
+// A timeline summed per short kernel name: each kernel adds end - max(end of every kernel before it), clamped at 0,
+// so the groups' adds sum to the span (first start to last end).
+struct KernelGroup {
+  std::string name;
+  int count = 0;
+  double duration_us = 0.0, adds_us = 0.0;
+};
+struct KernelTimelineSummary {
+  double span_us = 0.0;
+  size_t kernels = 0;
+  std::vector<KernelGroup> groups;  // largest summed adds first (equal adds: by name)
+};
+KernelTimelineSummary summarize_kernel_timeline(const std::vector<KernelRecord>& kernels);
+
 // The report of a timeline: every kernel in start order (start from the first kernel's start, duration, the time
 // it adds to the span: end - max(end of every kernel before it), clamped at 0; so the adds sum to the span), then per
 // short name the count, the summed durations and the summed adds, largest first.

@@ -42,6 +42,32 @@ TEST(KernelTrace, ReportAddsSumToTheSpan) {
   EXPECT_EQ(kernel_timeline_report({}), "no kernels recorded\n");
 }
 
+TEST(KernelTrace, SummaryGroupsByNameLargestAddsFirst) {
+  // a: 0-4 us and 8.5-9 (adds 4 + 1); b: 3-8 (adds 4); c: 2-3, inside a (adds 0); d: 9-9.25 (adds 0.25).
+  const std::vector<KernelRecord> kernels = {{"_Z1av", 1000, 5000, 1, 1},
+                                             {"_Z1cv", 3000, 4000, 1, 1},
+                                             {"_Z1bv", 4000, 9000, 2, 1},
+                                             {"_Z1av", 9500, 10000, 1, 1},
+                                             {"_Z1dv", 10000, 10250, 1, 1}};
+  const KernelTimelineSummary s = summarize_kernel_timeline(kernels);
+  EXPECT_DOUBLE_EQ(s.span_us, 9.25);
+  EXPECT_EQ(s.kernels, 5u);
+  ASSERT_EQ(s.groups.size(), 4u);
+  const std::vector<std::string> order = {s.groups[0].name, s.groups[1].name, s.groups[2].name, s.groups[3].name};
+  EXPECT_EQ(order, (std::vector<std::string>{"a", "b", "d", "c"}));
+  EXPECT_EQ(s.groups[0].count, 2);
+  EXPECT_DOUBLE_EQ(s.groups[0].duration_us, 4.5);
+  EXPECT_DOUBLE_EQ(s.groups[0].adds_us, 5.0);
+  EXPECT_DOUBLE_EQ(s.groups[3].duration_us, 1.0);
+  EXPECT_DOUBLE_EQ(s.groups[3].adds_us, 0.0);
+  double adds = 0.0;
+  for (const KernelGroup& g : s.groups) adds += g.adds_us;
+  EXPECT_DOUBLE_EQ(adds, s.span_us);
+  const KernelTimelineSummary empty = summarize_kernel_timeline({});
+  EXPECT_EQ(empty.kernels, 0u);
+  EXPECT_TRUE(empty.groups.empty());
+}
+
 #ifndef DELTASERVE_HAVE_CUPTI
 TEST(KernelTrace, WithoutCuptiStartSaysSo) {
   EXPECT_NE(kernel_trace_start().find("without CUPTI"), std::string::npos);
