@@ -167,8 +167,8 @@ std::string kernel_timeline_report(const std::vector<KernelRecord>& kernels) {
                 summary.span_us, summary.kernels);
   out += line;
   for (const KernelGroup& g : summary.groups) {
-    std::snprintf(line, sizeof(line), "  %-48s %4d %10.2f %10.2f (%4.1f %%)\n", g.name.c_str(), g.count,
-                  g.duration_us, g.adds_us, summary.span_us > 0 ? 100.0 * g.adds_us / summary.span_us : 0.0);
+    std::snprintf(line, sizeof(line), "  %-48s %4d %10.2f %10.2f (%4.1f %%)\n", g.name.c_str(), g.count, g.duration_us,
+                  g.adds_us, summary.span_us > 0 ? 100.0 * g.adds_us / summary.span_us : 0.0);
     out += line;
   }
   return out;
