@@ -121,23 +121,40 @@ std::string short_kernel_name(const std::string& name) {
   return flat.empty() ? name : flat;
 }
 
+namespace {
+
+// What each kernel adds to the span (end - max(end of every kernel before it), clamped at 0), in us; the sum is the
+// span.
+std::vector<double> kernel_adds_us(const std::vector<KernelRecord>& kernels) {
+  std::vector<double> adds;
+  adds.reserve(kernels.size());
+  uint64_t reach = kernels.empty() ? 0 : kernels.front().start;  // the latest end so far
+  for (const KernelRecord& k : kernels) {
+    adds.push_back(k.end > reach ? (k.end - reach) / 1e3 : 0.0);
+    reach = std::max(reach, k.end);
+  }
+  return adds;
+}
+
+}  // namespace
+
 KernelTimelineSummary summarize_kernel_timeline(const std::vector<KernelRecord>& kernels) {
   KernelTimelineSummary summary;
   summary.kernels = kernels.size();
-  if (kernels.empty()) return summary;
-  const uint64_t t0 = kernels.front().start;
-  uint64_t reach = t0;  // the latest end so far
+  const std::vector<double> adds = kernel_adds_us(kernels);
   std::map<std::string, KernelGroup> groups;
-  for (const KernelRecord& k : kernels) {
+  uint64_t end = 0;  // the latest end
+  for (size_t i = 0; i < kernels.size(); ++i) {
+    const KernelRecord& k = kernels[i];
     const std::string name = short_kernel_name(k.name);
     KernelGroup& g = groups[name];
     g.name = name;
     ++g.count;
     g.duration_us += (k.end - k.start) / 1e3;
-    g.adds_us += k.end > reach ? (k.end - reach) / 1e3 : 0.0;
-    reach = std::max(reach, k.end);
+    g.adds_us += adds[i];
+    end = std::max(end, k.end);
   }
-  summary.span_us = (reach - t0) / 1e3;
+  if (!kernels.empty()) summary.span_us = (end - kernels.front().start) / 1e3;
   for (auto& [name, g] : groups) summary.groups.push_back(std::move(g));
   std::stable_sort(summary.groups.begin(), summary.groups.end(),
                    [](const KernelGroup& a, const KernelGroup& b) { return a.adds_us > b.adds_us; });
@@ -148,7 +165,7 @@ std::string kernel_timeline_report(const std::vector<KernelRecord>& kernels) {
   std::string out;
   if (kernels.empty()) return "no kernels recorded\n";
   const uint64_t t0 = kernels.front().start;
-  uint64_t reach = t0;  // the latest end so far
+  const std::vector<double> adds = kernel_adds_us(kernels);
   char line[512];
   std::snprintf(line, sizeof(line), "%5s %10s %9s %9s %7s  %s\n", "#", "start_us", "dur_us", "adds_us", "grid",
                 "kernel");
@@ -156,9 +173,7 @@ std::string kernel_timeline_report(const std::vector<KernelRecord>& kernels) {
   for (size_t i = 0; i < kernels.size(); ++i) {
     const KernelRecord& k = kernels[i];
     const double start_us = (k.start - t0) / 1e3, duration_us = (k.end - k.start) / 1e3;
-    const double adds_us = k.end > reach ? (k.end - reach) / 1e3 : 0.0;
-    reach = std::max(reach, k.end);
-    std::snprintf(line, sizeof(line), "%5zu %10.2f %9.2f %9.2f %7d  %s\n", i, start_us, duration_us, adds_us, k.grid,
+    std::snprintf(line, sizeof(line), "%5zu %10.2f %9.2f %9.2f %7d  %s\n", i, start_us, duration_us, adds[i], k.grid,
                   short_kernel_name(k.name).c_str());
     out += line;
   }

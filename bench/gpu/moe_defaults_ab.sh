@@ -3,13 +3,15 @@
 # issue, whole-row down stages, unsplit down launch) in one device call of about 4 minutes:
 #   1. the whole engine_cuda_test (CudaModel / CudaGraphs / CudaBackend ... against the CPU reference);
 #   2. the MoE layer alone (MoeDecodeLayerGpu.Timing);
-#   3. the 48B decode step at B = 1 / 2 / 4: defaults, whole-row gate/up stages (DELTASERVE_MOE_GATE_UP_WHOLE_ROWS=1),
-#      the split down launch (DELTASERVE_MOE_DOWN_SPLIT=1), defaults again;
+#   3. the 48B decode step at B = 1 / 2 / 4: defaults, the split down launch (DELTASERVE_MOE_DOWN_SPLIT=1), the
+#      previous behaviour (DELTASERVE_MOE_LANE_ISSUE=0 DELTASERVE_MOE_DOWN_MIN_STAGES=3 DELTASERVE_MOE_DOWN_SPLIT=1),
+#      defaults again;
 #   4. the 48B decode record (B = 1 ... 256, contexts 4k and 32k) as engine_gpu_bench writes it;
 #   5. if time is left, the step's kernel timeline at B = 1.
 #   bench/gpu/moe_defaults_ab.sh /tmp/defaults COMMIT; tar -C /tmp -czf $OUT/defaults.tgz defaults
-# (The call of the sixth session's third device call ran an earlier form: MoeSmallBatch.*, and the A/B of the split
-# down launch, an L2 prefetch of 24 MB and the previous behaviour.)
+# Earlier forms ran in the sixth session of 2026-12-01: at 7641520 (device call 3: MoeSmallBatch.*, the A/B of the
+# unsplit down launch, an L2 prefetch of 24 MB and the previous behaviour) and at a055f49 (call 4: a whole-row gate/up
+# switch since removed in place of the previous behaviour); bench/gpu/moe_issue_ab.sh at 597835f ran call 2.
 set -u
 out=${1:?usage: moe_defaults_ab.sh OUTDIR COMMIT}
 commit=${2:?usage: moe_defaults_ab.sh OUTDIR COMMIT}
@@ -25,8 +27,8 @@ grep -E "PASSED|FAILED|Failure" "$out/engine_tests.log" | head -8
 timeout 100 build/gpu/kernels/cuda/kernels_cuda_test --gtest_filter='MoeDecodeLayerGpu.Timing' >"$out/moe_timing.log" 2>&1
 echo "MoE layer rc=$?"
 grep "moe decode layer" "$out/moe_timing.log" | cut -c1-120
-BATCHES=1,2,4 bash bench/gpu/decode_env_ab.sh "$out/ab" "-" "DELTASERVE_MOE_GATE_UP_WHOLE_ROWS=1" \
-  "DELTASERVE_MOE_DOWN_SPLIT=1" "-"
+BATCHES=1,2,4 bash bench/gpu/decode_env_ab.sh "$out/ab" "-" "DELTASERVE_MOE_DOWN_SPLIT=1" \
+  "DELTASERVE_MOE_LANE_ISSUE=0 DELTASERVE_MOE_DOWN_MIN_STAGES=3 DELTASERVE_MOE_DOWN_SPLIT=1" "-"
 echo "A/B done at $(($(date +%s) - start)) s"
 timeout 150 build/gpu/engine/cuda/engine_gpu_bench --config tests/data/configs/kimi-linear-48b-a3b.config.json \
   --label kimi-linear-48b --batches 1,8,32,128,256 --contexts 4096,32768 --prompts "" --commit "$commit" \

@@ -401,6 +401,10 @@ bool env_disabled(const char* name) {
   const char* value = std::getenv(name);
   return value != nullptr && (std::strcmp(value, "0") == 0 || std::strcmp(value, "off") == 0);
 }
+bool env_enabled(const char* name) {
+  const char* value = std::getenv(name);
+  return value != nullptr && (std::strcmp(value, "1") == 0 || std::strcmp(value, "on") == 0);
+}
 
 constexpr MoeSmallBatchKernel kKernels[] = {MoeSmallBatchKernel::kV1, MoeSmallBatchKernel::kV2};
 
@@ -417,15 +421,31 @@ bool environment_allows_warp_plan() {
   return allowed;
 }
 
-// DELTASERVE_MOE_DOWN_SPLIT=1, read once: v2's down launch split up to kMoeSmallBatchSplitTokens (the default
-// before the copies were issued from 16 lanes; unsplit with whole-row stages has been faster since: the 48B step at
-// B = 1 / 2 / 4 2.596 / 3.553 / 5.446 against 2.684 / 3.686 / 5.588 ms, bench/results/engine_gpu_ab.jsonl).
+// DELTASERVE_MOE_DOWN_SPLIT=1 (or on), read once: v2's down launch split up to kMoeSmallBatchSplitTokens (the
+// default before the copies were issued from 16 lanes; unsplit with whole-row stages has been faster since: the 48B
+// step at B = 1 / 2 / 4 2.596 / 3.553 / 5.446 against 2.684 / 3.686 / 5.588 ms, bench/results/engine_gpu_ab.jsonl).
 bool environment_allows_down_split() {
-  static const bool allowed = [] {
-    const char* value = std::getenv("DELTASERVE_MOE_DOWN_SPLIT");
-    return value != nullptr && std::strcmp(value, "1") == 0;
-  }();
+  static const bool allowed = env_enabled("DELTASERVE_MOE_DOWN_SPLIT");
   return allowed;
+}
+
+// DELTASERVE_MOE_LANE_ISSUE=0 (or off), read once: lane 0 of v2's producer warps issues a stage's 16 weight-row
+// copies in a loop (the earlier behaviour) instead of 16 lanes at once.
+bool environment_allows_lane_issue() {
+  static const bool allowed = !env_disabled("DELTASERVE_MOE_LANE_ISSUE");
+  return allowed;
+}
+
+// DELTASERVE_MOE_DOWN_MIN_STAGES (2..kPipelineMaxStages, default kDownMinStagesDefault), read once: the fewest
+// stages of v2's down ring; 3 keeps the unsplit down launch at 1 KB half rows.
+int environment_down_min_stages() {
+  static const int stages = [] {
+    const char* value = std::getenv("DELTASERVE_MOE_DOWN_MIN_STAGES");
+    const int v = value != nullptr ? std::atoi(value) : moe_small_batch_detail::kDownMinStagesDefault;
+    return v >= 2 && v <= moe_small_batch_detail::kPipelineMaxStages ? v
+                                                                     : moe_small_batch_detail::kDownMinStagesDefault;
+  }();
+  return stages;
 }
 
 // Tiles of v2's down launch and the bytes of the split's exchange area (plan-row outputs, then arrival counts).
@@ -598,6 +618,8 @@ LayerArgs make_args(const MoeSmallBatchParams& p, MoeSmallBatchKernel kernel) {
                      (p.down_split == 2 || (p.down_split == 0 && environment_allows_down_split()));
   a.down_split = split ? 2 : 1;
   a.down_tiles = down_tiles(p.hidden);
+  a.lane_issue = environment_allows_lane_issue() ? 1 : 0;
+  a.down_min_stages = environment_down_min_stages();
   a.down_ys = nullptr;
   a.down_arrivals = nullptr;
   if (split) {

@@ -27,6 +27,10 @@ constexpr int kMaxTokens = static_cast<int>(kMoeSmallBatchMaxTokens);
 constexpr int kMaxAssignments = static_cast<int>(kMoeSmallBatchMaxAssignments);
 constexpr size_t kSharedLimit = 48 * 1024;  // default dynamic + static limit of launch 1: no opt-in attribute
 constexpr int kDownTileColumns = 16;        // output columns of one v2 down tile (an m16 tile of weight rows)
+constexpr int kPipelineMaxStages = 4;       // the deepest ring of v2's launches 2 and 3
+// The fewest stages v2's down ring may have by default: whole 2 KB rows (inter 1024) in two stages beat 1 KB halves
+// in four (bench/results/engine_gpu_ab.jsonl, 2026-12-01).
+constexpr int kDownMinStagesDefault = 2;
 
 struct GluArgs {
   int situ;
@@ -97,6 +101,9 @@ struct LayerArgs {
   int down_split, down_tiles;
   float* down_ys;
   unsigned int* down_arrivals;
+  // v2's launches 2 and 3: 1 when lane r of the producer warp issues weight row r of a stage (0: lane 0 issues all
+  // 16), and the fewest stages of the down ring (2..kPipelineMaxStages).
+  int lane_issue, down_min_stages;
 };
 
 // ---- launch 1: router partial sums and the plan (both generations) ----------------------------------------------

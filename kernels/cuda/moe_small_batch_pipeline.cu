@@ -50,8 +50,6 @@
 // rows in an order rotated by the CTA, against channel conflicts, streamed at less than half the rate.
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include <cuda_bf16.h>
@@ -72,9 +70,8 @@ constexpr int kPipelineThreads = kConsumerThreads + 32;
 constexpr int kConsumerBarrier = 1;             // named barrier of the consumer warps (0: __syncthreads)
 constexpr int kTileRows = 16;                   // weight rows per stage: one m16 tile
 constexpr int kColumnsPerItem = kTileRows / 2;  // gate/up: 8 gate rows and the 8 matching up rows
-constexpr int kMaxStages = 4;
-constexpr int kMinStages = 3;            // gate/up
-constexpr int kDownMinStages = 2;        // whole 2 KB rows (inter 1024) in two stages beat 1 KB halves in four
+constexpr int kMaxStages = kPipelineMaxStages;
+constexpr int kMinStages = 3;            // gate/up (the down ring's: LayerArgs::down_min_stages)
 constexpr int kGateUpMaxSegment = 1152;  // k elements per staged row segment (hidden 2304: two)
 constexpr int kDownMaxSegment = 1024;
 constexpr size_t kGateUpSmemBudget = 180 * 1024;  // one CTA per SM, room for a launch-1 CTA beside it
@@ -101,7 +98,6 @@ struct Pipeline {
 struct PipelineArgs {
   LayerArgs a;
   Pipeline pipe;
-  int lane_issue;     // 1: lane r of the producer warp issues weight row r of a stage; 0: lane 0 issues all 16
   int shared_items;   // gate/up: column blocks of the shared expert (0 without one)
   int column_blocks;  // gate/up: I / 8
 };
@@ -257,7 +253,7 @@ __device__ __forceinline__ float reduced_register(const float* buffer, int r, in
 // The producer lanes that issue weight-row copies: the whole warp (lane r copies row r; the ring's waits and the
 // expected bytes are lane 0's, the rest wait on the same barriers) or lane 0 alone.
 __device__ __forceinline__ unsigned issue_lanes(const PipelineArgs& p) {
-  return p.lane_issue ? 0xffffffffu : 1u;
+  return p.a.lane_issue ? 0xffffffffu : 1u;
 }
 
 // Stages of one gate/up item: rows j0..j0+7 (gate) and inter+j0..inter+j0+7 (up) of `w` ([2 inter, hidden]), one
@@ -268,7 +264,7 @@ __device__ void issue_gate_up_item(const PipelineArgs& p, uint32_t base, Ring& r
   const Pipeline& pipe = p.pipe;
   const int lane = threadIdx.x & 31;
   const unsigned issuers = issue_lanes(p);
-  const int first_row = p.lane_issue ? lane : 0, row_step = p.lane_issue ? 32 : 1;
+  const int first_row = p.a.lane_issue ? lane : 0, row_step = p.a.lane_issue ? 32 : 1;
   for (int k0 = 0; k0 < a.hidden; k0 += pipe.segment) {
     const uint32_t bytes = 2u * static_cast<uint32_t>(min(pipe.segment, a.hidden - k0));
     const uint32_t full = full_barrier(base, ring.stage);
@@ -307,7 +303,7 @@ __device__ void gate_up_producer(const PipelineArgs& p, uint32_t base, const Tab
   Ring ring;
   int item = static_cast<int>(blockIdx.x);
   const uint64_t policy = detail::l2_evict_first_policy();
-  const bool issues = p.lane_issue || lane == 0;
+  const bool issues = p.a.lane_issue || lane == 0;
   if (lane == 0) {
     // x was written before launch 1 started (launch 1 starts its dependents after its own wait): complete now. With
     // the fused norm the consumers stage x themselves.
@@ -549,9 +545,9 @@ __device__ void down_producer(const PipelineArgs& p, uint32_t base, const Tables
   // Launch 1 completed before this grid started (launch 2 starts its dependents after waiting for it).
   load_tables(a, t, false);
   const int lane = threadIdx.x & 31;
-  if (!p.lane_issue && lane != 0) return;
+  if (!p.a.lane_issue && lane != 0) return;
   const unsigned issuers = issue_lanes(p);
-  const int first_row = p.lane_issue ? lane : 0, row_step = p.lane_issue ? 32 : 1;
+  const int first_row = p.a.lane_issue ? lane : 0, row_step = p.a.lane_issue ? 32 : 1;
   if (lane == 0) sm90::mbarrier_arrive(tables_barrier(base));
   const DownShare share = down_share(p, *t.num_active);
   const int d0 = share.tile * kTileRows, rows = min(kTileRows, a.hidden - d0);
@@ -713,25 +709,6 @@ __global__ void __launch_bounds__(kPipelineThreads, 3) pipeline_down_kernel(cons
 
 // ---- host side ------------------------------------------------------------------------------------------------
 
-// Switches for A/B runs, read once. DELTASERVE_MOE_LANE_ISSUE=0: lane 0 of the producer warps issues a stage's 16
-// weight-row copies in a loop (the earlier behaviour) instead of 16 lanes at once. DELTASERVE_MOE_DOWN_MIN_STAGES
-// (2..4, default 2): the fewest stages the down ring may have; 3 keeps the unsplit down launch at 1 KB half rows.
-bool environment_lane_issue() {
-  static const bool on = [] {
-    const char* value = std::getenv("DELTASERVE_MOE_LANE_ISSUE");
-    return value == nullptr || std::strcmp(value, "0") != 0;
-  }();
-  return on;
-}
-int environment_down_min_stages() {
-  static const int stages = [] {
-    const char* value = std::getenv("DELTASERVE_MOE_DOWN_MIN_STAGES");
-    const int v = value != nullptr ? std::atoi(value) : kDownMinStages;
-    return v >= 2 && v <= kMaxStages ? v : kDownMinStages;
-  }();
-  return stages;
-}
-
 // The layout for `segment` and `stages`.
 Pipeline layout(const LayerArgs& a, bool down, int segment, int stages) {
   Pipeline p;
@@ -769,7 +746,7 @@ Pipeline plan_pipeline(const LayerArgs& a, bool down) {
   const int k = down ? std::max(a.inter, a.shared_down != nullptr ? a.shared_inter : 0) : a.hidden;
   const int max_segment = down ? kDownMaxSegment : kGateUpMaxSegment;
   const size_t budget = down ? (a.down_split > 1 ? kDownSplitSmemBudget : kDownSmemBudget) : kGateUpSmemBudget;
-  const int min_stages = down ? environment_down_min_stages() : kMinStages;
+  const int min_stages = down ? a.down_min_stages : kMinStages;
   for (int parts = (k + max_segment - 1) / max_segment; parts <= k; ++parts) {
     const int segment = ((k + parts - 1) / parts + 15) / 16 * 16;
     for (int stages = kMaxStages; stages >= min_stages; --stages) {
@@ -817,10 +794,9 @@ bool pipeline_fits(const LayerArgs& a) {
 Status launch_pipeline_experts(const LayerArgs& a, cudaStream_t stream) {
   const char* who_gate_up = "moe_small_batch_experts gate/up (v2)";
   const char* who_down = "moe_small_batch_experts down (v2)";
-  const int lane_issue = environment_lane_issue() ? 1 : 0;
-  PipelineArgs gate_up{a, plan_pipeline(a, false), lane_issue,
-                       a.shared_down != nullptr ? a.shared_inter / kColumnsPerItem : 0, a.inter / kColumnsPerItem};
-  PipelineArgs down{a, plan_pipeline(a, true), lane_issue, 0, 0};
+  PipelineArgs gate_up{a, plan_pipeline(a, false), a.shared_down != nullptr ? a.shared_inter / kColumnsPerItem : 0,
+                       a.inter / kColumnsPerItem};
+  PipelineArgs down{a, plan_pipeline(a, true), 0, 0};
   if (gate_up.pipe.stages == 0 || down.pipe.stages == 0) {
     return internal_error("moe_small_batch_experts: shapes outside the v2 kernels (select_kernel should run v1)");
   }
