@@ -5,8 +5,9 @@ Copies the tracked tree of SRC to DST and patches the copy so that the three lau
 kernels/cuda/moe_small_batch*.cu stamp %globaltimer at fixed points (atomicMin for "first", atomicMax for "last"
 over the CTAs) into a 32-slot device buffer, and so that MoeDecodeLayerGpu.Timing, after its graph replays of each
 token count, replays one layer alone in a graph four times and prints the stamps in microseconds from launch 1's
-first CTA. The last router CTA also stamps clock64() when it is known and when the plan is done; the tool prints
-their ratio to the globaltimer interval (the SM clock in GHz while it routes).
+first CTA, then the same for launch 1 alone (moe_small_batch_route in a graph). The last router CTA also stamps
+clock64() when it is known, after its fence, after each phase of the CTA-wide routing and when the plan is done: the
+tool prints those SM cycles from "known", and the SM clock in GHz while it routes.
 
     python3 bench/gpu/moe_layer_trace.py . /tmp/trace-tree
     cmake -S /tmp/trace-tree -B build/trace -G Ninja -DDELTASERVE_ENGINE_ONLY=ON -DDELTASERVE_CUDA=ON \
@@ -45,11 +46,11 @@ NAMES = [
     "fenced", "route A", "route B", "route C", "plan counts", "plan scan", "A sums loaded", "A first sigmoid",
     "dot (last)",
 ]
-FIRST_SLOTS = (0, 6, 8, 10)  # slots 22 and 23 (not named): clock64 of the last router CTA, known and planned
+FIRST_SLOTS = (0, 6, 8, 10)  # slots 22-28 (not named): clock64 of the last router CTA: known, planned, fenced, A, B, C, routed
 
 PATCHES = {
     "kernels/cuda/moe_small_batch.cuh": [
-        ("  unsigned int* down_arrivals;\n};", "  unsigned int* down_arrivals;\n  unsigned long long* trace;\n};\n" + HELPERS),
+        ("  int lane_issue, down_min_stages;\n};", "  int lane_issue, down_min_stages;\n  unsigned long long* trace;\n};\n" + HELPERS),
         ("  __syncthreads();\n  for (int e = tid; e < E; e += kThreads) counts_s[e] |=",
          "  __syncthreads();\n  if (tid == 0) DS_TRACE_LAST(a, 17);\n  for (int e = tid; e < E; e += kThreads) counts_s[e] |="),
         ("  const int total = block_exclusive_scan(counts_s, E, warp_totals);\n",
@@ -72,9 +73,9 @@ PATCHES = {
          "  __threadfence();\n  __syncthreads();  // also: bias and counts in shared memory\n  if (tid == 0) DS_TRACE_LAST(a, 2);\n"),
         ("  if (!is_last) return;\n  __threadfence();\n  finish_route_v2(a, s);\n",
          "  if (!is_last) return;\n  if (tid == 0) { DS_TRACE_LAST(a, 3); DS_TRACE_CYCLES(a, 22); }\n  __threadfence();\n"
-         "  if (tid == 0) DS_TRACE_LAST(a, 13);\n  finish_route_v2(a, s);\n  __syncthreads();\n"
+         "  if (tid == 0) { DS_TRACE_LAST(a, 13); DS_TRACE_CYCLES(a, 24); }\n  finish_route_v2(a, s);\n  __syncthreads();\n"
          "  if (tid == 0) { DS_TRACE_LAST(a, 5); DS_TRACE_CYCLES(a, 23); }\n"),
-        ("    route_parallel(a, s);\n", "    route_parallel(a, s);\n    if (threadIdx.x == 0) DS_TRACE_LAST(a, 4);\n"),
+        ("    route_parallel(a, s);\n", "    route_parallel(a, s);\n    if (threadIdx.x == 0) { DS_TRACE_LAST(a, 4); DS_TRACE_CYCLES(a, 28); }\n"),
         ("  __syncthreads();\n  build_plan(a, s.ids, s.sorted, s.counts);\n}",
          "  __syncthreads();\n  if (threadIdx.x == 0) DS_TRACE_LAST(a, 4);\n  build_plan(a, s.ids, s.sorted, s.counts);\n}"),
         ("        logit[b] = i < pairs ? router_logit(a, t0 + tt, i - tt * E) : 0.0f;\n      }\n",
@@ -83,28 +84,30 @@ PATCHES = {
         ("          probs[i] = rd::router_sigmoid(logit[b]);\n",
          "          probs[i] = rd::router_sigmoid(logit[b]);\n          if (i == 0) DS_TRACE_AFTER(a, 20, probs[i]);\n"),
         ("    __syncthreads();\n    for (int task = warp;",
-         "    __syncthreads();\n    if (tid == 0) DS_TRACE_LAST(a, 14);\n    for (int task = warp;"),
+         "    __syncthreads();\n    if (tid == 0) { DS_TRACE_LAST(a, 14); DS_TRACE_CYCLES(a, 25); }\n    for (int task = warp;"),
         ("    __syncthreads();\n    for (int i = tid; i < tokens * C;",
-         "    __syncthreads();\n    if (tid == 0) DS_TRACE_LAST(a, 15);\n    for (int i = tid; i < tokens * C;"),
+         "    __syncthreads();\n    if (tid == 0) { DS_TRACE_LAST(a, 15); DS_TRACE_CYCLES(a, 26); }\n    for (int i = tid; i < tokens * C;"),
         ("    __syncthreads();\n    for (int tt = warp; tt < tokens;",
-         "    __syncthreads();\n    if (tid == 0) DS_TRACE_LAST(a, 16);\n    for (int tt = warp; tt < tokens;"),
+         "    __syncthreads();\n    if (tid == 0) { DS_TRACE_LAST(a, 16); DS_TRACE_CYCLES(a, 27); }\n    for (int tt = warp; tt < tokens;"),
     ],
     "kernels/cuda/moe_small_batch_pipeline.cu": [
         ("  if (threadIdx.x == 0) init_pipeline_barriers(base, p.pipe.stages);\n  zero_shared(smem, p.pipe.extra",
          "  if (threadIdx.x == 0) DS_TRACE_FIRST(p.a, 6);\n"
          "  if (threadIdx.x == 0) init_pipeline_barriers(base, p.pipe.stages);\n  zero_shared(smem, p.pipe.extra"),
-        ("    gate_up_consumer(p, base, t, reinterpret_cast<float*>(smem + p.pipe.reduce));\n  }\n}",
-         "    gate_up_consumer(p, base, t, reinterpret_cast<float*>(smem + p.pipe.reduce));\n  }\n"
+        ("    gate_up_consumer(p, smem, base, t, reinterpret_cast<float*>(smem + p.pipe.reduce));\n  }\n}",
+         "    gate_up_consumer(p, smem, base, t, reinterpret_cast<float*>(smem + p.pipe.reduce));\n  }\n"
          "  if ((threadIdx.x & 31) == 0) DS_TRACE_LAST(p.a, 9);\n}"),
-        ("  load_tables(a, t, true);\n  if (lane != 0) return;\n",
-         "  load_tables(a, t, true);\n  if (lane != 0) return;\n  DS_TRACE_LAST(a, 7);\n  DS_TRACE_FIRST(a, 8);\n"),
+        ("  load_tables(a, t, true);\n  if (!issues) return;\n",
+         "  load_tables(a, t, true);\n  if (lane == 0) { DS_TRACE_LAST(a, 7); DS_TRACE_FIRST(a, 8); }\n"
+         "  if (!issues) return;\n"),
         ("  if (threadIdx.x == 0) init_pipeline_barriers(base, p.pipe.stages);\n  zero_shared(smem, p.pipe.zero_row",
          "  if (threadIdx.x == 0) DS_TRACE_FIRST(p.a, 10);\n"
          "  if (threadIdx.x == 0) init_pipeline_barriers(base, p.pipe.stages);\n  zero_shared(smem, p.pipe.zero_row"),
         ("    down_consumer(p, base, smem, t);\n  }\n}",
          "    down_consumer(p, base, smem, t);\n  }\n  if ((threadIdx.x & 31) == 0) DS_TRACE_LAST(p.a, 12);\n}"),
-        ("      wait_for_activations();\n      for (int g = 0; g < pipe.stages; ++g)",
-         "      wait_for_activations();\n      DS_TRACE_LAST(a, 11);\n      for (int g = 0; g < pipe.stages; ++g)"),
+        ("      wait_for_activations();\n      if (lane == 0) {\n        for (int g = 0; g < pipe.stages; ++g)",
+         "      wait_for_activations();\n      if (lane == 0) DS_TRACE_LAST(a, 11);\n"
+         "      if (lane == 0) {\n        for (int g = 0; g < pipe.stages; ++g)"),
     ],
 }
 
@@ -113,10 +116,11 @@ TEST_PRINT = r'''
       d.p.kernel = MoeSmallBatchKernel::kV2;
       unsigned long long* trace = nullptr;
       DS_CUDA_OK(cudaMalloc(&trace, 32 * sizeof(unsigned long long)));
+      for (int alone = 0; alone < 2; ++alone) {
       moe_trace_set(trace);
       cudaGraphExec_t exec = nullptr;
-      ASSERT_NO_FATAL_FAILURE(capture_graph(stream, cudaStreamCaptureModeThreadLocal,
-                                            [&](cudaStream_t s) { return moe_small_batch_layer(d.p, s); }, &exec));
+      ASSERT_NO_FATAL_FAILURE(capture_graph(stream, cudaStreamCaptureModeThreadLocal, [&](cudaStream_t s) {
+        return alone ? moe_small_batch_route(d.p, s) : moe_small_batch_layer(d.p, s); }, &exec));
       moe_trace_set(nullptr);
       const char* names[] = {NAMES};
       for (int rep = 0; rep < 4; ++rep) {
@@ -126,14 +130,18 @@ TEST_PRINT = r'''
         DS_CUDA_OK(cudaGraphLaunch(exec, stream));
         DS_CUDA_OK(cudaStreamSynchronize(stream));
         DS_CUDA_OK(cudaMemcpy(h, trace, sizeof(h), cudaMemcpyDeviceToHost));
-        std::printf("[ trace T=%lld rep %d ]", static_cast<long long>(T), rep);
+        std::printf("[ trace%s T=%lld rep %d ]", alone ? " launch 1 alone" : "", static_cast<long long>(T), rep);
         for (int i = 0; i < NUM_NAMES; ++i) {
           std::printf(" %s %.2f;", names[i], 1e-3 * static_cast<double>(static_cast<long long>(h[i] - h[0])));
         }
+        std::printf(" cycles from known: fenced %lld, A %lld, B %lld, C %lld, routed %lld, planned %lld;",
+                    (long long)(h[24] - h[22]), (long long)(h[25] - h[22]), (long long)(h[26] - h[22]),
+                    (long long)(h[27] - h[22]), (long long)(h[28] - h[22]), (long long)(h[23] - h[22]));
         std::printf(" SM GHz while routing %.2f\n",
                     static_cast<double>(h[23] - h[22]) / static_cast<double>(static_cast<long long>(h[5] - h[3])));
       }
       cudaGraphExecDestroy(exec);
+      }
       cudaFree(trace);
     }
 '''
