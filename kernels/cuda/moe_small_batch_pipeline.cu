@@ -250,29 +250,35 @@ __device__ __forceinline__ float reduced_register(const float* buffer, int r, in
 
 // ---- launch 2: gate/up + GLU ----------------------------------------------------------------------------------
 
-// The producer lanes that issue weight-row copies: the whole warp (lane r copies row r; the ring's waits and the
-// expected bytes are lane 0's, the rest wait on the same barriers) or lane 0 alone.
-__device__ __forceinline__ unsigned issue_lanes(const PipelineArgs& p) {
-  return p.a.lane_issue ? 0xffffffffu : 1u;
+// The producer lanes that issue a stage's weight-row copies and the rows each copies: the whole warp, lane r the
+// row r (the ring's waits and the expected bytes are lane 0's, the rest wait on the same barriers), or lane 0 all of
+// them (LayerArgs::lane_issue 0).
+struct IssueRows {
+  unsigned lanes;   // the issuing lanes (the mask of the warp-level syncs between them)
+  bool issues;      // whether the calling lane is one of them
+  int first, step;  // the calling lane copies rows first, first + step, ...
+};
+__device__ __forceinline__ IssueRows issue_rows(const PipelineArgs& p) {
+  const int lane = threadIdx.x & 31;
+  return p.a.lane_issue ? IssueRows{0xffffffffu, true, lane, 32} : IssueRows{1u, lane == 0, 0, 1};
 }
 
 // Stages of one gate/up item: rows j0..j0+7 (gate) and inter+j0..inter+j0+7 (up) of `w` ([2 inter, hidden]), one
-// stage per k segment. Called by the issuing lanes of the producer warp (issue_lanes).
+// stage per k segment. Called by the issuing lanes of the producer warp (issue_rows).
 __device__ void issue_gate_up_item(const PipelineArgs& p, uint32_t base, Ring& ring, const __nv_bfloat16* w, int inter,
                                    int j0, uint64_t policy) {
   const LayerArgs& a = p.a;
   const Pipeline& pipe = p.pipe;
   const int lane = threadIdx.x & 31;
-  const unsigned issuers = issue_lanes(p);
-  const int first_row = p.a.lane_issue ? lane : 0, row_step = p.a.lane_issue ? 32 : 1;
+  const IssueRows issue = issue_rows(p);
   for (int k0 = 0; k0 < a.hidden; k0 += pipe.segment) {
     const uint32_t bytes = 2u * static_cast<uint32_t>(min(pipe.segment, a.hidden - k0));
     const uint32_t full = full_barrier(base, ring.stage);
     sm90::mbarrier_wait(empty_barrier(base, ring.stage), ring.phase ^ 1u);
     if (lane == 0) sm90::mbarrier_arrive_expect_tx(full, kTileRows * bytes);
-    __syncwarp(issuers);
+    __syncwarp(issue.lanes);
     const uint32_t dst = stage_address(base, pipe, ring.stage);
-    for (int r = first_row; r < kTileRows; r += row_step) {
+    for (int r = issue.first; r < kTileRows; r += issue.step) {
       const int row = r < kColumnsPerItem ? j0 + r : inter + j0 + r - kColumnsPerItem;
       detail::bulk_copy_to_shared(dst + r * pipe.row_bytes, w + static_cast<int64_t>(row) * a.hidden + k0, bytes, full,
                                   policy);
@@ -303,7 +309,7 @@ __device__ void gate_up_producer(const PipelineArgs& p, uint32_t base, const Tab
   Ring ring;
   int item = static_cast<int>(blockIdx.x);
   const uint64_t policy = detail::l2_evict_first_policy();
-  const bool issues = p.a.lane_issue || lane == 0;
+  const bool issues = issue_rows(p).issues;
   if (lane == 0) {
     // x was written before launch 1 started (launch 1 starts its dependents after its own wait): complete now. With
     // the fused norm the consumers stage x themselves.
@@ -545,9 +551,8 @@ __device__ void down_producer(const PipelineArgs& p, uint32_t base, const Tables
   // Launch 1 completed before this grid started (launch 2 starts its dependents after waiting for it).
   load_tables(a, t, false);
   const int lane = threadIdx.x & 31;
-  if (!p.a.lane_issue && lane != 0) return;
-  const unsigned issuers = issue_lanes(p);
-  const int first_row = p.a.lane_issue ? lane : 0, row_step = p.a.lane_issue ? 32 : 1;
+  const IssueRows issue = issue_rows(p);
+  if (!issue.issues) return;
   if (lane == 0) sm90::mbarrier_arrive(tables_barrier(base));
   const DownShare share = down_share(p, *t.num_active);
   const int d0 = share.tile * kTileRows, rows = min(kTileRows, a.hidden - d0);
@@ -569,9 +574,9 @@ __device__ void down_producer(const PipelineArgs& p, uint32_t base, const Tables
     const uint32_t full = full_barrier(base, ring.stage);
     sm90::mbarrier_wait(empty_barrier(base, ring.stage), ring.phase ^ 1u);
     if (lane == 0) sm90::mbarrier_arrive_expect_tx(full, static_cast<uint32_t>(rows + fill.count) * fill.bytes);
-    __syncwarp(issuers);
+    __syncwarp(issue.lanes);
     const uint32_t dst = stage_address(base, pipe, ring.stage);
-    for (int m = first_row; m < rows; m += row_step) {
+    for (int m = issue.first; m < rows; m += issue.step) {
       detail::bulk_copy_to_shared(dst + m * pipe.row_bytes, fill.weights + static_cast<int64_t>(m) * fill.k_total,
                                   fill.bytes, full, policy);
     }
