@@ -24,9 +24,11 @@ Each stamp is one plain store from one thread (no atomics), so the timing moves 
 patched build. Each patch names the source text it attaches to; when the kernels change, the tool stops with the
 anchor it missed.
 """
-import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tree_patch import copy_and_patch, require  # noqa: E402
 
 SLOTS = 32  # per CTA and row; fills 0-27, then the named points
 
@@ -153,39 +155,15 @@ TEST_PRINT = r'''
 
 def patch_test(text):
     anchor = "namespace deltaserve::kernels::cuda::test {\n"
-    text = require(text, anchor, "moe_small_batch_test.cpp").replace(
+    text = require(text, anchor, "moe_small_batch_test.cpp", "moe_down_trace").replace(
         anchor, "namespace deltaserve::kernels::cuda { void moe_down_trace_set(unsigned long long* p); }\n" + anchor)
     anchor = '    d.p.down_split = 0;\n    d.expect_counter_zero("timing replays");\n'
-    return require(text, anchor, "moe_small_batch_test.cpp").replace(
+    return require(text, anchor, "moe_small_batch_test.cpp", "moe_down_trace").replace(
         anchor, "    d.p.down_split = 0;\n" + TEST_PRINT + '    d.expect_counter_zero("timing replays");\n')
 
 
-def require(text, anchor, where):
-    if text.count(anchor) != 1:
-        sys.exit(f"moe_down_trace: {where}: anchor found {text.count(anchor)} times (want 1):\n{anchor}")
-    return text
-
-
 def main():
-    if len(sys.argv) != 3:
-        sys.exit(__doc__)
-    src, dst = Path(sys.argv[1]).resolve(), Path(sys.argv[2])
-    files = subprocess.run(["git", "ls-files"], cwd=src, check=True, capture_output=True, text=True).stdout.split()
-    for name in files:
-        target = dst / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        source = src / name
-        if source.is_file():
-            target.write_bytes(source.read_bytes())
-    for name, patches in PATCHES.items():
-        path = dst / name
-        text = path.read_text()
-        for anchor, replacement in patches:
-            text = require(text, anchor, name).replace(anchor, replacement)
-        path.write_text(text)
-    test = dst / "kernels/cuda/moe_small_batch_test.cpp"
-    test.write_text(patch_test(test.read_text()))
-    print(f"moe_down_trace: patched tree in {dst}")
+    copy_and_patch(sys.argv[1:], PATCHES, patch_test, __doc__, "moe_down_trace")
 
 
 if __name__ == "__main__":
