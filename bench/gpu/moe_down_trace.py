@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tree_patch import copy_and_patch, require  # noqa: E402
+from tree_patch import copy_and_patch, patch_timing_test  # noqa: E402
 
 SLOTS = 32  # per CTA and row; fills 0-27, then the named points
 
@@ -154,12 +154,8 @@ TEST_PRINT = r'''
 
 
 def patch_test(text):
-    anchor = "namespace deltaserve::kernels::cuda::test {\n"
-    text = require(text, anchor, "moe_small_batch_test.cpp", "moe_down_trace").replace(
-        anchor, "namespace deltaserve::kernels::cuda { void moe_down_trace_set(unsigned long long* p); }\n" + anchor)
-    anchor = '    d.p.down_split = 0;\n    d.expect_counter_zero("timing replays");\n'
-    return require(text, anchor, "moe_small_batch_test.cpp", "moe_down_trace").replace(
-        anchor, "    d.p.down_split = 0;\n" + TEST_PRINT + '    d.expect_counter_zero("timing replays");\n')
+    return patch_timing_test(text, "namespace deltaserve::kernels::cuda { void moe_down_trace_set(unsigned long long* p); }\n",
+                             TEST_PRINT, "moe_down_trace")
 
 
 def main():

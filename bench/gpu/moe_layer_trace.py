@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tree_patch import copy_and_patch, require  # noqa: E402
+from tree_patch import copy_and_patch, patch_timing_test  # noqa: E402
 
 HELPERS = r'''
 __device__ __forceinline__ unsigned long long trace_clock() {
@@ -150,15 +150,11 @@ TEST_PRINT = r'''
 
 
 def patch_test(text):
-    anchor = "namespace deltaserve::kernels::cuda::test {\n"
-    text = require(text, anchor, "moe_small_batch_test.cpp", "moe_layer_trace").replace(
-        anchor, "namespace deltaserve::kernels::cuda { void moe_trace_set(unsigned long long* p); }\n" + anchor)
-    anchor = '    d.p.down_split = 0;\n    d.expect_counter_zero("timing replays");\n'
     body = (TEST_PRINT.replace("NUM_NAMES", str(len(NAMES)))
             .replace("{NAMES}", "{" + ", ".join(f'"{n}"' for n in NAMES) + "}")
             .replace("FIRST_TEST", " || ".join(f"i == {s}" for s in FIRST_SLOTS)))
-    return require(text, anchor, "moe_small_batch_test.cpp", "moe_layer_trace").replace(anchor, "    d.p.down_split = 0;\n" + body +
-                                                                    '    d.expect_counter_zero("timing replays");\n')
+    return patch_timing_test(text, "namespace deltaserve::kernels::cuda { void moe_trace_set(unsigned long long* p); }\n",
+                             body, "moe_layer_trace")
 
 
 def main():

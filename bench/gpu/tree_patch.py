@@ -35,3 +35,13 @@ def copy_and_patch(argv, patches, patch_test, doc, tool):
     test = dst / "kernels/cuda/moe_small_batch_test.cpp"
     test.write_text(patch_test(test.read_text()))
     print(f"{tool}: patched tree in {dst}")
+
+
+def patch_timing_test(text, declaration, body, tool):
+    """moe_small_batch_test.cpp with `declaration` before its test namespace and `body` inside
+    MoeDecodeLayerGpu.Timing, after its graph replays of each token count (T, c, d and stream in scope)."""
+    anchor = "namespace deltaserve::kernels::cuda::test {\n"
+    text = require(text, anchor, "moe_small_batch_test.cpp", tool).replace(anchor, declaration + anchor)
+    anchor = '    d.p.down_split = 0;\n    d.expect_counter_zero("timing replays");\n'
+    return require(text, anchor, "moe_small_batch_test.cpp", tool).replace(
+        anchor, "    d.p.down_split = 0;\n" + body + '    d.expect_counter_zero("timing replays");\n')
