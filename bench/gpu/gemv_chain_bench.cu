@@ -95,8 +95,8 @@ __device__ __forceinline__ void consumer_sync() {
   asm volatile("bar.sync 1, %0;" ::"n"(32 * kConsumerWarps) : "memory");
 }
 
-__global__ void __launch_bounds__(kThreads, 1) chain_kernel(const __grid_constant__ Chain c, unsigned* counter,
-                                                            int run_ahead) {
+__global__ void __launch_bounds__(kThreads, 1)
+    chain_kernel(const __grid_constant__ Chain c, unsigned* counter, int run_ahead) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t base = detail::smem_address(smem);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -125,7 +125,8 @@ __global__ void __launch_bounds__(kThreads, 1) chain_kernel(const __grid_constan
         const uint32_t phase = static_cast<uint32_t>(fill / kStages) & 1u;
         const int rows = min(kStageRows, end - r0);
         sm90::mbarrier_wait(empty_barrier(base, slot), phase ^ 1u);
-        if (lane == 0) sm90::mbarrier_arrive_expect_tx(full_barrier(base, slot), static_cast<uint32_t>(rows) * row_bytes);
+        if (lane == 0)
+          sm90::mbarrier_arrive_expect_tx(full_barrier(base, slot), static_cast<uint32_t>(rows) * row_bytes);
         __syncwarp();
         if (lane < rows) {
           detail::bulk_copy_to_shared(base + kRingOffset + static_cast<uint32_t>(slot) * kSlotBytes + lane * row_bytes,
