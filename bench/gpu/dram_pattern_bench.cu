@@ -16,6 +16,7 @@
 
 #include <cuda_runtime.h>
 
+#include "bench/gpu/cuda_check.hpp"
 #include "kernels/cuda/bf16_stream.cuh"
 #include "kernels/cuda/mma_sm80.cuh"
 #include "kernels/cuda/sm90_ptx.cuh"
@@ -24,15 +25,6 @@ namespace {
 
 namespace detail = deltaserve::kernels::cuda::detail;
 namespace sm90 = deltaserve::kernels::cuda::sm90;
-
-#define CHECK(call)                                                                             \
-  do {                                                                                          \
-    const cudaError_t e = (call);                                                               \
-    if (e != cudaSuccess) {                                                                     \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e)); \
-      std::exit(1);                                                                             \
-    }                                                                                           \
-  } while (0)
 
 constexpr int kMaxStages = 8;
 
@@ -107,33 +99,33 @@ double median(std::vector<double> v) {
 
 int main() {
   int sms = 0;
-  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   constexpr int64_t kBytes = int64_t{2} << 30;  // 2 GiB streamed per pass
   char* src = nullptr;
   char* dst = nullptr;
   unsigned* sink = nullptr;
-  CHECK(cudaMalloc(&src, kBytes));
-  CHECK(cudaMalloc(&dst, kBytes));
-  CHECK(cudaMalloc(&sink, 4096 * sizeof(unsigned)));
-  CHECK(cudaMemset(src, 1, kBytes));
+  CHECK_CUDA(cudaMalloc(&src, kBytes));
+  CHECK_CUDA(cudaMalloc(&dst, kBytes));
+  CHECK_CUDA(cudaMalloc(&sink, 4096 * sizeof(unsigned)));
+  CHECK_CUDA(cudaMemset(src, 1, kBytes));
   cudaEvent_t start, stop;
-  CHECK(cudaEventCreate(&start));
-  CHECK(cudaEventCreate(&stop));
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
   auto time_ms = [&](auto&& body) {
     std::vector<double> runs;
     for (int r = 0; r < 7; ++r) {
-      CHECK(cudaEventRecord(start));
+      CHECK_CUDA(cudaEventRecord(start));
       body();
-      CHECK(cudaEventRecord(stop));
-      CHECK(cudaEventSynchronize(stop));
+      CHECK_CUDA(cudaEventRecord(stop));
+      CHECK_CUDA(cudaEventSynchronize(stop));
       float ms = 0.0f;
-      CHECK(cudaEventElapsedTime(&ms, start, stop));
+      CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
       if (r > 0) runs.push_back(ms);
     }
     return median(runs);
   };
   // The copy limit: read + write of kBytes / 2.
-  const double copy_ms = time_ms([&] { CHECK(cudaMemcpy(dst, src, kBytes / 2, cudaMemcpyDeviceToDevice)); });
+  const double copy_ms = time_ms([&] { CHECK_CUDA(cudaMemcpy(dst, src, kBytes / 2, cudaMemcpyDeviceToDevice)); });
   const double copy_bw = 2.0 * (kBytes / 2) / (copy_ms * 1e-3);
   std::printf("{\"pattern\": \"device copy\", \"bandwidth_TBps\": %.3f}\n", copy_bw / 1e12);
 
@@ -169,16 +161,17 @@ int main() {
     const int64_t tiles = (kBytes - 2 * p.tile_stride) / p.tile_stride * p.halves;
     const int64_t bytes = tiles * p.rows * int64_t{p.row_bytes};
     const size_t smem = 16 * kMaxStages + static_cast<size_t>(p.stages) * p.rows * p.row_bytes;
-    CHECK(cudaFuncSetAttribute(stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    CHECK_CUDA(
+        cudaFuncSetAttribute(stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     const int grid = sms * p.ctas_per_sm;
     const double ms = time_ms([&] { stream_kernel<<<grid, 64, smem>>>(src, tiles, p, sink); });
-    CHECK(cudaGetLastError());
+    CHECK_CUDA(cudaGetLastError());
     const double bw = bytes / (ms * 1e-3);
     std::printf(
         "{\"pattern\": \"%s\", \"ctas\": %d, \"stages\": %d, \"stage_KB\": %.1f, \"bandwidth_TBps\": %.3f, "
         "\"of_copy\": %.3f}\n",
         p.name, grid, p.stages, p.rows * p.row_bytes / 1024.0, bw / 1e12, bw / copy_bw);
   }
-  CHECK(cudaDeviceSynchronize());
+  CHECK_CUDA(cudaDeviceSynchronize());
   return 0;
 }

@@ -28,6 +28,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "bench/gpu/cuda_check.hpp"
 #include "kernels/cuda/bf16_stream.cuh"
 #include "kernels/cuda/mma_sm80.cuh"
 #include "kernels/cuda/sm90_ptx.cuh"
@@ -38,15 +39,6 @@ namespace {
 namespace kc = deltaserve::kernels::cuda;
 namespace detail = deltaserve::kernels::cuda::detail;
 namespace sm90 = deltaserve::kernels::cuda::sm90;
-
-#define CHECK(call)                                                                             \
-  do {                                                                                          \
-    const cudaError_t e = (call);                                                               \
-    if (e != cudaSuccess) {                                                                     \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e)); \
-      std::exit(1);                                                                             \
-    }                                                                                           \
-  } while (0)
 
 constexpr int kMaxSteps = 128;
 constexpr int kConsumerWarps = 8;
@@ -197,20 +189,20 @@ float to_float(__nv_bfloat16 v) {
 double copy_bandwidth() {
   const size_t bytes = size_t{1} << 30;
   void *a = nullptr, *b = nullptr;
-  CHECK(cudaMalloc(&a, bytes));
-  CHECK(cudaMalloc(&b, bytes));
-  CHECK(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice));
+  CHECK_CUDA(cudaMalloc(&a, bytes));
+  CHECK_CUDA(cudaMalloc(&b, bytes));
+  CHECK_CUDA(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice));
   cudaEvent_t e0, e1;
-  CHECK(cudaEventCreate(&e0));
-  CHECK(cudaEventCreate(&e1));
-  CHECK(cudaEventRecord(e0));
-  for (int i = 0; i < 10; ++i) CHECK(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice));
-  CHECK(cudaEventRecord(e1));
-  CHECK(cudaEventSynchronize(e1));
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  CHECK_CUDA(cudaEventRecord(e0));
+  for (int i = 0; i < 10; ++i) CHECK_CUDA(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice));
+  CHECK_CUDA(cudaEventRecord(e1));
+  CHECK_CUDA(cudaEventSynchronize(e1));
   float ms = 0.0f;
-  CHECK(cudaEventElapsedTime(&ms, e0, e1));
-  CHECK(cudaFree(a));
-  CHECK(cudaFree(b));
+  CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+  CHECK_CUDA(cudaFree(a));
+  CHECK_CUDA(cudaFree(b));
   return 2.0 * 10.0 * static_cast<double>(bytes) / (1e-3 * ms);  // read + write
 }
 
@@ -228,27 +220,27 @@ Device make_device(int steps, const std::vector<std::vector<__nv_bfloat16>>& w, 
     d.c.in[s] = s % 2 == 0 ? 2304 : 4096;
     d.c.n[s] = s % 2 == 0 ? 4096 : 2304;
     __nv_bfloat16* p = nullptr;
-    CHECK(cudaMalloc(&p, w[s].size() * 2));
-    CHECK(cudaMemcpy(p, w[s].data(), w[s].size() * 2, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMalloc(&p, w[s].size() * 2));
+    CHECK_CUDA(cudaMemcpy(p, w[s].data(), w[s].size() * 2, cudaMemcpyHostToDevice));
     d.c.w[s] = p;
     d.buffers.push_back(p);
     d.weight_bytes += static_cast<double>(w[s].size()) * 2.0;
   }
   for (int s = 0; s <= steps; ++s) {
     __nv_bfloat16* p = nullptr;
-    CHECK(cudaMalloc(&p, kMaxIn * 2));
-    CHECK(cudaMemset(p, 0xff, kMaxIn * 2));  // NaN: a row never written shows
+    CHECK_CUDA(cudaMalloc(&p, kMaxIn * 2));
+    CHECK_CUDA(cudaMemset(p, 0xff, kMaxIn * 2));  // NaN: a row never written shows
     d.c.x[s] = p;
     d.buffers.push_back(p);
   }
-  CHECK(cudaMemcpy(d.c.x[0], x0.data(), x0.size() * 2, cudaMemcpyHostToDevice));
-  CHECK(cudaMalloc(&d.counter, sizeof(unsigned)));
+  CHECK_CUDA(cudaMemcpy(d.c.x[0], x0.data(), x0.size() * 2, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMalloc(&d.counter, sizeof(unsigned)));
   return d;
 }
 
 void free_device(Device& d) {
-  for (auto* p : d.buffers) CHECK(cudaFree(p));
-  CHECK(cudaFree(d.counter));
+  for (auto* p : d.buffers) CHECK_CUDA(cudaFree(p));
+  CHECK_CUDA(cudaFree(d.counter));
 }
 
 void run_launches(const Device& d, cudaStream_t stream) {
@@ -261,27 +253,23 @@ void run_launches(const Device& d, cudaStream_t stream) {
     p.outputs[0] = {d.c.w[s], d.c.n[s], d.c.x[s + 1], d.c.n[s]};
     p.num_outputs = 1;
     p.y_bf16 = true;
-    const auto status = kc::skinny_gemm(p, stream);
-    if (!status) {
-      std::fprintf(stderr, "skinny_gemm: %s\n", status.to_string().c_str());
-      std::exit(1);
-    }
+    CHECK_STATUS(kc::skinny_gemm(p, stream));
   }
 }
 
 void run_persistent(const Device& d, int run_ahead, cudaStream_t stream) {
   int sms = 0;
-  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  CHECK(cudaMemsetAsync(d.counter, 0, sizeof(unsigned), stream));
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  CHECK_CUDA(cudaMemsetAsync(d.counter, 0, sizeof(unsigned), stream));
   void* args[] = {const_cast<Chain*>(&d.c), const_cast<unsigned**>(&d.counter), &run_ahead};
   // Cooperative: every CTA resident at once (the grid-wide counter waits on all of them).
-  CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(chain_kernel), dim3(sms), dim3(kThreads), args,
-                                    kSmemBytes, stream));
+  CHECK_CUDA(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(chain_kernel), dim3(sms), dim3(kThreads), args,
+                                         kSmemBytes, stream));
 }
 
 std::vector<float> download(const __nv_bfloat16* p, int n) {
   std::vector<__nv_bfloat16> h(n);
-  CHECK(cudaMemcpy(h.data(), p, n * 2, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(h.data(), p, n * 2, cudaMemcpyDeviceToHost));
   std::vector<float> f(n);
   for (int i = 0; i < n; ++i) f[i] = to_float(h[i]);
   return f;
@@ -335,8 +323,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "gemv_chain: --steps must be an even number in [2, %d]\n", kMaxSteps);
     return 2;
   }
-  CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(chain_kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(kSmemBytes)));
+  CHECK_CUDA(cudaFuncSetAttribute(reinterpret_cast<const void*>(chain_kernel),
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBytes)));
   std::vector<std::vector<__nv_bfloat16>> w(steps);
   for (int s = 0; s < steps; ++s) {
     const int in = s % 2 == 0 ? 2304 : 4096, n = s % 2 == 0 ? 4096 : 2304;
@@ -344,7 +332,7 @@ int main(int argc, char** argv) {
   }
   const std::vector<__nv_bfloat16> x0 = random_bf16(2304, 1.0f, 7);
   cudaStream_t stream = nullptr;
-  CHECK(cudaStreamCreate(&stream));
+  CHECK_CUDA(cudaStreamCreate(&stream));
   Device d = make_device(steps, w, x0);
 
   // Correctness: the first two steps of each variant against the CPU.
@@ -353,10 +341,10 @@ int main(int argc, char** argv) {
   two.c.steps = 2;
   bool ok = true;
   for (int variant = 0; variant < 3; ++variant) {
-    CHECK(cudaMemset(d.c.x[2], 0xff, kMaxIn * 2));
+    CHECK_CUDA(cudaMemset(d.c.x[2], 0xff, kMaxIn * 2));
     if (variant == 0) run_launches(two, stream);
     if (variant > 0) run_persistent(two, variant == 1 ? 1 : 0, stream);
-    CHECK(cudaStreamSynchronize(stream));
+    CHECK_CUDA(cudaStreamSynchronize(stream));
     const double err = max_rel(download(d.c.x[2], 2304), reference);
     const char* name = variant == 0 ? "launches" : variant == 1 ? "persistent" : "persistent, no run-ahead";
     std::fprintf(stderr, "gemv_chain: %s, two steps against the CPU: max relative error %.3g\n", name, err);
@@ -370,13 +358,13 @@ int main(int argc, char** argv) {
   // Timing: the launches as a CUDA graph, the persistent kernel as one cooperative launch, each 20 times.
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
-  CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   run_launches(d, stream);
-  CHECK(cudaStreamEndCapture(stream, &graph));
-  CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+  CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
   cudaEvent_t e0, e1;
-  CHECK(cudaEventCreate(&e0));
-  CHECK(cudaEventCreate(&e1));
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
   const double bandwidth = copy_bandwidth();
   const double floor_us = 1e6 * d.weight_bytes / bandwidth;
   const char* names[] = {"launches (skinny_gemm, PDL, graph)", "persistent (producer runs ahead)",
@@ -386,16 +374,16 @@ int main(int argc, char** argv) {
     constexpr int kRuns = 20;
     std::vector<float> times;
     for (int run = 0; run < kRuns + 3; ++run) {
-      CHECK(cudaEventRecord(e0, stream));
+      CHECK_CUDA(cudaEventRecord(e0, stream));
       if (variant == 0) {
-        CHECK(cudaGraphLaunch(exec, stream));
+        CHECK_CUDA(cudaGraphLaunch(exec, stream));
       } else {
         run_persistent(d, variant == 1 ? 1 : 0, stream);
       }
-      CHECK(cudaEventRecord(e1, stream));
-      CHECK(cudaEventSynchronize(e1));
+      CHECK_CUDA(cudaEventRecord(e1, stream));
+      CHECK_CUDA(cudaEventSynchronize(e1));
       float ms = 0.0f;
-      CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
       if (run >= 3) times.push_back(1e3f * ms);
     }
     std::sort(times.begin(), times.end());
@@ -412,9 +400,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "gemv_chain: final outputs, %s against launches: max relative difference %.3g\n",
                  names[variant], max_rel(finals[variant], finals[0]));
   }
-  CHECK(cudaGraphExecDestroy(exec));
-  CHECK(cudaGraphDestroy(graph));
+  CHECK_CUDA(cudaGraphExecDestroy(exec));
+  CHECK_CUDA(cudaGraphDestroy(graph));
   free_device(d);
-  CHECK(cudaStreamDestroy(stream));
+  CHECK_CUDA(cudaStreamDestroy(stream));
   return 0;
 }

@@ -12,27 +12,11 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "bench/gpu/cuda_check.hpp"
 #include "kernels/cuda/kda.hpp"
 
 using deltaserve::Status;
 using namespace deltaserve::kernels::cuda;  // NOLINT(google-build-using-namespace)
-
-#define CHECK_CUDA(expr)                                                                         \
-  do {                                                                                           \
-    cudaError_t e_ = (expr);                                                                     \
-    if (e_ != cudaSuccess) {                                                                     \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                              \
-    }                                                                                            \
-  } while (0)
-#define CHECK_STATUS(expr)                                                            \
-  do {                                                                                \
-    Status s_ = (expr);                                                               \
-    if (!s_.is_ok()) {                                                                \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, s_.to_string().c_str()); \
-      std::exit(1);                                                                   \
-    }                                                                                 \
-  } while (0)
 
 namespace {
 
