@@ -17,6 +17,8 @@
 // span more than 85 in log-decay takes an exact pairwise path for its diagonal tiles instead.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include <cuda_bf16.h>
@@ -769,6 +771,213 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(State
   if (p.final_state != nullptr) store_state(p.final_state + state_offset);
 }
 
+// ---- the transposed state pass ------------------------------------------------------------------------------
+//
+// The same recurrence with the state held transposed, S^T [64 values x 128 keys], by one warpgroup per (64 value
+// columns, head, sequence): every product of a chunk then has S^T or v_new^T as its A operand, and wgmma takes A
+// from registers in the accumulator layout (the fp32 accumulators of columns 16 j .. 16 j + 15, paired and rounded
+// to bf16, are k16 step j's A fragment). So a chunk needs no shared-memory round trip of S or v_new and no barrier
+// between warpgroups:
+//   X = S^T w^T, Y = S^T (q e^gc)^T                    (A = S^T as bf16, B = w / q e^gc K-major, K = 128 keys)
+//   v_new^T = u^T - X                                  (u read transposed from the stage)
+//   S^T = S^T ⊙ e^gc_last + v_new^T (k e^(gc_last - gc))  (B MN-major over both key blocks, N = 128, K = 64 tokens)
+//   o^T = Y + v_new^T Aqk^T                            (B = Aqk K-major)
+// The operands are the prep's workspace as it is (the stage layout above). o^T is written transposed into a
+// shared-memory tile and copied out, 16 bytes a thread, during the next chunk's first products.
+
+// D[64 x 64] (+)= A[64 x 16] · B, A in registers (four bf16x2: the m64k16 fragment), B from shared memory
+// (kTransB = 0: K-major, 1: MN-major). accumulate == 0: D = A · B.
+template <int kTransB>
+__device__ __forceinline__ void wgmma_rs_m64n64k16(float (&d)[32], const uint32_t* a, uint64_t desc_b,
+                                                   int accumulate) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate), "n"(kTransB));
+}
+
+// D[64 x 128] += A[64 x 16] · B, A in registers, B MN-major from shared memory (two 64-column blocks, desc_mn_major).
+__device__ __forceinline__ void wgmma_rs_m64n128k16_mn(float (&d)[64], const uint32_t* a, uint64_t desc_b) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
+constexpr int kStateTThreads = 128;
+constexpr int kLdO = kStateBv + 8;  // bf16 row stride of the staged output [64 tokens][kLdO] (conflict-free writes)
+constexpr size_t kOTileBytes = size_t{kC} * kLdO * 2;
+constexpr size_t kStateTSmem = 1024 + 2 * kStageStride + 2 * kOTileBytes + 2 * sizeof(uint64_t);
+
+__global__ void __launch_bounds__(kStateTThreads, 1) kda_chunk_state_t_kernel(StateArgs p) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024u - (smem_address(smem_raw) & 1023u)) & 1023u);  // as kda_chunk_state_kernel
+  const int H = p.num_heads;
+  const int slice = blockIdx.x, h = blockIdx.y, sequence = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const SequenceEntry seq = p.sequences[sequence];
+  bf16* o_tiles = reinterpret_cast<bf16*>(smem + 2 * kStageStride);  // two [64 tokens][kLdO] tiles
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + 2 * kStageStride + 2 * kOTileBytes);
+  auto stage_base = [&](int stage) { return smem + stage * kStageStride; };
+  auto load_stage = [&](int stage, int chunk) {  // thread 0: the chunk's shared part and this slice's u
+    const uint8_t* src = p.data + (static_cast<size_t>(chunk) * H + h) * kChunkBytes;
+    const uint32_t bar = smem_address(&full[stage]);
+    const uint32_t dst = smem_address(stage_base(stage));
+    sm90::mbarrier_arrive_expect_tx(bar, static_cast<uint32_t>(kStageBytes));
+    bulk_copy_to_shared(dst, src, static_cast<uint32_t>(kOffU), bar);
+    bulk_copy_to_shared(dst + static_cast<uint32_t>(kOffU), src + kOffU + slice * kUSliceBytes,
+                        static_cast<uint32_t>(kUSliceBytes), bar);
+  };
+  // The staged output tile of the chunk starting at token `first`, its first `rows` rows, to global memory.
+  auto store_output = [&](const bf16* tile, int first, int rows) {
+    const int row0 = tid >> 3, part = tid & 7;
+    uint4 value[4];
+#pragma unroll
+    for (int step = 0; step < 4; ++step) {
+      value[step] = *reinterpret_cast<const uint4*>(tile + (16 * step + row0) * kLdO + part * 8);
+    }
+#pragma unroll
+    for (int step = 0; step < 4; ++step) {
+      const int row = 16 * step + row0;
+      if (row < rows) {
+        const size_t at =
+            (static_cast<size_t>(seq.token_begin + first + row) * H + h) * kD + slice * kStateBv + part * 8;
+        *reinterpret_cast<uint4*>(p.o + at) = value[step];
+      }
+    }
+  };
+
+  // Accumulator coordinates (wgmma layout): register i holds row acc_row(i) and column acc_col(i) of the m64 tile.
+  // Rows are value columns of the slice; columns are keys (S^T) or tokens (X, Y, v_new^T).
+  const int row0 = 16 * warp + (lane >> 2), col0 = 2 * (lane & 3);
+  auto acc_row = [&](int i) { return row0 + 8 * ((i % 4) / 2); };
+  auto acc_col = [&](int i) { return 8 * (i / 4) + col0 + (i & 1); };
+  const size_t state_offset = (static_cast<size_t>(sequence) * H + h) * kD * kD + slice * kStateBv;
+  float s[64];  // S^T: s[i] = S[key acc_col(i)][value acc_row(i)]
+#pragma unroll
+  for (int i = 0; i < 64; ++i) {
+    s[i] = p.initial_state != nullptr ? p.initial_state[state_offset + acc_col(i) * kD + acc_row(i)] : 0.0f;
+  }
+  auto store_state = [&](float* base) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) base[acc_col(i) * kD + acc_row(i)] = s[i];
+  };
+  uint32_t sa[32];  // S^T as bf16 A fragments: k16 step j (keys 16 j ..) in sa[4 j .. 4 j + 3]
+  auto pack_state = [&] {
+#pragma unroll
+    for (int i = 0; i < 64; i += 2) sa[i / 2] = pack_bf16(s[i], s[i + 1]);
+  };
+  pack_state();
+
+  if (tid == 0) {
+    sm90::mbarrier_init(smem_address(&full[0]), 1);
+    sm90::mbarrier_init(smem_address(&full[1]), 1);
+    sm90::mbarrier_init_fence();
+    fence_proxy_async_global();  // the workspace was written by the prep grid with ordinary stores
+    if (seq.num_chunks > 0) load_stage(0, seq.first_chunk);
+  }
+  __syncthreads();
+
+  for (int ci = 0; ci < seq.num_chunks; ++ci) {
+    const int stage = ci & 1;
+    if (tid == 0 && ci + 1 < seq.num_chunks) load_stage(stage ^ 1, seq.first_chunk + ci + 1);  // freed by the barrier
+    const uint32_t base = smem_address(stage_base(stage));
+    sm90::mbarrier_wait(smem_address(&full[stage]), static_cast<uint32_t>((ci >> 1) & 1));
+    const int chunk_first = ci * kC;
+    const int tokens = min(kC, seq.length - chunk_first);
+
+    // S^T ⊙ e^gc_last (the keys are columns) before any product is in flight: ptxas waits for every running wgmma
+    // before an instruction touches an accumulator register of one, so this cannot overlap the products below.
+    const float* decay = reinterpret_cast<const float*>(stage_base(stage) + kOffDecay);
+#pragma unroll
+    for (int i = 0; i < 64; i += 4) {
+      const float2 d = *reinterpret_cast<const float2*>(decay + 8 * (i / 4) + col0);
+      s[i] *= d.x;
+      s[i + 1] *= d.y;
+      s[i + 2] *= d.x;
+      s[i + 3] *= d.y;
+    }
+    float x[32], y[32];
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < kD / 16; ++j) {
+      wgmma_rs_m64n64k16<0>(x, &sa[4 * j], desc_k_major(base + static_cast<uint32_t>(kOffW), j), j > 0 ? 1 : 0);
+    }
+    sm90::wgmma_commit_group();
+#pragma unroll
+    for (int j = 0; j < kD / 16; ++j) {
+      wgmma_rs_m64n64k16<0>(y, &sa[4 * j], desc_k_major(base + static_cast<uint32_t>(kOffQg), j), j > 0 ? 1 : 0);
+    }
+    sm90::wgmma_commit_group();
+    if (ci > 0) store_output(o_tiles + ((ci - 1) & 1) * (kC * kLdO), chunk_first - kC, kC);
+    // While the products run: u^T (token acc_col(i), value acc_row(i)) and the decay of the state's keys.
+    const bf16* u = reinterpret_cast<const bf16*>(stage_base(stage) + kOffU);
+    bf16 uv[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) uv[i] = u[acc_col(i) * kLdU + acc_row(i)];
+    sm90::wgmma_wait_group<1>();
+    sm90::wgmma_fence_registers(x);
+    uint32_t vn[16];  // v_new^T as bf16 A fragments: k16 step j (tokens 16 j ..) in vn[4 j .. 4 j + 3]
+#pragma unroll
+    for (int i = 0; i < 32; i += 2) {
+      vn[i / 2] = pack_bf16(__bfloat162float(uv[i]) - x[i], __bfloat162float(uv[i + 1]) - x[i + 1]);
+    }
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < kC / 16; ++j) {
+      wgmma_rs_m64n128k16_mn(s, &vn[4 * j], desc_mn_major(base + static_cast<uint32_t>(kOffKg), j));
+    }
+#pragma unroll
+    for (int j = 0; j < kC / 16; ++j) {
+      wgmma_rs_m64n64k16<0>(y, &vn[4 * j], desc_k_major(base + static_cast<uint32_t>(kOffAqk), j), 1);
+    }
+    sm90::wgmma_commit_group();
+    sm90::wgmma_wait_group<0>();
+    sm90::wgmma_fence_registers(s);
+    sm90::wgmma_fence_registers(y);
+    pack_state();
+    if (p.checkpoint_interval > 0 && tokens == kC && (chunk_first + kC) % p.checkpoint_interval == 0) {
+      const int entry = seq.checkpoint_first + (chunk_first + kC) / p.checkpoint_interval - 1;
+      store_state(p.checkpoint_states + (static_cast<size_t>(entry) * H + h) * kD * kD + slice * kStateBv);
+    }
+    bf16* tile = o_tiles + (ci & 1) * (kC * kLdO);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) tile[acc_col(i) * kLdO + acc_row(i)] = __float2bfloat16_rn(y[i]);
+    __syncthreads();  // the tile is complete; every product of this stage has finished (it may be refilled)
+  }
+  if (seq.num_chunks > 0) {
+    const int last_first = (seq.num_chunks - 1) * kC;
+    store_output(o_tiles + ((seq.num_chunks - 1) & 1) * (kC * kLdO), last_first, seq.length - last_first);
+  }
+  if (p.final_state != nullptr) store_state(p.final_state + state_offset);
+}
+
 bool aligned16(const void* pointer) {
   return (reinterpret_cast<uintptr_t>(pointer) & 15u) == 0;
 }
@@ -805,6 +1014,15 @@ int64_t chunk_count(const std::vector<int32_t>& cu) {
   int64_t chunks = 0;
   for (size_t i = 1; i < cu.size(); ++i) chunks += (cu[i] - cu[i - 1] + kC - 1) / kC;
   return chunks;
+}
+
+// DELTASERVE_KDA_STATE_PASS=transposed selects kda_chunk_state_t_kernel (an A/B switch while it is measured).
+bool transposed_state_pass() {
+  static const bool transposed = [] {
+    const char* value = std::getenv("DELTASERVE_KDA_STATE_PASS");
+    return value != nullptr && std::strcmp(value, "transposed") == 0;
+  }();
+  return transposed;
 }
 
 size_t align256(size_t bytes) {
@@ -916,8 +1134,11 @@ Status kda_chunk_prefill(const KdaPrefillParams& p, cudaStream_t stream) {
     cudaError_t e = cudaFuncSetAttribute(kda_chunk_prep_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(kPrepSmem));
     if (e != cudaSuccess) return e;
-    return cudaFuncSetAttribute(kda_chunk_state_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                static_cast<int>(kStateSmem));
+    e = cudaFuncSetAttribute(kda_chunk_state_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(kStateSmem));
+    if (e != cudaSuccess) return e;
+    return cudaFuncSetAttribute(kda_chunk_state_t_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                static_cast<int>(kStateTSmem));
   }();
   DS_RETURN_IF_ERROR(cuda_status(attributes, "kda_chunk_prefill: shared memory attributes"));
 
@@ -941,8 +1162,12 @@ Status kda_chunk_prefill(const KdaPrefillParams& p, cudaStream_t stream) {
   }
   StateArgs state{p.num_heads,           sequence_device,     data, p.initial_state, p.final_state,
                   p.checkpoint_interval, p.checkpoint_states, p.o};
-  kda_chunk_state_kernel<<<dim3(kD / kStateBv, static_cast<unsigned>(p.num_heads), static_cast<unsigned>(sequences)),
-                           kStateThreads, kStateSmem, stream>>>(state);
+  const dim3 state_grid(kD / kStateBv, static_cast<unsigned>(p.num_heads), static_cast<unsigned>(sequences));
+  if (transposed_state_pass()) {
+    kda_chunk_state_t_kernel<<<state_grid, kStateTThreads, kStateTSmem, stream>>>(state);
+  } else {
+    kda_chunk_state_kernel<<<state_grid, kStateThreads, kStateSmem, stream>>>(state);
+  }
   return cuda_status(cudaGetLastError(), "kda_chunk_prefill: state launch");
 }
 

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# GPU machine only, from the repo root: the KDA prefill's two state passes side by side in one call
+# (DELTASERVE_KDA_STATE_PASS: unset = kda_chunk_state_kernel, "transposed" = kda_chunk_state_t_kernel):
+#   1. the chunked-prefill and context-parallel GPU cases under each setting (they compare against the CPU reference);
+#   2. both kernels' times under Nsight Compute at H = 32 and H = 96, T = 16k, alternating the settings, twice;
+#   3. the whole prefill cases (`kda_gpu_bench prefill`) under each setting.
+# With GEMV=1 also bench/gpu/gemv_chain_bench (52 and 128 steps) in the same call.
+#   bench/gpu/kda_state_pass_ab.sh OUTDIR
+set -uo pipefail
+out=${1:?usage: kda_state_pass_ab.sh OUTDIR}
+mkdir -p "$out" build
+start=$(date +%s)
+nvidia-smi --query-gpu=name,driver_version --format=csv >"$out/gpu.txt" 2>&1
+flags=(-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xcudafe=--diag_suppress=2810 -I.)
+(cmake -S . -B build/gpu -G Ninja -DDELTASERVE_ENGINE_ONLY=ON -DDELTASERVE_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
+  -DDELTASERVE_BENCH=OFF >"$out/tests_build.log" 2>&1 &&
+  cmake --build build/gpu -j12 --target kernels_cuda_test >>"$out/tests_build.log" 2>&1 ||
+  echo "kernels_cuda_test build failed: $(tail -5 "$out/tests_build.log")") &
+(nvcc "${flags[@]}" bench/gpu/kda_gpu_bench.cu kernels/cuda/kda_chunk_prefill.cu kernels/cuda/kda_decode.cu \
+  -o build/kda_bench >"$out/bench_build.log" 2>&1 || echo "kda_gpu_bench build failed: $(tail -3 "$out/bench_build.log")") &
+if [[ "${GEMV:-0}" == 1 ]]; then
+  (nvcc "${flags[@]}" bench/gpu/gemv_chain_bench.cu kernels/cuda/small_batch_gemm.cu -o build/gemv_chain \
+    >"$out/gemv_build.log" 2>&1 || echo "gemv_chain build failed") &
+fi
+wait
+echo "built at $(($(date +%s) - start)) s"
+cases='KdaChunkPrefillGpu.*:KdaContextParallel*'
+for setting in default transposed; do
+  env=()
+  [[ $setting == transposed ]] && env=(DELTASERVE_KDA_STATE_PASS=transposed)
+  env "${env[@]}" timeout 150 build/gpu/kernels/cuda/kernels_cuda_test --gtest_filter="$cases" \
+    >"$out/tests_$setting.log" 2>&1
+  echo "tests $setting: rc=$? $(grep -E '^\[  (PASSED|FAILED)  \]' "$out/tests_$setting.log" | tr '\n' ' ')"
+  grep -E "^\[  FAILED  \]|Failure|error|max" "$out/tests_$setting.log" | head -12 | cut -c1-220
+done
+metric=gpu__time_duration.sum
+for repeat in 1 2; do
+  for setting in default transposed; do
+    for heads in 32 96; do
+      times=$(DELTASERVE_KDA_STATE_PASS=$setting timeout 90 ncu --clock-control none -k regex:kda_chunk -c 2 \
+        --metrics $metric build/kda_bench h=$heads 2>&1 |
+        awk '/kda_chunk_prep/ {k = "prep"} /kda_chunk_state/ {k = "state"}
+          /gpu__time_duration/ {v = $NF; if ($(NF-1) == "ms") v *= 1000; printf "%s %.1f us  ", k, v}')
+      echo "repeat $repeat  $setting  H=$heads  $times"
+    done
+  done
+done
+for setting in default transposed; do
+  DELTASERVE_KDA_STATE_PASS=$setting timeout 120 build/kda_bench prefill >"$out/prefill_$setting.jsonl" \
+    2>"$out/prefill_$setting.err"
+done
+python3 - "$out" <<'PY'
+import json, sys
+out = sys.argv[1]
+runs = {}
+for name in ("default", "transposed"):
+    try:
+        runs[name] = {r["case"]: r["ms"] for r in map(json.loads, open(f"{out}/prefill_{name}.jsonl"))
+                      if r.get("kind") == "prefill"}
+    except (OSError, ValueError) as e:
+        print(f"{name}: no prefill results ({e})")
+base = runs.get("default", {})
+for case, ms in base.items():
+    t = runs.get("transposed", {}).get(case)
+    print(f"{case[:60]:60s} ms: default {ms:.4f}" + (f"  transposed {t:.4f} ({ms / t:.3f}x)" if t else ""))
+PY
+if [[ "${GEMV:-0}" == 1 && -x build/gemv_chain ]]; then
+  for steps in 52 128; do timeout 120 build/gemv_chain --steps $steps >>"$out/gemv_chain.jsonl" 2>>"$out/gemv_chain.err"; done
+  cat "$out/gemv_chain.err"
+  cut -c1-230 "$out/gemv_chain.jsonl"
+fi
+echo "total $(($(date +%s) - start)) s"
