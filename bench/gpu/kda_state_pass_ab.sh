@@ -4,6 +4,7 @@
 #   1. the chunked-prefill and context-parallel GPU cases under each setting (they compare against the CPU reference);
 #   2. both kernels' times under Nsight Compute at H = 32 and H = 96, T = 16k, alternating the settings, twice;
 #   3. the whole prefill cases (`kda_gpu_bench prefill`) under each setting.
+# A third setting, transposed-p0, times a build with -DDELTASERVE_KDA_STATE_T_PENDING=0 under Nsight Compute.
 # With GEMV=1 also bench/gpu/gemv_chain_bench (52 and 128 steps) in the same call.
 #   bench/gpu/kda_state_pass_ab.sh OUTDIR
 set -uo pipefail
@@ -18,6 +19,9 @@ flags=(-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xcudafe=--diag_supp
   echo "kernels_cuda_test build failed: $(tail -5 "$out/tests_build.log")") &
 (nvcc "${flags[@]}" bench/gpu/kda_gpu_bench.cu kernels/cuda/kda_chunk_prefill.cu kernels/cuda/kda_decode.cu \
   -o build/kda_bench >"$out/bench_build.log" 2>&1 || echo "kda_gpu_bench build failed: $(tail -3 "$out/bench_build.log")") &
+# The transposed pass with its output products waited for at each update (DELTASERVE_KDA_STATE_T_PENDING=0).
+(nvcc "${flags[@]}" -DDELTASERVE_KDA_STATE_T_PENDING=0 bench/gpu/kda_gpu_bench.cu kernels/cuda/kda_chunk_prefill.cu \
+  kernels/cuda/kda_decode.cu -o build/kda_bench_p0 >"$out/bench_p0_build.log" 2>&1 || echo "p0 build failed") &
 if [[ "${GEMV:-0}" == 1 ]]; then
   (nvcc "${flags[@]}" bench/gpu/gemv_chain_bench.cu kernels/cuda/small_batch_gemm.cu -o build/gemv_chain \
     >"$out/gemv_build.log" 2>&1 || echo "gemv_chain build failed") &
@@ -35,10 +39,12 @@ for setting in default transposed; do
 done
 metric=gpu__time_duration.sum
 for repeat in 1 2; do
-  for setting in default transposed; do
+  for setting in default transposed transposed-p0; do
+    binary=build/kda_bench
+    [[ $setting == transposed-p0 ]] && binary=build/kda_bench_p0
     for heads in 32 96; do
-      times=$(DELTASERVE_KDA_STATE_PASS=$setting timeout 90 ncu --clock-control none -k regex:kda_chunk -c 2 \
-        --metrics $metric build/kda_bench h=$heads 2>&1 |
+      times=$(DELTASERVE_KDA_STATE_PASS=${setting%-p0} timeout 90 ncu --clock-control none -k regex:kda_chunk -c 2 \
+        --metrics $metric $binary h=$heads 2>&1 |
         awk '/kda_chunk_prep/ {k = "prep"} /kda_chunk_state/ {k = "state"}
           /gpu__time_duration/ {v = $NF; if ($(NF-1) == "ms") v *= 1000; printf "%s %.1f us  ", k, v}')
       echo "repeat $repeat  $setting  H=$heads  $times"

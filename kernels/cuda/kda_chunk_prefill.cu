@@ -806,6 +806,26 @@ __device__ __forceinline__ void wgmma_rs_m64n64k16(float (&d)[32], const uint32_
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate), "n"(kTransB));
 }
 
+// D[64 x 64] = A[64 x 16] · B (the first k16 step of a product), A in registers, B K-major. D is output-only
+// here: with "+f" the accumulators' undefined old values would be inputs, which ptxas may place in registers of
+// a running wgmma and then wait for it.
+__device__ __forceinline__ void wgmma_rs_m64n64k16_first(float (&d)[32], const uint32_t* a, uint64_t desc_b) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, 0, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n"
+      "}\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]),
+        "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]),
+        "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]),
+        "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
 // D[64 x 128] += A[64 x 16] · B, A in registers, B MN-major from shared memory (two 64-column blocks, desc_mn_major).
 __device__ __forceinline__ void wgmma_rs_m64n128k16_mn(float (&d)[64], const uint32_t* a, uint64_t desc_b) {
   asm volatile(
@@ -830,10 +850,18 @@ __device__ __forceinline__ void wgmma_rs_m64n128k16_mn(float (&d)[64], const uin
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
 
+// Products the transposed state pass leaves running past a chunk's update (the output products; 0 waits for them,
+// a measurement switch: ptxas reports serialising the wgmma when they run on).
+#ifndef DELTASERVE_KDA_STATE_T_PENDING
+#define DELTASERVE_KDA_STATE_T_PENDING 1
+#endif
 constexpr int kStateTThreads = 128;
+constexpr int kStateTStages = 3;    // chunk c + 2 lands while c runs; c - 1's stage is free once its output products end
 constexpr int kLdO = kStateBv + 8;  // bf16 row stride of the staged output [64 tokens][kLdO] (conflict-free writes)
 constexpr size_t kOTileBytes = size_t{kC} * kLdO * 2;
-constexpr size_t kStateTSmem = 1024 + 2 * kStageStride + 2 * kOTileBytes + 2 * sizeof(uint64_t);
+constexpr size_t kStateTSmem =
+    1024 + kStateTStages * kStageStride + 2 * kOTileBytes + kStateTStages * sizeof(uint64_t);
+static_assert(kStateTSmem <= 227 * 1024, "the transposed state pass must fit one SM's shared memory");
 
 __global__ void __launch_bounds__(kStateTThreads, 1) kda_chunk_state_t_kernel(StateArgs p) {
   extern __shared__ uint8_t smem_raw[];
@@ -842,11 +870,12 @@ __global__ void __launch_bounds__(kStateTThreads, 1) kda_chunk_state_t_kernel(St
   const int slice = blockIdx.x, h = blockIdx.y, sequence = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const SequenceEntry seq = p.sequences[sequence];
-  bf16* o_tiles = reinterpret_cast<bf16*>(smem + 2 * kStageStride);  // two [64 tokens][kLdO] tiles
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + 2 * kStageStride + 2 * kOTileBytes);
+  bf16* o_tiles = reinterpret_cast<bf16*>(smem + kStateTStages * kStageStride);  // two [64 tokens][kLdO] tiles
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStateTStages * kStageStride + 2 * kOTileBytes);
   auto stage_base = [&](int stage) { return smem + stage * kStageStride; };
-  auto load_stage = [&](int stage, int chunk) {  // thread 0: the chunk's shared part and this slice's u
-    const uint8_t* src = p.data + (static_cast<size_t>(chunk) * H + h) * kChunkBytes;
+  auto load_stage = [&](int chunk_index) {  // thread 0: the chunk's shared part and this slice's u
+    const int stage = chunk_index % kStateTStages;
+    const uint8_t* src = p.data + (static_cast<size_t>(seq.first_chunk + chunk_index) * H + h) * kChunkBytes;
     const uint32_t bar = smem_address(&full[stage]);
     const uint32_t dst = smem_address(stage_base(stage));
     sm90::mbarrier_arrive_expect_tx(bar, static_cast<uint32_t>(kStageBytes));
@@ -888,32 +917,59 @@ __global__ void __launch_bounds__(kStateTThreads, 1) kda_chunk_state_t_kernel(St
 #pragma unroll
     for (int i = 0; i < 64; ++i) base[acc_col(i) * kD + acc_row(i)] = s[i];
   };
-  uint32_t sa[32];  // S^T as bf16 A fragments: k16 step j (keys 16 j ..) in sa[4 j .. 4 j + 3]
-  auto pack_state = [&] {
+  // S^T as bf16 A fragments (k16 step j, keys 16 j .., in [4 j, 4 j + 4)), double-buffered: a chunk's output
+  // product still reads the state it started from while the next chunk's first product reads the updated one.
+  uint32_t sa0[32], sa1[32];
 #pragma unroll
-    for (int i = 0; i < 64; i += 2) sa[i / 2] = pack_bf16(s[i], s[i + 1]);
-  };
-  pack_state();
+  for (int i = 0; i < 64; i += 2) sa0[i / 2] = pack_bf16(s[i], s[i + 1]);
 
   if (tid == 0) {
-    sm90::mbarrier_init(smem_address(&full[0]), 1);
-    sm90::mbarrier_init(smem_address(&full[1]), 1);
+    for (int stage = 0; stage < kStateTStages; ++stage) sm90::mbarrier_init(smem_address(&full[stage]), 1);
     sm90::mbarrier_init_fence();
     fence_proxy_async_global();  // the workspace was written by the prep grid with ordinary stores
-    if (seq.num_chunks > 0) load_stage(0, seq.first_chunk);
+    for (int c = 0; c < min(2, seq.num_chunks); ++c) load_stage(c);
   }
   __syncthreads();
 
-  for (int ci = 0; ci < seq.num_chunks; ++ci) {
-    const int stage = ci & 1;
-    if (tid == 0 && ci + 1 < seq.num_chunks) load_stage(stage ^ 1, seq.first_chunk + ci + 1);  // freed by the barrier
+  float y[32];      // the output product o^T of the chunk in flight
+  uint32_t vn[16];  // v_new^T as bf16 A fragments: k16 step j (tokens 16 j ..) in [4 j, 4 j + 4)
+  // The output of chunk `ci` (complete after a wgmma wait) into its tile.
+  auto stage_output = [&](int ci) {
+    bf16* tile = o_tiles + (ci & 1) * (kC * kLdO);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) tile[acc_col(i) * kLdO + acc_row(i)] = __float2bfloat16_rn(y[i]);
+  };
+  // A chunk, with the state's A fragments in `sa` and the updated ones written to `sa_next`. On the tensor pipe:
+  // X (the chain), then the update (the chain), then the output products Y and Aqk v_new, which run on while the
+  // state is repacked and the next chunk's X is issued; their result is staged one chunk later.
+  auto chunk_step = [&](int ci, const uint32_t(&sa)[32], uint32_t(&sa_next)[32]) {
+    const int stage = ci % kStateTStages;
     const uint32_t base = smem_address(stage_base(stage));
-    sm90::mbarrier_wait(smem_address(&full[stage]), static_cast<uint32_t>((ci >> 1) & 1));
+    sm90::mbarrier_wait(smem_address(&full[stage]), static_cast<uint32_t>((ci / kStateTStages) & 1));
     const int chunk_first = ci * kC;
     const int tokens = min(kC, seq.length - chunk_first);
 
-    // S^T ⊙ e^gc_last (the keys are columns) before any product is in flight: ptxas waits for every running wgmma
-    // before an instruction touches an accumulator register of one, so this cannot overlap the products below.
+    float x[32];
+    sm90::wgmma_fence();
+    wgmma_rs_m64n64k16_first(x, &sa[0], desc_k_major(base + static_cast<uint32_t>(kOffW), 0));
+#pragma unroll
+    for (int j = 1; j < kD / 16; ++j) {
+      wgmma_rs_m64n64k16<0>(x, &sa[4 * j], desc_k_major(base + static_cast<uint32_t>(kOffW), j), 1);
+    }
+    sm90::wgmma_commit_group();
+    // While X runs: u^T (token acc_col(i), value acc_row(i)), two tokens a register.
+    const uint16_t* u = reinterpret_cast<const uint16_t*>(stage_base(stage) + kOffU);
+    uint32_t uv[16];
+#pragma unroll
+    for (int i = 0; i < 32; i += 2) {
+      uv[i / 2] = static_cast<uint32_t>(u[acc_col(i) * kLdU + acc_row(i)]) |
+                  (static_cast<uint32_t>(u[acc_col(i + 1) * kLdU + acc_row(i)]) << 16);
+    }
+    sm90::wgmma_wait_group<0>();  // X, and the previous chunk's output products
+    sm90::wgmma_fence_registers(x);
+    sm90::wgmma_fence_registers(y);
+    // S^T ⊙ e^gc_last (the keys are columns), with no product in flight: ptxas makes an instruction that touches an
+    // accumulator register of a running wgmma wait for all of them.
     const float* decay = reinterpret_cast<const float*>(stage_base(stage) + kOffDecay);
 #pragma unroll
     for (int i = 0; i < 64; i += 4) {
@@ -923,55 +979,52 @@ __global__ void __launch_bounds__(kStateTThreads, 1) kda_chunk_state_t_kernel(St
       s[i + 2] *= d.x;
       s[i + 3] *= d.y;
     }
-    float x[32], y[32];
-    sm90::wgmma_fence();
-#pragma unroll
-    for (int j = 0; j < kD / 16; ++j) {
-      wgmma_rs_m64n64k16<0>(x, &sa[4 * j], desc_k_major(base + static_cast<uint32_t>(kOffW), j), j > 0 ? 1 : 0);
-    }
-    sm90::wgmma_commit_group();
-#pragma unroll
-    for (int j = 0; j < kD / 16; ++j) {
-      wgmma_rs_m64n64k16<0>(y, &sa[4 * j], desc_k_major(base + static_cast<uint32_t>(kOffQg), j), j > 0 ? 1 : 0);
-    }
-    sm90::wgmma_commit_group();
-    if (ci > 0) store_output(o_tiles + ((ci - 1) & 1) * (kC * kLdO), chunk_first - kC, kC);
-    // While the products run: u^T (token acc_col(i), value acc_row(i)) and the decay of the state's keys.
-    const bf16* u = reinterpret_cast<const bf16*>(stage_base(stage) + kOffU);
-    bf16 uv[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) uv[i] = u[acc_col(i) * kLdU + acc_row(i)];
-    sm90::wgmma_wait_group<1>();
-    sm90::wgmma_fence_registers(x);
-    uint32_t vn[16];  // v_new^T as bf16 A fragments: k16 step j (tokens 16 j ..) in vn[4 j .. 4 j + 3]
 #pragma unroll
     for (int i = 0; i < 32; i += 2) {
-      vn[i / 2] = pack_bf16(__bfloat162float(uv[i]) - x[i], __bfloat162float(uv[i + 1]) - x[i + 1]);
+      const __nv_bfloat162 u2 = *reinterpret_cast<const __nv_bfloat162*>(&uv[i / 2]);
+      vn[i / 2] = pack_bf16(__low2float(u2) - x[i], __high2float(u2) - x[i + 1]);
     }
+    if (ci > 0) stage_output(ci - 1);  // the previous chunk's y, complete since the wait above
     sm90::wgmma_fence();
 #pragma unroll
     for (int j = 0; j < kC / 16; ++j) {
       wgmma_rs_m64n128k16_mn(s, &vn[4 * j], desc_mn_major(base + static_cast<uint32_t>(kOffKg), j));
+    }
+    sm90::wgmma_commit_group();
+    sm90::wgmma_fence();
+    wgmma_rs_m64n64k16_first(y, &sa[0], desc_k_major(base + static_cast<uint32_t>(kOffQg), 0));
+#pragma unroll
+    for (int j = 1; j < kD / 16; ++j) {
+      wgmma_rs_m64n64k16<0>(y, &sa[4 * j], desc_k_major(base + static_cast<uint32_t>(kOffQg), j), 1);
     }
 #pragma unroll
     for (int j = 0; j < kC / 16; ++j) {
       wgmma_rs_m64n64k16<0>(y, &vn[4 * j], desc_k_major(base + static_cast<uint32_t>(kOffAqk), j), 1);
     }
     sm90::wgmma_commit_group();
-    sm90::wgmma_wait_group<0>();
+    // One barrier a chunk: the previous chunk's tile is complete, and every product that read the previous
+    // chunk's stage has finished (the wait above), so that stage takes chunk ci + 2.
+    __syncthreads();
+    if (tid == 0 && ci + 2 < seq.num_chunks) load_stage(ci + 2);
+    if (ci > 0) store_output(o_tiles + ((ci - 1) & 1) * (kC * kLdO), chunk_first - kC, kC);
+    sm90::wgmma_wait_group<DELTASERVE_KDA_STATE_T_PENDING>();  // the update (the output products may run on)
     sm90::wgmma_fence_registers(s);
-    sm90::wgmma_fence_registers(y);
-    pack_state();
+#pragma unroll
+    for (int i = 0; i < 64; i += 2) sa_next[i / 2] = pack_bf16(s[i], s[i + 1]);
     if (p.checkpoint_interval > 0 && tokens == kC && (chunk_first + kC) % p.checkpoint_interval == 0) {
       const int entry = seq.checkpoint_first + (chunk_first + kC) / p.checkpoint_interval - 1;
       store_state(p.checkpoint_states + (static_cast<size_t>(entry) * H + h) * kD * kD + slice * kStateBv);
     }
-    bf16* tile = o_tiles + (ci & 1) * (kC * kLdO);
-#pragma unroll
-    for (int i = 0; i < 32; ++i) tile[acc_col(i) * kLdO + acc_row(i)] = __float2bfloat16_rn(y[i]);
-    __syncthreads();  // the tile is complete; every product of this stage has finished (it may be refilled)
+  };
+  for (int ci = 0; ci < seq.num_chunks; ci += 2) {
+    chunk_step(ci, sa0, sa1);
+    if (ci + 1 < seq.num_chunks) chunk_step(ci + 1, sa1, sa0);
   }
   if (seq.num_chunks > 0) {
+    sm90::wgmma_wait_group<0>();
+    sm90::wgmma_fence_registers(y);
+    stage_output(seq.num_chunks - 1);
+    __syncthreads();
     const int last_first = (seq.num_chunks - 1) * kC;
     store_output(o_tiles + ((seq.num_chunks - 1) & 1) * (kC * kLdO), last_first, seq.length - last_first);
   }
