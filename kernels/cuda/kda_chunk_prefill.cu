@@ -782,14 +782,16 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(State
 //   v_new^T = u^T - X                                  (u read transposed from the stage)
 //   S^T = S^T ⊙ e^gc_last + v_new^T (k e^(gc_last - gc))  (B MN-major over both key blocks, N = 128, K = 64 tokens)
 //   o^T = Y + v_new^T Aqk^T                            (B = Aqk K-major)
-// The operands are the prep's workspace as it is (the stage layout above). o^T is written transposed into a
-// shared-memory tile and copied out, 16 bytes a thread, during the next chunk's first products.
+// The operands are the prep's workspace as it is (the stage layout above). On the in-order tensor pipe a chunk is
+// X, then the update, then the output products Y and Aqk v_new, which run on through the state's repack (S^T's
+// fragments are double-buffered: Y still reads the chunk's first state), the chunk's one barrier and the previous
+// output's copy; the next chunk waits for them before it issues X. o^T goes transposed into a shared-memory tile
+// and out 16 bytes a thread one chunk later. Three stages: chunk c + 2 lands while c runs.
 
 // D[64 x 64] (+)= A[64 x 16] · B, A in registers (four bf16x2: the m64k16 fragment), B from shared memory
 // (kTransB = 0: K-major, 1: MN-major). accumulate == 0: D = A · B.
 template <int kTransB>
-__device__ __forceinline__ void wgmma_rs_m64n64k16(float (&d)[32], const uint32_t* a, uint64_t desc_b,
-                                                   int accumulate) {
+__device__ __forceinline__ void wgmma_rs_m64n64k16(float (&d)[32], const uint32_t* a, uint64_t desc_b, int accumulate) {
   asm volatile(
       "{\n"
       ".reg .pred p;\n"
@@ -850,17 +852,40 @@ __device__ __forceinline__ void wgmma_rs_m64n128k16_mn(float (&d)[64], const uin
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
 
-// Products the transposed state pass leaves running past a chunk's update (the output products; 0 waits for them,
-// a measurement switch: ptxas reports serialising the wgmma when they run on).
+// Products the transposed state pass leaves running past a chunk's update: 1, the output products; 0 waits for them
+// too before the state is repacked (a measurement switch).
 #ifndef DELTASERVE_KDA_STATE_T_PENDING
 #define DELTASERVE_KDA_STATE_T_PENDING 1
 #endif
+// sm90::mbarrier_wait in one asm block (the same timeout and trap): with wgmma running across it, the C++ loop
+// around mbarrier_try_wait and %globaltimer makes ptxas wait for them first and serialise the kernel's wgmma.
+__device__ __forceinline__ void wait_in_flight(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done, late;\n"
+      ".reg .u64 start, now;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@done bra DONE_%=;\n"
+      "mov.u64 start, %%globaltimer;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@done bra DONE_%=;\n"
+      "mov.u64 now, %%globaltimer;\n"
+      "sub.u64 now, now, start;\n"
+      "setp.gt.u64 late, now, %2;\n"
+      "@late trap;\n"
+      "bra WAIT_%=;\n"
+      "DONE_%=:\n"
+      "}\n" ::"r"(bar),
+      "r"(parity), "l"(sm90::kMbarrierTimeoutNs)
+      : "memory");
+}
+
 constexpr int kStateTThreads = 128;
-constexpr int kStateTStages = 3;    // chunk c + 2 lands while c runs; c - 1's stage is free once its output products end
+constexpr int kStateTStages = 3;  // chunk c + 2 lands while c runs; c - 1's stage is free once its output products end
 constexpr int kLdO = kStateBv + 8;  // bf16 row stride of the staged output [64 tokens][kLdO] (conflict-free writes)
 constexpr size_t kOTileBytes = size_t{kC} * kLdO * 2;
-constexpr size_t kStateTSmem =
-    1024 + kStateTStages * kStageStride + 2 * kOTileBytes + kStateTStages * sizeof(uint64_t);
+constexpr size_t kStateTSmem = 1024 + kStateTStages * kStageStride + 2 * kOTileBytes + kStateTStages * sizeof(uint64_t);
 static_assert(kStateTSmem <= 227 * 1024, "the transposed state pass must fit one SM's shared memory");
 
 __global__ void __launch_bounds__(kStateTThreads, 1) kda_chunk_state_t_kernel(StateArgs p) {
@@ -945,11 +970,15 @@ __global__ void __launch_bounds__(kStateTThreads, 1) kda_chunk_state_t_kernel(St
   auto chunk_step = [&](int ci, const uint32_t(&sa)[32], uint32_t(&sa_next)[32]) {
     const int stage = ci % kStateTStages;
     const uint32_t base = smem_address(stage_base(stage));
-    sm90::mbarrier_wait(smem_address(&full[stage]), static_cast<uint32_t>((ci / kStateTStages) & 1));
+    wait_in_flight(smem_address(&full[stage]), static_cast<uint32_t>((ci / kStateTStages) & 1));
     const int chunk_first = ci * kC;
     const int tokens = min(kC, seq.length - chunk_first);
 
     float x[32];
+    // The previous chunk's output products ran through its state repack, barrier and output copy. They end here:
+    // issued while they run, X would make ptxas serialise every wgmma of the kernel (C7514), and on the in-order
+    // tensor pipe X would queue behind them anyway.
+    sm90::wgmma_wait_group<0>();
     sm90::wgmma_fence();
     wgmma_rs_m64n64k16_first(x, &sa[0], desc_k_major(base + static_cast<uint32_t>(kOffW), 0));
 #pragma unroll
@@ -1020,9 +1049,10 @@ __global__ void __launch_bounds__(kStateTThreads, 1) kda_chunk_state_t_kernel(St
     chunk_step(ci, sa0, sa1);
     if (ci + 1 < seq.num_chunks) chunk_step(ci + 1, sa1, sa0);
   }
+  sm90::wgmma_wait_group<0>();  // on every path: ptxas cannot tell that no product runs when there was no chunk
+  sm90::wgmma_fence_registers(y);
+  sm90::wgmma_fence_registers(s);
   if (seq.num_chunks > 0) {
-    sm90::wgmma_wait_group<0>();
-    sm90::wgmma_fence_registers(y);
     stage_output(seq.num_chunks - 1);
     __syncthreads();
     const int last_first = (seq.num_chunks - 1) * kC;
