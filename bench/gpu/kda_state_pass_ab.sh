@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# GPU machine only, from the repo root: the KDA prefill's two state passes side by side in one call
-# (DELTASERVE_KDA_STATE_PASS: unset = kda_chunk_state_kernel, "transposed" = kda_chunk_state_t_kernel):
+# GPU machine only, from the repo root: the KDA prefill's state passes side by side in one call
+# (DELTASERVE_KDA_STATE_PASS: "default" = kda_chunk_state_kernel, "transposed" = kda_chunk_state_t_kernel<1>, a CTA a
+# value slice, "transposed2" = kda_chunk_state_t_kernel<2>, a CTA a head):
 #   1. the chunked-prefill and context-parallel GPU cases under each setting (they compare against the CPU reference);
 #   2. both kernels' times under Nsight Compute at H = 32 and H = 96, T = 16k, alternating the settings, twice;
 #   3. the whole prefill cases (`kda_gpu_bench prefill`) under each setting.
-# A third setting, transposed-p0, times a build with -DDELTASERVE_KDA_STATE_T_PENDING=0 under Nsight Compute.
 # With GEMV=1 also bench/gpu/gemv_chain_bench (52 and 128 steps) in the same call.
 #   bench/gpu/kda_state_pass_ab.sh OUTDIR
 set -uo pipefail
@@ -19,9 +19,6 @@ flags=(-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xcudafe=--diag_supp
   echo "kernels_cuda_test build failed: $(tail -5 "$out/tests_build.log")") &
 (nvcc "${flags[@]}" bench/gpu/kda_gpu_bench.cu kernels/cuda/kda_chunk_prefill.cu kernels/cuda/kda_decode.cu \
   -o build/kda_bench >"$out/bench_build.log" 2>&1 || echo "kda_gpu_bench build failed: $(tail -3 "$out/bench_build.log")") &
-# The transposed pass with its output products waited for at each update (DELTASERVE_KDA_STATE_T_PENDING=0).
-(nvcc "${flags[@]}" -DDELTASERVE_KDA_STATE_T_PENDING=0 bench/gpu/kda_gpu_bench.cu kernels/cuda/kda_chunk_prefill.cu \
-  kernels/cuda/kda_decode.cu -o build/kda_bench_p0 >"$out/bench_p0_build.log" 2>&1 || echo "p0 build failed") &
 if [[ "${GEMV:-0}" == 1 ]]; then
   (nvcc "${flags[@]}" bench/gpu/gemv_chain_bench.cu kernels/cuda/small_batch_gemm.cu -o build/gemv_chain \
     >"$out/gemv_build.log" 2>&1 || echo "gemv_chain build failed") &
@@ -29,46 +26,43 @@ fi
 wait
 echo "built at $(($(date +%s) - start)) s"
 cases='KdaChunkPrefillGpu.*:KdaContextParallel*'
-for setting in default transposed; do
-  env=()
-  [[ $setting == transposed ]] && env=(DELTASERVE_KDA_STATE_PASS=transposed)
-  env "${env[@]}" timeout 150 build/gpu/kernels/cuda/kernels_cuda_test --gtest_filter="$cases" \
+settings="default transposed transposed2"
+for setting in $settings; do
+  DELTASERVE_KDA_STATE_PASS=$setting timeout 150 build/gpu/kernels/cuda/kernels_cuda_test --gtest_filter="$cases" \
     >"$out/tests_$setting.log" 2>&1
   echo "tests $setting: rc=$? $(grep -E '^\[  (PASSED|FAILED)  \]' "$out/tests_$setting.log" | tr '\n' ' ')"
   grep -E "^\[  FAILED  \]|Failure|error|max" "$out/tests_$setting.log" | head -12 | cut -c1-220
 done
 metric=gpu__time_duration.sum
 for repeat in 1 2; do
-  for setting in default transposed transposed-p0; do
-    binary=build/kda_bench
-    [[ $setting == transposed-p0 ]] && binary=build/kda_bench_p0
+  for setting in $settings; do
     for heads in 32 96; do
-      times=$(DELTASERVE_KDA_STATE_PASS=${setting%-p0} timeout 90 ncu --clock-control none -k regex:kda_chunk -c 2 \
-        --metrics $metric $binary h=$heads 2>&1 |
+      times=$(DELTASERVE_KDA_STATE_PASS=$setting timeout 90 ncu --clock-control none -k regex:kda_chunk -c 2 \
+        --metrics $metric build/kda_bench h=$heads 2>&1 |
         awk '/kda_chunk_prep/ {k = "prep"} /kda_chunk_state/ {k = "state"}
           /gpu__time_duration/ {v = $NF; if ($(NF-1) == "ms") v *= 1000; printf "%s %.1f us  ", k, v}')
       echo "repeat $repeat  $setting  H=$heads  $times"
     done
   done
 done
-for setting in default transposed; do
+for setting in $settings; do
   DELTASERVE_KDA_STATE_PASS=$setting timeout 120 build/kda_bench prefill >"$out/prefill_$setting.jsonl" \
     2>"$out/prefill_$setting.err"
 done
-python3 - "$out" <<'PY'
+python3 - "$out" $settings <<'PY'
 import json, sys
-out = sys.argv[1]
+out, names = sys.argv[1], sys.argv[2:]
 runs = {}
-for name in ("default", "transposed"):
+for name in names:
     try:
         runs[name] = {r["case"]: r["ms"] for r in map(json.loads, open(f"{out}/prefill_{name}.jsonl"))
                       if r.get("kind") == "prefill"}
     except (OSError, ValueError) as e:
         print(f"{name}: no prefill results ({e})")
-base = runs.get("default", {})
+base = runs.get(names[0], {})
 for case, ms in base.items():
-    t = runs.get("transposed", {}).get(case)
-    print(f"{case[:60]:60s} ms: default {ms:.4f}" + (f"  transposed {t:.4f} ({ms / t:.3f}x)" if t else ""))
+    cells = "".join(f"  {n} {runs[n][case]:.4f} ({ms / runs[n][case]:.3f}x)" for n in names[1:] if case in runs.get(n, {}))
+    print(f"{case[:60]:60s} ms: {names[0]} {ms:.4f}{cells}")
 PY
 if [[ "${GEMV:-0}" == 1 && -x build/gemv_chain ]]; then
   for steps in 52 128; do timeout 120 build/gemv_chain --steps $steps >>"$out/gemv_chain.jsonl" 2>>"$out/gemv_chain.err"; done

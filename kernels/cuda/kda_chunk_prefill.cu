@@ -852,65 +852,56 @@ __device__ __forceinline__ void wgmma_rs_m64n128k16_mn(float (&d)[64], const uin
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
 
-// Products the transposed state pass leaves running past a chunk's update: 1, the output products; 0 waits for them
-// too before the state is repacked (a measurement switch).
-#ifndef DELTASERVE_KDA_STATE_T_PENDING
-#define DELTASERVE_KDA_STATE_T_PENDING 1
-#endif
-// sm90::mbarrier_wait in one asm block (the same timeout and trap): with wgmma running across it, the C++ loop
-// around mbarrier_try_wait and %globaltimer makes ptxas wait for them first and serialise the kernel's wgmma.
-__device__ __forceinline__ void wait_in_flight(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done, late;\n"
-      ".reg .u64 start, now;\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@done bra DONE_%=;\n"
-      "mov.u64 start, %%globaltimer;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@done bra DONE_%=;\n"
-      "mov.u64 now, %%globaltimer;\n"
-      "sub.u64 now, now, start;\n"
-      "setp.gt.u64 late, now, %2;\n"
-      "@late trap;\n"
-      "bra WAIT_%=;\n"
-      "DONE_%=:\n"
-      "}\n" ::"r"(bar),
-      "r"(parity), "l"(sm90::kMbarrierTimeoutNs)
-      : "memory");
-}
+// kGroups warpgroups a CTA, each with its own 64 value columns (kGroups = 2: both slices of a head, sharing the
+// chunk's stage, so a head's factors are read once; kGroups = 1: a CTA a slice, as kda_chunk_state_kernel).
+template <int kGroups>
+struct StateTShape {
+  static constexpr int kThreads = 128 * kGroups;
+  static constexpr size_t kStageBytes = kGroups == 2 ? kChunkBytes : kOffU + kUSliceBytes;
+  static constexpr size_t kStageStride = (kStageBytes + 1023) / 1024 * 1024;
+  static constexpr int kStages = kGroups == 2 ? 2 : 3;  // what fits: chunks c + 1 (and c + 2) land while c runs
+  static constexpr int kLdO = kStateBv + 8;             // bf16 row stride of a staged output tile (conflict-free)
+  static constexpr size_t kTileBytes = size_t{kC} * kLdO * 2;
+  static constexpr size_t kSmem = 1024 + kStages * kStageStride + 2 * kGroups * kTileBytes + kStages * sizeof(uint64_t);
+  static_assert(kSmem <= 227 * 1024, "the transposed state pass must fit one SM's shared memory");
+};
 
-constexpr int kStateTThreads = 128;
-constexpr int kStateTStages = 3;  // chunk c + 2 lands while c runs; c - 1's stage is free once its output products end
-constexpr int kLdO = kStateBv + 8;  // bf16 row stride of the staged output [64 tokens][kLdO] (conflict-free writes)
-constexpr size_t kOTileBytes = size_t{kC} * kLdO * 2;
-constexpr size_t kStateTSmem = 1024 + kStateTStages * kStageStride + 2 * kOTileBytes + kStateTStages * sizeof(uint64_t);
-static_assert(kStateTSmem <= 227 * 1024, "the transposed state pass must fit one SM's shared memory");
-
-__global__ void __launch_bounds__(kStateTThreads, 1) kda_chunk_state_t_kernel(StateArgs p) {
+template <int kGroups>
+__global__ void __launch_bounds__(StateTShape<kGroups>::kThreads, 1) kda_chunk_state_t_kernel(StateArgs p) {
+  using Shape = StateTShape<kGroups>;
+  constexpr int kLdO = Shape::kLdO;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024u - (smem_address(smem_raw) & 1023u)) & 1023u);  // as kda_chunk_state_kernel
   const int H = p.num_heads;
-  const int slice = blockIdx.x, h = blockIdx.y, sequence = blockIdx.z;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int h = blockIdx.y, sequence = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
+  const int slice = kGroups == 2 ? wg : static_cast<int>(blockIdx.x);
+  const int wg_tid = tid & 127;
   const SequenceEntry seq = p.sequences[sequence];
-  bf16* o_tiles = reinterpret_cast<bf16*>(smem + kStateTStages * kStageStride);  // two [64 tokens][kLdO] tiles
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStateTStages * kStageStride + 2 * kOTileBytes);
-  auto stage_base = [&](int stage) { return smem + stage * kStageStride; };
-  auto load_stage = [&](int chunk_index) {  // thread 0: the chunk's shared part and this slice's u
-    const int stage = chunk_index % kStateTStages;
+  // Two output tiles [64 tokens][kLdO] per warpgroup (double-buffered: chunk c's tile is copied out after the
+  // barrier while chunk c + 1 writes the other one).
+  bf16* o_tiles = reinterpret_cast<bf16*>(smem + Shape::kStages * Shape::kStageStride) + wg * 2 * (kC * kLdO);
+  uint64_t* full =
+      reinterpret_cast<uint64_t*>(smem + Shape::kStages * Shape::kStageStride + 2 * kGroups * Shape::kTileBytes);
+  auto stage_base = [&](int stage) { return smem + stage * Shape::kStageStride; };
+  auto load_stage = [&](int chunk_index) {  // thread 0
+    const int stage = chunk_index % Shape::kStages;
     const uint8_t* src = p.data + (static_cast<size_t>(seq.first_chunk + chunk_index) * H + h) * kChunkBytes;
     const uint32_t bar = smem_address(&full[stage]);
     const uint32_t dst = smem_address(stage_base(stage));
-    sm90::mbarrier_arrive_expect_tx(bar, static_cast<uint32_t>(kStageBytes));
-    bulk_copy_to_shared(dst, src, static_cast<uint32_t>(kOffU), bar);
-    bulk_copy_to_shared(dst + static_cast<uint32_t>(kOffU), src + kOffU + slice * kUSliceBytes,
-                        static_cast<uint32_t>(kUSliceBytes), bar);
+    sm90::mbarrier_arrive_expect_tx(bar, static_cast<uint32_t>(Shape::kStageBytes));
+    if constexpr (kGroups == 2) {
+      bulk_copy_to_shared(dst, src, static_cast<uint32_t>(kChunkBytes), bar);  // the whole block, both u slices
+    } else {
+      bulk_copy_to_shared(dst, src, static_cast<uint32_t>(kOffU), bar);
+      bulk_copy_to_shared(dst + static_cast<uint32_t>(kOffU), src + kOffU + slice * kUSliceBytes,
+                          static_cast<uint32_t>(kUSliceBytes), bar);
+    }
   };
+  const size_t u_offset = kOffU + (kGroups == 2 ? slice * kUSliceBytes : 0);
   // The staged output tile of the chunk starting at token `first`, its first `rows` rows, to global memory.
   auto store_output = [&](const bf16* tile, int first, int rows) {
-    const int row0 = tid >> 3, part = tid & 7;
+    const int row0 = wg_tid >> 3, part = wg_tid & 7;
     uint4 value[4];
 #pragma unroll
     for (int step = 0; step < 4; ++step) {
@@ -942,43 +933,32 @@ __global__ void __launch_bounds__(kStateTThreads, 1) kda_chunk_state_t_kernel(St
 #pragma unroll
     for (int i = 0; i < 64; ++i) base[acc_col(i) * kD + acc_row(i)] = s[i];
   };
-  // S^T as bf16 A fragments (k16 step j, keys 16 j .., in [4 j, 4 j + 4)), double-buffered: a chunk's output
-  // product still reads the state it started from while the next chunk's first product reads the updated one.
-  uint32_t sa0[32], sa1[32];
+  uint32_t sa[32];  // S^T as bf16 A fragments: k16 step j (keys 16 j ..) in sa[4 j .. 4 j + 3]
+  auto pack_state = [&] {
 #pragma unroll
-  for (int i = 0; i < 64; i += 2) sa0[i / 2] = pack_bf16(s[i], s[i + 1]);
+    for (int i = 0; i < 64; i += 2) sa[i / 2] = pack_bf16(s[i], s[i + 1]);
+  };
+  pack_state();
 
   if (tid == 0) {
-    for (int stage = 0; stage < kStateTStages; ++stage) sm90::mbarrier_init(smem_address(&full[stage]), 1);
+    for (int stage = 0; stage < Shape::kStages; ++stage) sm90::mbarrier_init(smem_address(&full[stage]), 1);
     sm90::mbarrier_init_fence();
     fence_proxy_async_global();  // the workspace was written by the prep grid with ordinary stores
-    for (int c = 0; c < min(2, seq.num_chunks); ++c) load_stage(c);
+    for (int c = 0; c < min(Shape::kStages - 1, seq.num_chunks); ++c) load_stage(c);
   }
   __syncthreads();
 
-  float y[32];      // the output product o^T of the chunk in flight
-  uint32_t vn[16];  // v_new^T as bf16 A fragments: k16 step j (tokens 16 j ..) in [4 j, 4 j + 4)
-  // The output of chunk `ci` (complete after a wgmma wait) into its tile.
-  auto stage_output = [&](int ci) {
-    bf16* tile = o_tiles + (ci & 1) * (kC * kLdO);
-#pragma unroll
-    for (int i = 0; i < 32; ++i) tile[acc_col(i) * kLdO + acc_row(i)] = __float2bfloat16_rn(y[i]);
-  };
-  // A chunk, with the state's A fragments in `sa` and the updated ones written to `sa_next`. On the tensor pipe:
-  // X (the chain), then the update (the chain), then the output products Y and Aqk v_new, which run on while the
-  // state is repacked and the next chunk's X is issued; their result is staged one chunk later.
-  auto chunk_step = [&](int ci, const uint32_t(&sa)[32], uint32_t(&sa_next)[32]) {
-    const int stage = ci % kStateTStages;
+  for (int ci = 0; ci < seq.num_chunks; ++ci) {
+    const int stage = ci % Shape::kStages;
+    // The stage of chunk ci - 1 was released by the barrier at the end of it.
+    if (tid == 0 && ci + Shape::kStages - 1 < seq.num_chunks) load_stage(ci + Shape::kStages - 1);
     const uint32_t base = smem_address(stage_base(stage));
-    wait_in_flight(smem_address(&full[stage]), static_cast<uint32_t>((ci / kStateTStages) & 1));
+    sm90::mbarrier_wait(smem_address(&full[stage]), static_cast<uint32_t>((ci / Shape::kStages) & 1));
     const int chunk_first = ci * kC;
     const int tokens = min(kC, seq.length - chunk_first);
 
+    // X = S^T w^T; meanwhile u^T and the decayed state.
     float x[32];
-    // The previous chunk's output products ran through its state repack, barrier and output copy. They end here:
-    // issued while they run, X would make ptxas serialise every wgmma of the kernel (C7514), and on the in-order
-    // tensor pipe X would queue behind them anyway.
-    sm90::wgmma_wait_group<0>();
     sm90::wgmma_fence();
     wgmma_rs_m64n64k16_first(x, &sa[0], desc_k_major(base + static_cast<uint32_t>(kOffW), 0));
 #pragma unroll
@@ -986,41 +966,43 @@ __global__ void __launch_bounds__(kStateTThreads, 1) kda_chunk_state_t_kernel(St
       wgmma_rs_m64n64k16<0>(x, &sa[4 * j], desc_k_major(base + static_cast<uint32_t>(kOffW), j), 1);
     }
     sm90::wgmma_commit_group();
-    // While X runs: u^T (token acc_col(i), value acc_row(i)), two tokens a register.
-    const uint16_t* u = reinterpret_cast<const uint16_t*>(stage_base(stage) + kOffU);
-    uint32_t uv[16];
+    if (ci > 0) store_output(o_tiles + ((ci - 1) & 1) * (kC * kLdO), chunk_first - kC, kC);
+    const uint16_t* u = reinterpret_cast<const uint16_t*>(stage_base(stage) + u_offset);
+    uint32_t uv[16];  // u^T (token acc_col(i), value acc_row(i)), two tokens a register
 #pragma unroll
     for (int i = 0; i < 32; i += 2) {
       uv[i / 2] = static_cast<uint32_t>(u[acc_col(i) * kLdU + acc_row(i)]) |
                   (static_cast<uint32_t>(u[acc_col(i + 1) * kLdU + acc_row(i)]) << 16);
     }
-    sm90::wgmma_wait_group<0>();  // X, and the previous chunk's output products
-    sm90::wgmma_fence_registers(x);
-    sm90::wgmma_fence_registers(y);
-    // S^T ⊙ e^gc_last (the keys are columns), with no product in flight: ptxas makes an instruction that touches an
-    // accumulator register of a running wgmma wait for all of them.
     const float* decay = reinterpret_cast<const float*>(stage_base(stage) + kOffDecay);
+    float2 d[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) d[i] = *reinterpret_cast<const float2*>(decay + 8 * i + col0);
+    sm90::wgmma_wait_group<0>();
+    sm90::wgmma_fence_registers(x);
+    // S^T ⊙ e^gc_last (the keys are columns); v_new^T = u^T - X as bf16 A fragments (k16 step j: tokens 16 j ..).
+    // (Touching s while X runs would make ptxas wait for X there anyway.)
 #pragma unroll
     for (int i = 0; i < 64; i += 4) {
-      const float2 d = *reinterpret_cast<const float2*>(decay + 8 * (i / 4) + col0);
-      s[i] *= d.x;
-      s[i + 1] *= d.y;
-      s[i + 2] *= d.x;
-      s[i + 3] *= d.y;
+      s[i] *= d[i / 4].x;
+      s[i + 1] *= d[i / 4].y;
+      s[i + 2] *= d[i / 4].x;
+      s[i + 3] *= d[i / 4].y;
     }
+    uint32_t vn[16];
 #pragma unroll
     for (int i = 0; i < 32; i += 2) {
       const __nv_bfloat162 u2 = *reinterpret_cast<const __nv_bfloat162*>(&uv[i / 2]);
       vn[i / 2] = pack_bf16(__low2float(u2) - x[i], __high2float(u2) - x[i + 1]);
     }
-    if (ci > 0) stage_output(ci - 1);  // the previous chunk's y, complete since the wait above
+    // The update S^T += v_new^T (k e^(gc_last - gc)), then the output o^T = S^T (q e^gc)^T + v_new^T Aqk^T with the
+    // chunk's first state (sa), one group.
+    float y[32];
     sm90::wgmma_fence();
 #pragma unroll
     for (int j = 0; j < kC / 16; ++j) {
       wgmma_rs_m64n128k16_mn(s, &vn[4 * j], desc_mn_major(base + static_cast<uint32_t>(kOffKg), j));
     }
-    sm90::wgmma_commit_group();
-    sm90::wgmma_fence();
     wgmma_rs_m64n64k16_first(y, &sa[0], desc_k_major(base + static_cast<uint32_t>(kOffQg), 0));
 #pragma unroll
     for (int j = 1; j < kD / 16; ++j) {
@@ -1031,30 +1013,20 @@ __global__ void __launch_bounds__(kStateTThreads, 1) kda_chunk_state_t_kernel(St
       wgmma_rs_m64n64k16<0>(y, &vn[4 * j], desc_k_major(base + static_cast<uint32_t>(kOffAqk), j), 1);
     }
     sm90::wgmma_commit_group();
-    // One barrier a chunk: the previous chunk's tile is complete, and every product that read the previous
-    // chunk's stage has finished (the wait above), so that stage takes chunk ci + 2.
-    __syncthreads();
-    if (tid == 0 && ci + 2 < seq.num_chunks) load_stage(ci + 2);
-    if (ci > 0) store_output(o_tiles + ((ci - 1) & 1) * (kC * kLdO), chunk_first - kC, kC);
-    sm90::wgmma_wait_group<DELTASERVE_KDA_STATE_T_PENDING>();  // the update (the output products may run on)
+    sm90::wgmma_wait_group<0>();
     sm90::wgmma_fence_registers(s);
-#pragma unroll
-    for (int i = 0; i < 64; i += 2) sa_next[i / 2] = pack_bf16(s[i], s[i + 1]);
+    sm90::wgmma_fence_registers(y);
+    pack_state();
     if (p.checkpoint_interval > 0 && tokens == kC && (chunk_first + kC) % p.checkpoint_interval == 0) {
       const int entry = seq.checkpoint_first + (chunk_first + kC) / p.checkpoint_interval - 1;
       store_state(p.checkpoint_states + (static_cast<size_t>(entry) * H + h) * kD * kD + slice * kStateBv);
     }
-  };
-  for (int ci = 0; ci < seq.num_chunks; ci += 2) {
-    chunk_step(ci, sa0, sa1);
-    if (ci + 1 < seq.num_chunks) chunk_step(ci + 1, sa1, sa0);
+    bf16* tile = o_tiles + (ci & 1) * (kC * kLdO);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) tile[acc_col(i) * kLdO + acc_row(i)] = __float2bfloat16_rn(y[i]);
+    __syncthreads();  // the tile is complete; every product of this stage has finished (it takes a later chunk)
   }
-  sm90::wgmma_wait_group<0>();  // on every path: ptxas cannot tell that no product runs when there was no chunk
-  sm90::wgmma_fence_registers(y);
-  sm90::wgmma_fence_registers(s);
   if (seq.num_chunks > 0) {
-    stage_output(seq.num_chunks - 1);
-    __syncthreads();
     const int last_first = (seq.num_chunks - 1) * kC;
     store_output(o_tiles + ((seq.num_chunks - 1) & 1) * (kC * kLdO), last_first, seq.length - last_first);
   }
@@ -1099,13 +1071,17 @@ int64_t chunk_count(const std::vector<int32_t>& cu) {
   return chunks;
 }
 
-// DELTASERVE_KDA_STATE_PASS=transposed selects kda_chunk_state_t_kernel (an A/B switch while it is measured).
-bool transposed_state_pass() {
-  static const bool transposed = [] {
+// DELTASERVE_KDA_STATE_PASS selects the state pass while the transposed one is measured: unset, kda_chunk_state_kernel;
+// "transposed", kda_chunk_state_t_kernel<1> (a CTA a value slice); "transposed2", <2> (a CTA a head).
+int state_pass_choice() {
+  static const int choice = [] {
     const char* value = std::getenv("DELTASERVE_KDA_STATE_PASS");
-    return value != nullptr && std::strcmp(value, "transposed") == 0;
+    if (value == nullptr) return 0;
+    if (std::strcmp(value, "transposed") == 0) return 1;
+    if (std::strcmp(value, "transposed2") == 0) return 2;
+    return 0;
   }();
-  return transposed;
+  return choice;
 }
 
 size_t align256(size_t bytes) {
@@ -1220,8 +1196,11 @@ Status kda_chunk_prefill(const KdaPrefillParams& p, cudaStream_t stream) {
     e = cudaFuncSetAttribute(kda_chunk_state_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              static_cast<int>(kStateSmem));
     if (e != cudaSuccess) return e;
-    return cudaFuncSetAttribute(kda_chunk_state_t_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                static_cast<int>(kStateTSmem));
+    e = cudaFuncSetAttribute(kda_chunk_state_t_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(StateTShape<1>::kSmem));
+    if (e != cudaSuccess) return e;
+    return cudaFuncSetAttribute(kda_chunk_state_t_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                static_cast<int>(StateTShape<2>::kSmem));
   }();
   DS_RETURN_IF_ERROR(cuda_status(attributes, "kda_chunk_prefill: shared memory attributes"));
 
@@ -1246,10 +1225,16 @@ Status kda_chunk_prefill(const KdaPrefillParams& p, cudaStream_t stream) {
   StateArgs state{p.num_heads,           sequence_device,     data, p.initial_state, p.final_state,
                   p.checkpoint_interval, p.checkpoint_states, p.o};
   const dim3 state_grid(kD / kStateBv, static_cast<unsigned>(p.num_heads), static_cast<unsigned>(sequences));
-  if (transposed_state_pass()) {
-    kda_chunk_state_t_kernel<<<state_grid, kStateTThreads, kStateTSmem, stream>>>(state);
-  } else {
-    kda_chunk_state_kernel<<<state_grid, kStateThreads, kStateSmem, stream>>>(state);
+  switch (state_pass_choice()) {
+    case 1:
+      kda_chunk_state_t_kernel<1><<<state_grid, StateTShape<1>::kThreads, StateTShape<1>::kSmem, stream>>>(state);
+      break;
+    case 2:
+      kda_chunk_state_t_kernel<2>
+          <<<dim3(1, state_grid.y, state_grid.z), StateTShape<2>::kThreads, StateTShape<2>::kSmem, stream>>>(state);
+      break;
+    default:
+      kda_chunk_state_kernel<<<state_grid, kStateThreads, kStateSmem, stream>>>(state);
   }
   return cuda_status(cudaGetLastError(), "kda_chunk_prefill: state launch");
 }
