@@ -114,8 +114,8 @@ def main():
     emit({"kind": "peer", "name": "fla chunk_kda / fused_recurrent_kda " + getattr(fla, "__version__", "?")})
     varlen = [300, 1000, 2500, 4096, 8192, 16000]
     # "all", or a subset when one device call cannot hold every case with Triton's first compilations:
-    # "h32" (prefill at H=32), "h96+decode" (prefill at H=96, then decode).
-    subsets = {"all": (32, 96), "h32": (32,), "h96+decode": (96,)}
+    # "h32" / "h96" (prefill at H=32 / 96), "h96+decode" (prefill at H=96, then decode).
+    subsets = {"all": (32, 96), "h32": (32,), "h96": (96,), "h96+decode": (96,)}
     if what not in subsets:
         sys.exit(f"kda_fla_peer.py: unknown case set {what!r}; use one of ceilings, {', '.join(subsets)}")
     heads = subsets[what]
@@ -123,7 +123,7 @@ def main():
         for T in (4096, 16384, 65536):
             fla_prefill(chunk_kda, H, [T], f"H={H},d=128,T={T},B=1,lb=-5")
         fla_prefill(chunk_kda, H, varlen, f"H={H},d=128,varlen=300+1000+2500+4096+8192+16000,lb=-5")
-    if what == "h32":
+    if what in ("h32", "h96"):
         return
     for B in (1, 8, 64, 256):
         try:

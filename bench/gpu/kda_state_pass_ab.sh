@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# GPU machine only, from the repo root: the KDA prefill's state passes side by side in one call
-# (DELTASERVE_KDA_STATE_PASS: "default" = kda_chunk_state_kernel, "transposed" = kda_chunk_state_t_kernel<1>, a CTA a
-# value slice, "transposed2" = kda_chunk_state_t_kernel<2>, a CTA a head):
-#   1. the chunked-prefill and context-parallel GPU cases under each setting (they compare against the CPU reference);
-#   2. both kernels' times under Nsight Compute at H = 32 and H = 96, T = 16k, alternating the settings, twice;
-#   3. the whole prefill cases (`kda_gpu_bench prefill`) under each setting.
-# With GEMV=1 also bench/gpu/gemv_chain_bench (52 and 128 steps) in the same call.
+# GPU machine only, from the repo root: the KDA prefill's two state passes side by side in one call
+# (DELTASERVE_KDA_STATE_PASS: "slice" = kda_chunk_state_kernel, a CTA per value slice; "head" =
+# kda_chunk_state_head_kernel, a CTA per head; unset = the launcher's choice, per head when 2 H > SMs):
+#   1. the chunked-prefill and context-parallel GPU cases (each case runs both passes against the CPU reference);
+#   2. both kernels' times under Nsight Compute at H = 32 and H = 96, T = 16k, under each setting (REPEATS, 1);
+#   3. the whole prefill cases (`kda_gpu_bench prefill`) under each setting;
+#   4. with FLA=1 (carry .whl), fla-core's chunk_kda at H = 96 in the same call (bench/gpu/kda_fla_peer.py h96).
+# With GEMV=1 also bench/gpu/gemv_chain_bench (52 and 128 steps).
 #   bench/gpu/kda_state_pass_ab.sh OUTDIR
 set -uo pipefail
 out=${1:?usage: kda_state_pass_ab.sh OUTDIR}
@@ -23,18 +24,20 @@ if [[ "${GEMV:-0}" == 1 ]]; then
   (nvcc "${flags[@]}" bench/gpu/gemv_chain_bench.cu kernels/cuda/small_batch_gemm.cu -o build/gemv_chain \
     >"$out/gemv_build.log" 2>&1 || echo "gemv_chain build failed") &
 fi
+if [[ "${FLA:-0}" == 1 ]]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    >"$out/pip.log" 2>&1 &
+fi
 wait
 echo "built at $(($(date +%s) - start)) s"
-cases='KdaChunkPrefillGpu.*:KdaContextParallel*'
-settings="default transposed transposed2"
-for setting in $settings; do
-  DELTASERVE_KDA_STATE_PASS=$setting timeout 150 build/gpu/kernels/cuda/kernels_cuda_test --gtest_filter="$cases" \
-    >"$out/tests_$setting.log" 2>&1
-  echo "tests $setting: rc=$? $(grep -E '^\[  (PASSED|FAILED)  \]' "$out/tests_$setting.log" | tr '\n' ' ')"
-  grep -E "^\[  FAILED  \]|Failure|error|max" "$out/tests_$setting.log" | head -12 | cut -c1-220
-done
+settings="slice head"
+timeout 200 build/gpu/kernels/cuda/kernels_cuda_test --gtest_filter='KdaChunkPrefillGpu.*:KdaContextParallel*' \
+  >"$out/tests.log" 2>&1
+echo "tests: rc=$? $(grep -E '^\[  (PASSED|FAILED)  \]' "$out/tests.log" | tr '\n' ' ')"
+grep -E "^\[  FAILED  \]|Failure" "$out/tests.log" | head -12 | cut -c1-220
+grep -E "^\[ kda prefill \].*pass=head" "$out/tests.log" | tail -4 | cut -c1-160
 metric=gpu__time_duration.sum
-for repeat in 1 2; do
+for repeat in $(seq "${REPEATS:-1}"); do
   for setting in $settings; do
     for heads in 32 96; do
       times=$(DELTASERVE_KDA_STATE_PASS=$setting timeout 90 ncu --clock-control none -k regex:kda_chunk -c 2 \
@@ -64,6 +67,12 @@ for case, ms in base.items():
     cells = "".join(f"  {n} {runs[n][case]:.4f} ({ms / runs[n][case]:.3f}x)" for n in names[1:] if case in runs.get(n, {}))
     print(f"{case[:60]:60s} ms: {names[0]} {ms:.4f}{cells}")
 PY
+if [[ "${FLA:-0}" == 1 ]]; then
+  PYTHONPATH=/tmp/site timeout 240 python3 bench/gpu/kda_fla_peer.py h96 >"$out/peer.jsonl" 2>"$out/peer.err"
+  echo "fla rc=$? at $(($(date +%s) - start)) s"
+  cut -c1-200 "$out/peer.jsonl"
+  tail -3 "$out/peer.err"
+fi
 if [[ "${GEMV:-0}" == 1 && -x build/gemv_chain ]]; then
   for steps in 52 128; do timeout 120 build/gemv_chain --steps $steps >>"$out/gemv_chain.jsonl" 2>>"$out/gemv_chain.err"; done
   cat "$out/gemv_chain.err"

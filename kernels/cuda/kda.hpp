@@ -21,6 +21,8 @@ constexpr int kKdaHeadDim = 128;  // d_k = d_v; the only head size these kernels
 constexpr int kKdaChunk = 64;     // tokens per chunk of the prefill kernel (WY/UT form)
 
 // ---- chunked prefill --------------------------------------------------------------------------------------
+enum class KdaStatePass { kAuto, kPerSlice, kPerHead };
+
 struct KdaPrefillParams {
   int num_heads = 0;                // H >= 1
   int head_dim = kKdaHeadDim;       // must be 128
@@ -56,6 +58,14 @@ struct KdaPrefillParams {
 
   void* workspace = nullptr;  // device, >= kda_prefill_workspace_bytes(cu_seqlens, H), 16-byte aligned
   size_t workspace_bytes = 0;
+
+  // Which state pass runs the recurrence over the chunks (same results within the tests' tolerance):
+  //   kPerSlice: a CTA per (64 value columns, head, sequence), two warpgroups splitting the keys;
+  //   kPerHead:  a CTA per (head, sequence), a warpgroup per 64 value columns holding S^T in registers, one stage
+  //              of factors for both (half the CTAs: one wave for H up to the SM count);
+  //   kAuto:     kPerHead when 2 H CTAs would not fit on the GPU at once, else kPerSlice. The environment variable
+  //              DELTASERVE_KDA_STATE_PASS=slice|head overrides kAuto (for A/B measurements).
+  KdaStatePass state_pass = KdaStatePass::kAuto;
 };
 
 // Device scratch the prefill needs (chunk tables and the per-chunk WY/UT factors, about 74 KiB per chunk

@@ -10,7 +10,9 @@
 //      chunks on wgmma, with the state slice [128 x 64] fp32 in registers (64 keys a warpgroup): warpgroup 0
 //      computes v_new = u - w S while warpgroup 1 computes o = (q e^gc) S, then each updates its half,
 //      S = e^gc_last ⊙ S + (k e^(gc_last - gc))^T v_new, and warpgroup 1 adds Aqk v_new to o. The next chunk's
-//      factors land by bulk copy (one thread, mbarrier, 2 stages) during the current one.
+//      factors land by bulk copy (one thread, mbarrier, 2 stages) during the current one. When 2 H CTAs would not
+//      all be resident at once (H = 96), the pass per head instead (kda_chunk_state_head_kernel, below): a CTA per
+//      (head, sequence), a warpgroup per 64 value columns holding the transposed state, so H CTAs make one wave.
 // Sub-tiles of 16 tokens: pair decays are split at the row tile's start r, k_i e^(r - gc_i) and x_t e^(gc_t - r).
 // Across tiles both factors are <= 1; inside the diagonal tile the first is <= e^(16 * 5) = e^80 when the
 // per-step log-decay is >= -5, so the diagonal tiles are plain matmuls too (dense path). A chunk whose tiles
@@ -771,22 +773,24 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(State
   if (p.final_state != nullptr) store_state(p.final_state + state_offset);
 }
 
-// ---- the transposed state pass ------------------------------------------------------------------------------
+// ---- the state pass per head ----------------------------------------------------------------------------------
 //
-// The same recurrence with the state held transposed, S^T [64 values x 128 keys], by one warpgroup per (64 value
-// columns, head, sequence): every product of a chunk then has S^T or v_new^T as its A operand, and wgmma takes A
-// from registers in the accumulator layout (the fp32 accumulators of columns 16 j .. 16 j + 15, paired and rounded
-// to bf16, are k16 step j's A fragment). So a chunk needs no shared-memory round trip of S or v_new and no barrier
-// between warpgroups:
-//   X = S^T w^T, Y = S^T (q e^gc)^T                    (A = S^T as bf16, B = w / q e^gc K-major, K = 128 keys)
-//   v_new^T = u^T - X                                  (u read transposed from the stage)
-//   S^T = S^T ⊙ e^gc_last + v_new^T (k e^(gc_last - gc))  (B MN-major over both key blocks, N = 128, K = 64 tokens)
-//   o^T = Y + v_new^T Aqk^T                            (B = Aqk K-major)
-// The operands are the prep's workspace as it is (the stage layout above). On the in-order tensor pipe a chunk is
-// X, then the update, then the output products Y and Aqk v_new, which run on through the state's repack (S^T's
-// fragments are double-buffered: Y still reads the chunk's first state), the chunk's one barrier and the previous
-// output's copy; the next chunk waits for them before it issues X. o^T goes transposed into a shared-memory tile
-// and out 16 bytes a thread one chunk later. Three stages: chunk c + 2 lands while c runs.
+// The same recurrence with the state held transposed, S^T [64 values x 128 keys], by one warpgroup per 64 value
+// columns: every product of a chunk then has S^T or v_new^T as its A operand, and wgmma takes A from registers in
+// the accumulator layout (the fp32 accumulators of columns 16 j .. 16 j + 15, paired and rounded to bf16, are k16
+// step j's A fragment). So a chunk needs no shared-memory round trip of S or v_new and no barrier between the
+// warpgroups, and the two warpgroups of a head share one stage of its factors:
+//   X = S^T w^T                                         (A = S^T as bf16, B = w K-major, K = 128 keys)
+//   v_new^T = u^T - X                                   (u read transposed from the stage)
+//   S^T = S^T ⊙ e^gc_last + v_new^T (k e^(gc_last - gc))   (B MN-major over both key blocks, N = 128, K = 64 tokens)
+//   o^T = S_old^T (q e^gc)^T + v_new^T Aqk^T            (B = q e^gc, Aqk K-major; S_old: the chunk's first state)
+// The operands are the prep's workspace block as it is (the stage layout above, one bulk copy). o^T goes transposed
+// into a shared-memory tile and out, 16 bytes a thread, during the next chunk's X.
+// Measured against kda_chunk_state_kernel (H200, T = 16k, bench/results/kda_prefill_ab.jsonl): at H = 96 537 against
+// 666 us (96 CTAs: one wave instead of 192 CTAs in two), at H = 32 463 against 306 (32 CTAs on 32 SMs); a CTA per
+// value slice of this pass was no faster than kda_chunk_state_kernel (311 against 306 us at H = 32), nor was
+// leaving the output products running into the next chunk (298 against 296 us, commit 594b380). Two chains on
+// one SM take 1.8 times as long a chunk as one.
 
 // D[64 x 64] (+)= A[64 x 16] · B, A in registers (four bf16x2: the m64k16 fragment), B from shared memory
 // (kTransB = 0: K-major, 1: MN-major). accumulate == 0: D = A · B.
@@ -852,53 +856,40 @@ __device__ __forceinline__ void wgmma_rs_m64n128k16_mn(float (&d)[64], const uin
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
 
-// kGroups warpgroups a CTA, each with its own 64 value columns (kGroups = 2: both slices of a head, sharing the
-// chunk's stage, so a head's factors are read once; kGroups = 1: a CTA a slice, as kda_chunk_state_kernel).
-template <int kGroups>
-struct StateTShape {
-  static constexpr int kThreads = 128 * kGroups;
-  static constexpr size_t kStageBytes = kGroups == 2 ? kChunkBytes : kOffU + kUSliceBytes;
-  static constexpr size_t kStageStride = (kStageBytes + 1023) / 1024 * 1024;
-  static constexpr int kStages = kGroups == 2 ? 2 : 3;  // what fits: chunks c + 1 (and c + 2) land while c runs
-  static constexpr int kLdO = kStateBv + 8;             // bf16 row stride of a staged output tile (conflict-free)
-  static constexpr size_t kTileBytes = size_t{kC} * kLdO * 2;
-  static constexpr size_t kSmem = 1024 + kStages * kStageStride + 2 * kGroups * kTileBytes + kStages * sizeof(uint64_t);
-  static_assert(kSmem <= 227 * 1024, "the transposed state pass must fit one SM's shared memory");
-};
+// The pass per head: a CTA of two warpgroups per (head, sequence), warpgroup wg the value columns [64 wg, +64), both
+// reading one stage of the chunk's factors (its whole workspace block, one bulk copy).
+constexpr int kStateHeadThreads = 256;
+constexpr size_t kStateHeadStageStride = (kChunkBytes + 1023) / 1024 * 1024;
+constexpr int kStateHeadStages = 2;  // what fits: chunk c + 1 lands while c runs
+constexpr int kLdO = kStateBv + 8;   // bf16 row stride of a staged output tile (conflict-free writes)
+constexpr size_t kOTileBytes = size_t{kC} * kLdO * 2;
+constexpr size_t kStateHeadSmem =
+    1024 + kStateHeadStages * kStateHeadStageStride + 4 * kOTileBytes + kStateHeadStages * sizeof(uint64_t);
+static_assert(kStateHeadSmem <= 227 * 1024, "the state pass per head must fit one SM's shared memory");
 
-template <int kGroups>
-__global__ void __launch_bounds__(StateTShape<kGroups>::kThreads, 1) kda_chunk_state_t_kernel(StateArgs p) {
-  using Shape = StateTShape<kGroups>;
-  constexpr int kLdO = Shape::kLdO;
+__global__ void __launch_bounds__(kStateHeadThreads, 1) kda_chunk_state_head_kernel(StateArgs p) {
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024u - (smem_address(smem_raw) & 1023u)) & 1023u);  // as kda_chunk_state_kernel
   const int H = p.num_heads;
   const int h = blockIdx.y, sequence = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
-  const int slice = kGroups == 2 ? wg : static_cast<int>(blockIdx.x);
+  const int slice = wg;
   const int wg_tid = tid & 127;
   const SequenceEntry seq = p.sequences[sequence];
   // Two output tiles [64 tokens][kLdO] per warpgroup (double-buffered: chunk c's tile is copied out after the
   // barrier while chunk c + 1 writes the other one).
-  bf16* o_tiles = reinterpret_cast<bf16*>(smem + Shape::kStages * Shape::kStageStride) + wg * 2 * (kC * kLdO);
-  uint64_t* full =
-      reinterpret_cast<uint64_t*>(smem + Shape::kStages * Shape::kStageStride + 2 * kGroups * Shape::kTileBytes);
-  auto stage_base = [&](int stage) { return smem + stage * Shape::kStageStride; };
+  bf16* o_tiles = reinterpret_cast<bf16*>(smem + kStateHeadStages * kStateHeadStageStride) + wg * 2 * (kC * kLdO);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStateHeadStages * kStateHeadStageStride + 4 * kOTileBytes);
+  auto stage_base = [&](int stage) { return smem + stage * kStateHeadStageStride; };
   auto load_stage = [&](int chunk_index) {  // thread 0
-    const int stage = chunk_index % Shape::kStages;
+    const int stage = chunk_index % kStateHeadStages;
     const uint8_t* src = p.data + (static_cast<size_t>(seq.first_chunk + chunk_index) * H + h) * kChunkBytes;
     const uint32_t bar = smem_address(&full[stage]);
     const uint32_t dst = smem_address(stage_base(stage));
-    sm90::mbarrier_arrive_expect_tx(bar, static_cast<uint32_t>(Shape::kStageBytes));
-    if constexpr (kGroups == 2) {
-      bulk_copy_to_shared(dst, src, static_cast<uint32_t>(kChunkBytes), bar);  // the whole block, both u slices
-    } else {
-      bulk_copy_to_shared(dst, src, static_cast<uint32_t>(kOffU), bar);
-      bulk_copy_to_shared(dst + static_cast<uint32_t>(kOffU), src + kOffU + slice * kUSliceBytes,
-                          static_cast<uint32_t>(kUSliceBytes), bar);
-    }
+    sm90::mbarrier_arrive_expect_tx(bar, static_cast<uint32_t>(kChunkBytes));
+    bulk_copy_to_shared(dst, src, static_cast<uint32_t>(kChunkBytes), bar);  // the whole block, both u slices
   };
-  const size_t u_offset = kOffU + (kGroups == 2 ? slice * kUSliceBytes : 0);
+  const size_t u_offset = kOffU + slice * kUSliceBytes;
   // The staged output tile of the chunk starting at token `first`, its first `rows` rows, to global memory.
   auto store_output = [&](const bf16* tile, int first, int rows) {
     const int row0 = wg_tid >> 3, part = wg_tid & 7;
@@ -941,19 +932,19 @@ __global__ void __launch_bounds__(StateTShape<kGroups>::kThreads, 1) kda_chunk_s
   pack_state();
 
   if (tid == 0) {
-    for (int stage = 0; stage < Shape::kStages; ++stage) sm90::mbarrier_init(smem_address(&full[stage]), 1);
+    for (int stage = 0; stage < kStateHeadStages; ++stage) sm90::mbarrier_init(smem_address(&full[stage]), 1);
     sm90::mbarrier_init_fence();
     fence_proxy_async_global();  // the workspace was written by the prep grid with ordinary stores
-    for (int c = 0; c < min(Shape::kStages - 1, seq.num_chunks); ++c) load_stage(c);
+    for (int c = 0; c < min(kStateHeadStages - 1, seq.num_chunks); ++c) load_stage(c);
   }
   __syncthreads();
 
   for (int ci = 0; ci < seq.num_chunks; ++ci) {
-    const int stage = ci % Shape::kStages;
+    const int stage = ci % kStateHeadStages;
     // The stage of chunk ci - 1 was released by the barrier at the end of it.
-    if (tid == 0 && ci + Shape::kStages - 1 < seq.num_chunks) load_stage(ci + Shape::kStages - 1);
+    if (tid == 0 && ci + kStateHeadStages - 1 < seq.num_chunks) load_stage(ci + kStateHeadStages - 1);
     const uint32_t base = smem_address(stage_base(stage));
-    sm90::mbarrier_wait(smem_address(&full[stage]), static_cast<uint32_t>((ci / Shape::kStages) & 1));
+    sm90::mbarrier_wait(smem_address(&full[stage]), static_cast<uint32_t>((ci / kStateHeadStages) & 1));
     const int chunk_first = ci * kC;
     const int tokens = min(kC, seq.length - chunk_first);
 
@@ -1071,17 +1062,29 @@ int64_t chunk_count(const std::vector<int32_t>& cu) {
   return chunks;
 }
 
-// DELTASERVE_KDA_STATE_PASS selects the state pass while the transposed one is measured: unset, kda_chunk_state_kernel;
-// "transposed", kda_chunk_state_t_kernel<1> (a CTA a value slice); "transposed2", <2> (a CTA a head).
-int state_pass_choice() {
-  static const int choice = [] {
+// The state pass for `requested` (KdaPrefillParams::state_pass): kAuto takes DELTASERVE_KDA_STATE_PASS=slice|head
+// when set, else a CTA per head when the 2 H CTAs a sequence of the pass per slice would not all be resident at
+// once (one CTA an SM): measured on the H200 at H = 96 the pass per head takes 537 against 666 us (T = 16k), at
+// H = 32 463 against 306 (its 32 CTAs leave most SMs idle).
+KdaStatePass choose_state_pass(KdaStatePass requested, int num_heads) {
+  if (requested != KdaStatePass::kAuto) return requested;
+  static const KdaStatePass environment = [] {
     const char* value = std::getenv("DELTASERVE_KDA_STATE_PASS");
-    if (value == nullptr) return 0;
-    if (std::strcmp(value, "transposed") == 0) return 1;
-    if (std::strcmp(value, "transposed2") == 0) return 2;
-    return 0;
+    if (value != nullptr && std::strcmp(value, "slice") == 0) return KdaStatePass::kPerSlice;
+    if (value != nullptr && std::strcmp(value, "head") == 0) return KdaStatePass::kPerHead;
+    return KdaStatePass::kAuto;
   }();
-  return choice;
+  if (environment != KdaStatePass::kAuto) return environment;
+  static const int sms = [] {
+    int device = 0, count = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    return count;
+  }();
+  return sms > 0 && 2 * num_heads > sms ? KdaStatePass::kPerHead : KdaStatePass::kPerSlice;
 }
 
 size_t align256(size_t bytes) {
@@ -1196,11 +1199,8 @@ Status kda_chunk_prefill(const KdaPrefillParams& p, cudaStream_t stream) {
     e = cudaFuncSetAttribute(kda_chunk_state_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              static_cast<int>(kStateSmem));
     if (e != cudaSuccess) return e;
-    e = cudaFuncSetAttribute(kda_chunk_state_t_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(StateTShape<1>::kSmem));
-    if (e != cudaSuccess) return e;
-    return cudaFuncSetAttribute(kda_chunk_state_t_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                static_cast<int>(StateTShape<2>::kSmem));
+    return cudaFuncSetAttribute(kda_chunk_state_head_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                static_cast<int>(kStateHeadSmem));
   }();
   DS_RETURN_IF_ERROR(cuda_status(attributes, "kda_chunk_prefill: shared memory attributes"));
 
@@ -1225,16 +1225,11 @@ Status kda_chunk_prefill(const KdaPrefillParams& p, cudaStream_t stream) {
   StateArgs state{p.num_heads,           sequence_device,     data, p.initial_state, p.final_state,
                   p.checkpoint_interval, p.checkpoint_states, p.o};
   const dim3 state_grid(kD / kStateBv, static_cast<unsigned>(p.num_heads), static_cast<unsigned>(sequences));
-  switch (state_pass_choice()) {
-    case 1:
-      kda_chunk_state_t_kernel<1><<<state_grid, StateTShape<1>::kThreads, StateTShape<1>::kSmem, stream>>>(state);
-      break;
-    case 2:
-      kda_chunk_state_t_kernel<2>
-          <<<dim3(1, state_grid.y, state_grid.z), StateTShape<2>::kThreads, StateTShape<2>::kSmem, stream>>>(state);
-      break;
-    default:
-      kda_chunk_state_kernel<<<state_grid, kStateThreads, kStateSmem, stream>>>(state);
+  if (choose_state_pass(p.state_pass, p.num_heads) == KdaStatePass::kPerHead) {
+    kda_chunk_state_head_kernel<<<dim3(1, state_grid.y, state_grid.z), kStateHeadThreads, kStateHeadSmem, stream>>>(
+        state);
+  } else {
+    kda_chunk_state_kernel<<<state_grid, kStateThreads, kStateSmem, stream>>>(state);
   }
   return cuda_status(cudaGetLastError(), "kda_chunk_prefill: state launch");
 }

@@ -118,68 +118,75 @@ void run_prefill_case(const PrefillCase& c) {
   q_d.upload(padded_bf16(q));
   k_d.upload(padded_bf16(k));
   v_d.upload(padded_bf16(v));
-  o_d.upload(std::vector<__nv_bfloat16>(padded, bf16_nan()));
   g_d.upload(padded_float(g_in, padded));
   beta_d.upload(padded_float(beta, beta_d.size()));
   a_log_d.upload(a_log);
   dt_bias_d.upload(dt_bias);
   DeviceBuffer<float> initial_d(N * state_size), final_d(N * state_size);
-  initial_d.upload(initial);
-  final_d.upload(std::vector<float>(N * state_size, NAN));
   const int64_t checkpoints = kda_prefill_checkpoint_count(cu, c.checkpoint_interval);
   ASSERT_EQ(static_cast<size_t>(checkpoints) * state_size, checkpoints_ref.size());
   DeviceBuffer<float> checkpoints_d(std::max<int64_t>(checkpoints, 1) * state_size);
-  checkpoints_d.upload(std::vector<float>(checkpoints_d.size(), NAN));
   const size_t workspace_bytes = kda_prefill_workspace_bytes(cu, H);
   ASSERT_GT(workspace_bytes, 0u);
   DeviceBuffer<uint8_t> workspace(workspace_bytes);
 
-  KdaPrefillParams p;
-  p.num_heads = H;
-  p.cu_seqlens = cu;
-  p.q = q_d.get();
-  p.k = k_d.get();
-  p.v = v_d.get();
-  p.g = g_d.get();
-  p.beta = beta_d.get();
-  p.q_scale = scale;
-  p.gate_raw = c.gate == Gate::kRawBounded || c.gate == Gate::kRawSoftplus;
-  if (p.gate_raw) {
-    p.a_log = a_log_d.get();
-    p.dt_bias = dt_bias_d.get();
-    p.lower_bound = lower_bound;
-  }
-  p.initial_state = c.initial_state ? initial_d.get() : nullptr;
-  p.final_state = c.final_aliases_initial ? initial_d.get() : final_d.get();
-  p.checkpoint_interval = c.checkpoint_interval;
-  p.checkpoint_states = checkpoints > 0 ? checkpoints_d.get() : nullptr;
-  p.o = o_d.get();
-  p.workspace = workspace.get();
-  p.workspace_bytes = workspace_bytes;
-  const Status status = kda_chunk_prefill(p, nullptr);
-  ASSERT_TRUE(status.is_ok()) << status.to_string();
-  DS_CUDA_OK(cudaDeviceSynchronize());
+  // Both state passes (a CTA a value slice, a CTA a head) against the same reference, each on fresh outputs.
+  for (const KdaStatePass pass : {KdaStatePass::kPerSlice, KdaStatePass::kPerHead}) {
+    SCOPED_TRACE(pass == KdaStatePass::kPerSlice ? "state pass per value slice" : "state pass per head");
+    o_d.upload(std::vector<__nv_bfloat16>(padded, bf16_nan()));
+    initial_d.upload(initial);
+    final_d.upload(std::vector<float>(N * state_size, NAN));
+    checkpoints_d.upload(std::vector<float>(checkpoints_d.size(), NAN));
 
-  const std::vector<__nv_bfloat16> o_all = o_d.download();
-  const std::vector<float> o = to_float(o_all, static_cast<size_t>(T) * row);
-  for (size_t i = static_cast<size_t>(T) * row; i < padded; ++i) {
-    const __nv_bfloat16_raw raw(o_all[i]);
-    ASSERT_EQ(raw.x, 0x7fc1) << "o written past the last token at element " << i;
+    KdaPrefillParams p;
+    p.state_pass = pass;
+    p.num_heads = H;
+    p.cu_seqlens = cu;
+    p.q = q_d.get();
+    p.k = k_d.get();
+    p.v = v_d.get();
+    p.g = g_d.get();
+    p.beta = beta_d.get();
+    p.q_scale = scale;
+    p.gate_raw = c.gate == Gate::kRawBounded || c.gate == Gate::kRawSoftplus;
+    if (p.gate_raw) {
+      p.a_log = a_log_d.get();
+      p.dt_bias = dt_bias_d.get();
+      p.lower_bound = lower_bound;
+    }
+    p.initial_state = c.initial_state ? initial_d.get() : nullptr;
+    p.final_state = c.final_aliases_initial ? initial_d.get() : final_d.get();
+    p.checkpoint_interval = c.checkpoint_interval;
+    p.checkpoint_states = checkpoints > 0 ? checkpoints_d.get() : nullptr;
+    p.o = o_d.get();
+    p.workspace = workspace.get();
+    p.workspace_bytes = workspace_bytes;
+    const Status status = kda_chunk_prefill(p, nullptr);
+    ASSERT_TRUE(status.is_ok()) << status.to_string();
+    DS_CUDA_OK(cudaDeviceSynchronize());
+
+    const std::vector<__nv_bfloat16> o_all = o_d.download();
+    const std::vector<float> o = to_float(o_all, static_cast<size_t>(T) * row);
+    for (size_t i = static_cast<size_t>(T) * row; i < padded; ++i) {
+      const __nv_bfloat16_raw raw(o_all[i]);
+      ASSERT_EQ(raw.x, 0x7fc1) << "o written past the last token at element " << i;
+    }
+    const double o_error = T > 0 ? relative_error(o.data(), o_ref.data(), o.size()) : 0.0;
+    const std::vector<float> final_state = c.final_aliases_initial ? initial_d.download() : final_d.download();
+    const double state_error = relative_error(final_state.data(), final_ref.data(), final_state.size());
+    double checkpoint_error = 0.0;
+    if (checkpoints > 0) {
+      const std::vector<float> got = checkpoints_d.download();
+      checkpoint_error = relative_error(got.data(), checkpoints_ref.data(), checkpoints_ref.size());
+    }
+    std::printf(
+        "[ kda prefill ] T=%lld N=%lld H=%d gate=%d ckpt=%d pass=%s: o %.2e, final state %.2e, checkpoints %.2e\n",
+        static_cast<long long>(T), static_cast<long long>(N), H, static_cast<int>(c.gate), c.checkpoint_interval,
+        pass == KdaStatePass::kPerSlice ? "slice" : "head", o_error, state_error, checkpoint_error);
+    EXPECT_LE(o_error, kTolerance);
+    EXPECT_LE(state_error, kTolerance);
+    EXPECT_LE(checkpoint_error, kTolerance);
   }
-  const double o_error = T > 0 ? relative_error(o.data(), o_ref.data(), o.size()) : 0.0;
-  const std::vector<float> final_state = c.final_aliases_initial ? initial_d.download() : final_d.download();
-  const double state_error = relative_error(final_state.data(), final_ref.data(), final_state.size());
-  double checkpoint_error = 0.0;
-  if (checkpoints > 0) {
-    const std::vector<float> got = checkpoints_d.download();
-    checkpoint_error = relative_error(got.data(), checkpoints_ref.data(), checkpoints_ref.size());
-  }
-  std::printf("[ kda prefill ] T=%lld N=%lld H=%d gate=%d ckpt=%d: o %.2e, final state %.2e, checkpoints %.2e\n",
-              static_cast<long long>(T), static_cast<long long>(N), H, static_cast<int>(c.gate), c.checkpoint_interval,
-              o_error, state_error, checkpoint_error);
-  EXPECT_LE(o_error, kTolerance);
-  EXPECT_LE(state_error, kTolerance);
-  EXPECT_LE(checkpoint_error, kTolerance);
 }
 
 TEST(KdaChunkPrefillGpu, SingleToken) {
