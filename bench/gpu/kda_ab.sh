@@ -47,22 +47,7 @@ for name in "${names[@]}"; do
   [[ -x "$out/bench_$name" ]] || continue
   timeout 120 "$out/bench_$name" prefill >"$out/prefill_$name.jsonl" 2>"$out/prefill_$name.err"
 done
-python3 - "$out" "${names[@]}" <<'PY'
-import json, sys
-out, names = sys.argv[1], sys.argv[2:]
-runs = {}
-for name in names:
-    try:
-        runs[name] = {r["case"]: r["ms"] for r in map(json.loads, open(f"{out}/prefill_{name}.jsonl"))
-                      if r.get("kind") == "prefill"}
-    except (OSError, ValueError) as e:
-        print(f"{name}: no prefill results ({e})")
-base = runs.get(names[0], {})
-for case in base:
-    cells = "  ".join(f"{n} {runs[n][case]:.4f}" + (f" ({base[case] / runs[n][case]:.3f}x)" if n != names[0] else "")
-                      for n in names if case in runs.get(n, {}))
-    print(f"{case[:58]:58s} ms: {cells}")
-PY
+python3 bench/gpu/prefill_compare.py "$out" "${names[@]}"
 if [[ -n "${tests_pid:-}" ]]; then
   wait "$tests_pid" || echo "kernels_cuda_test build failed: $(tail -5 "$out/tests_build.log")"
   timeout 200 ctest --test-dir build/gpu -L gpu -R Kda -E Timing -j8 --timeout 120 >"$out/tests.log" 2>&1

@@ -52,21 +52,7 @@ for setting in $settings; do
   DELTASERVE_KDA_STATE_PASS=$setting timeout 120 build/kda_bench prefill >"$out/prefill_$setting.jsonl" \
     2>"$out/prefill_$setting.err"
 done
-python3 - "$out" $settings <<'PY'
-import json, sys
-out, names = sys.argv[1], sys.argv[2:]
-runs = {}
-for name in names:
-    try:
-        runs[name] = {r["case"]: r["ms"] for r in map(json.loads, open(f"{out}/prefill_{name}.jsonl"))
-                      if r.get("kind") == "prefill"}
-    except (OSError, ValueError) as e:
-        print(f"{name}: no prefill results ({e})")
-base = runs.get(names[0], {})
-for case, ms in base.items():
-    cells = "".join(f"  {n} {runs[n][case]:.4f} ({ms / runs[n][case]:.3f}x)" for n in names[1:] if case in runs.get(n, {}))
-    print(f"{case[:60]:60s} ms: {names[0]} {ms:.4f}{cells}")
-PY
+python3 bench/gpu/prefill_compare.py "$out" $settings
 if [[ "${FLA:-0}" == 1 ]]; then
   PYTHONPATH=/tmp/site timeout 240 python3 bench/gpu/kda_fla_peer.py h96 >"$out/peer.jsonl" 2>"$out/peer.err"
   echo "fla rc=$? at $(($(date +%s) - start)) s"
