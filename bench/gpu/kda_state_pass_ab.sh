@@ -6,7 +6,6 @@
 #   2. both kernels' times under Nsight Compute at H = 32 and H = 96, T = 16k, under each setting (REPEATS, 1);
 #   3. the whole prefill cases (`kda_gpu_bench prefill`) under each setting;
 #   4. with FLA=1 (carry .whl), fla-core's chunk_kda at H = 96 in the same call (bench/gpu/kda_fla_peer.py h96).
-# With GEMV=1 also bench/gpu/gemv_chain_bench (52 and 128 steps).
 #   bench/gpu/kda_state_pass_ab.sh OUTDIR
 set -uo pipefail
 out=${1:?usage: kda_state_pass_ab.sh OUTDIR}
@@ -20,10 +19,6 @@ flags=(-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xcudafe=--diag_supp
   echo "kernels_cuda_test build failed: $(tail -5 "$out/tests_build.log")") &
 (nvcc "${flags[@]}" bench/gpu/kda_gpu_bench.cu kernels/cuda/kda_chunk_prefill.cu kernels/cuda/kda_decode.cu \
   -o build/kda_bench >"$out/bench_build.log" 2>&1 || echo "kda_gpu_bench build failed: $(tail -3 "$out/bench_build.log")") &
-if [[ "${GEMV:-0}" == 1 ]]; then
-  (nvcc "${flags[@]}" bench/gpu/gemv_chain_bench.cu kernels/cuda/small_batch_gemm.cu -o build/gemv_chain \
-    >"$out/gemv_build.log" 2>&1 || echo "gemv_chain build failed") &
-fi
 if [[ "${FLA:-0}" == 1 ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
     >"$out/pip.log" 2>&1 &
@@ -58,10 +53,5 @@ if [[ "${FLA:-0}" == 1 ]]; then
   echo "fla rc=$? at $(($(date +%s) - start)) s"
   cut -c1-200 "$out/peer.jsonl"
   tail -3 "$out/peer.err"
-fi
-if [[ "${GEMV:-0}" == 1 && -x build/gemv_chain ]]; then
-  for steps in 52 128; do timeout 120 build/gemv_chain --steps $steps >>"$out/gemv_chain.jsonl" 2>>"$out/gemv_chain.err"; done
-  cat "$out/gemv_chain.err"
-  cut -c1-230 "$out/gemv_chain.jsonl"
 fi
 echo "total $(($(date +%s) - start)) s"

@@ -792,24 +792,22 @@ __global__ void __launch_bounds__(kStateThreads, 1) kda_chunk_state_kernel(State
 // leaving the output products running into the next chunk (298 against 296 us, commit 594b380). Two chains on
 // one SM take 1.8 times as long a chunk as one.
 
-// D[64 x 64] (+)= A[64 x 16] · B, A in registers (four bf16x2: the m64k16 fragment), B from shared memory
-// (kTransB = 0: K-major, 1: MN-major). accumulate == 0: D = A · B.
-template <int kTransB>
-__device__ __forceinline__ void wgmma_rs_m64n64k16(float (&d)[32], const uint32_t* a, uint64_t desc_b, int accumulate) {
+// D[64 x 64] += A[64 x 16] · B, A in registers (four bf16x2: the m64k16 fragment), B K-major from shared memory.
+__device__ __forceinline__ void wgmma_rs_m64n64k16(float (&d)[32], const uint32_t* a, uint64_t desc_b) {
   asm volatile(
       "{\n"
       ".reg .pred p;\n"
-      "setp.ne.b32 p, %37, 0;\n"
+      "setp.ne.b32 p, 1, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
       "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-      "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n"
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n"
       "}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
         "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
         "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
         "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate), "n"(kTransB));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
 
 // D[64 x 64] = A[64 x 16] · B (the first k16 step of a product), A in registers, B K-major. D is output-only
@@ -954,7 +952,7 @@ __global__ void __launch_bounds__(kStateHeadThreads, 1) kda_chunk_state_head_ker
     wgmma_rs_m64n64k16_first(x, &sa[0], desc_k_major(base + static_cast<uint32_t>(kOffW), 0));
 #pragma unroll
     for (int j = 1; j < kD / 16; ++j) {
-      wgmma_rs_m64n64k16<0>(x, &sa[4 * j], desc_k_major(base + static_cast<uint32_t>(kOffW), j), 1);
+      wgmma_rs_m64n64k16(x, &sa[4 * j], desc_k_major(base + static_cast<uint32_t>(kOffW), j));
     }
     sm90::wgmma_commit_group();
     if (ci > 0) store_output(o_tiles + ((ci - 1) & 1) * (kC * kLdO), chunk_first - kC, kC);
@@ -997,11 +995,11 @@ __global__ void __launch_bounds__(kStateHeadThreads, 1) kda_chunk_state_head_ker
     wgmma_rs_m64n64k16_first(y, &sa[0], desc_k_major(base + static_cast<uint32_t>(kOffQg), 0));
 #pragma unroll
     for (int j = 1; j < kD / 16; ++j) {
-      wgmma_rs_m64n64k16<0>(y, &sa[4 * j], desc_k_major(base + static_cast<uint32_t>(kOffQg), j), 1);
+      wgmma_rs_m64n64k16(y, &sa[4 * j], desc_k_major(base + static_cast<uint32_t>(kOffQg), j));
     }
 #pragma unroll
     for (int j = 0; j < kC / 16; ++j) {
-      wgmma_rs_m64n64k16<0>(y, &vn[4 * j], desc_k_major(base + static_cast<uint32_t>(kOffAqk), j), 1);
+      wgmma_rs_m64n64k16(y, &vn[4 * j], desc_k_major(base + static_cast<uint32_t>(kOffAqk), j));
     }
     sm90::wgmma_commit_group();
     sm90::wgmma_wait_group<0>();
@@ -1075,16 +1073,13 @@ KdaStatePass choose_state_pass(KdaStatePass requested, int num_heads) {
     return KdaStatePass::kAuto;
   }();
   if (environment != KdaStatePass::kAuto) return environment;
-  static const int sms = [] {
-    int device = 0, count = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return 0;
-    }
-    return count;
-  }();
-  return sms > 0 && 2 * num_heads > sms ? KdaStatePass::kPerHead : KdaStatePass::kPerSlice;
+  int device = 0, sms = 0;  // of the current device: a process may drive GPUs of different kinds
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return KdaStatePass::kPerSlice;
+  }
+  return 2 * num_heads > sms ? KdaStatePass::kPerHead : KdaStatePass::kPerSlice;
 }
 
 size_t align256(size_t bytes) {

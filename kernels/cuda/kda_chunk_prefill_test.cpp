@@ -132,7 +132,8 @@ void run_prefill_case(const PrefillCase& c) {
 
   // Both state passes (a CTA a value slice, a CTA a head) against the same reference, each on fresh outputs.
   for (const KdaStatePass pass : {KdaStatePass::kPerSlice, KdaStatePass::kPerHead}) {
-    SCOPED_TRACE(pass == KdaStatePass::kPerSlice ? "state pass per value slice" : "state pass per head");
+    const char* pass_name = pass == KdaStatePass::kPerSlice ? "slice" : "head";
+    SCOPED_TRACE(std::string("state pass per ") + pass_name);
     o_d.upload(std::vector<__nv_bfloat16>(padded, bf16_nan()));
     initial_d.upload(initial);
     final_d.upload(std::vector<float>(N * state_size, NAN));
@@ -182,7 +183,7 @@ void run_prefill_case(const PrefillCase& c) {
     std::printf(
         "[ kda prefill ] T=%lld N=%lld H=%d gate=%d ckpt=%d pass=%s: o %.2e, final state %.2e, checkpoints %.2e\n",
         static_cast<long long>(T), static_cast<long long>(N), H, static_cast<int>(c.gate), c.checkpoint_interval,
-        pass == KdaStatePass::kPerSlice ? "slice" : "head", o_error, state_error, checkpoint_error);
+        pass_name, o_error, state_error, checkpoint_error);
     EXPECT_LE(o_error, kTolerance);
     EXPECT_LE(state_error, kTolerance);
     EXPECT_LE(checkpoint_error, kTolerance);
