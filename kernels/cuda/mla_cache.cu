@@ -125,7 +125,7 @@ Status mla_write_rows(const MlaWriteParams& p, cudaStream_t stream) {
   if (p.kv == nullptr || p.norm_weight == nullptr || p.slot_mapping == nullptr) {
     return invalid_argument(w + ": kv, norm_weight or slot_mapping is null");
   }
-  if (detail::mla_resolve_decode_kernel(p.decode_kernel) == MlaDecodeKernel::kV2) {
+  if (detail::mla_resolve_decode_kernel(p.decode_kernel) != MlaDecodeKernel::kV1) {  // v2 and v3
     return launch_kernel_ex(detail::mla_pdl_from_env(), mla_write_rows_pdl_kernel,
                             dim3(static_cast<unsigned>(p.num_tokens)), dim3(kWriteThreads), 0, stream, "mla_write_rows",
                             p.pool.pages, p.pool.num_pages, p.pool.num_layers, p.pool.page_size, p.pool.row_stride,

@@ -29,8 +29,9 @@
 //                 CTAs, each merging 64 latent columns and multiplying them by its 64-column slice of W_UV, the
 //                 slices' products added in a fixed order over distributed shared memory (see the kernel). Kimi-48B,
 //                 batch 1: 256 CTAs of 24 KB instead of 32 of 192 KB (H200 Nsight, v1 combine: 14.0 us for 7.1 MB).
-// MlaDecodeKernel selects the generation (MlaAttentionParams::decode_kernel, else DELTASERVE_MLA_DECODE_KERNEL=v1|v2,
-// default v2): v1 runs steps 1, 2, 3; v2 runs 1, 2 and 3' up to 16 tokens, 3 past that. Both combines write bf16
+// MlaDecodeKernel selects the generation (MlaAttentionParams::decode_kernel, else
+// DELTASERVE_MLA_DECODE_KERNEL=v1|v2|v3, default v2): v1 runs steps 1, 2, 3; v2 runs 1, 2 and 3' up to 16 tokens, 3
+// past that; v3 is v2 with step 2 on warpgroup MMA and TMA where it applies (mla_decode_wgmma.cu; decode only). Both combines write bf16
 // instead of fp32 when MlaAttentionParams::out_bf16 is set (the rounding of the same fp32 value).
 // MlaAttentionParams::fp32_attention replaces step 2 by the fp32 CUDA-core kernel; legacy_tc_attention (or
 // DELTASERVE_MLA_TC=legacy) runs the original three kernels instead (both in mla_decode_reference.cu).
@@ -612,6 +613,17 @@ int min_split_rows() {
   return rows;
 }
 
+// Whether the current device is sm_90 (the warpgroup-MMA kernels' architecture), asked at every call.
+bool on_hopper() {
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return major == 9;
+}
+
 bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
 }
@@ -715,7 +727,8 @@ MlaDecodeKernel mla_resolve_decode_kernel(MlaDecodeKernel requested) {
   if (requested != MlaDecodeKernel::kDefault) return requested;
   static const MlaDecodeKernel from_env = [] {
     const char* e = std::getenv("DELTASERVE_MLA_DECODE_KERNEL");
-    return e != nullptr && std::string(e) == "v1" ? MlaDecodeKernel::kV1 : MlaDecodeKernel::kV2;
+    const std::string value = e != nullptr ? e : "";
+    return value == "v1" ? MlaDecodeKernel::kV1 : value == "v3" ? MlaDecodeKernel::kV3 : MlaDecodeKernel::kV2;
   }();
   return from_env;
 }
@@ -789,7 +802,7 @@ Status mla_attention_launch(const MlaAttentionParams& p, bool decode, const char
   }
   if (!decode && p.out_bf16 != nullptr) return invalid_argument(w + ": out_bf16 is for mla_decode only");
   if (p.decode_kernel != MlaDecodeKernel::kDefault && p.decode_kernel != MlaDecodeKernel::kV1 &&
-      p.decode_kernel != MlaDecodeKernel::kV2) {
+      p.decode_kernel != MlaDecodeKernel::kV2 && p.decode_kernel != MlaDecodeKernel::kV3) {
     return invalid_argument(w + ": unknown decode_kernel " + std::to_string(static_cast<int>(p.decode_kernel)));
   }
   if (p.num_tokens == 0) return Status::ok();
@@ -833,6 +846,7 @@ Status mla_attention_launch(const MlaAttentionParams& p, bool decode, const char
   if (p.legacy_tc_attention || legacy_tc_from_env()) return launch_mla_legacy(p, args, q_tilde, scale, stream, who);
 
   const int64_t T = p.num_tokens;
+  const MlaDecodeKernel generation = mla_resolve_decode_kernel(p.decode_kernel);
   const size_t absorb_smem = absorb_smem_bytes(p.qk_nope);
   if (Status s = set_smem(reinterpret_cast<const void*>(mla_absorb_kernel), absorb_smem, who); !s.is_ok()) return s;
   const dim3 absorb_grid(static_cast<unsigned>((T + kAbsorbTokens - 1) / kAbsorbTokens),
@@ -851,17 +865,21 @@ Status mla_attention_launch(const MlaAttentionParams& p, bool decode, const char
   } else {
     args.head_group = mla_decode_head_group(T, p.num_heads, p.max_context);
     const detail::WUvPrefetch w_uv{T <= 16 ? p.kv_b : nullptr, p.qk_nope, p.v_head};
-    const size_t smem = attn_layout(p.kv_lora_rank + p.qk_rope).total;
-    const bool two_m_tiles = args.head_group > 16;
-    void (*kernel)(MlaAttentionArgs, detail::WUvPrefetch) =
-        two_m_tiles ? mla_split_attention_mma_kernel<2> : mla_split_attention_mma_kernel<1>;
-    if (Status s = set_smem(reinterpret_cast<const void*>(kernel), smem, who); !s.is_ok()) return s;
-    const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>(splits),
-                    static_cast<unsigned>((p.num_heads + args.head_group - 1) / args.head_group));
-    if (Status s = launch_with_pdl(kernel, grid, kAttnThreads, smem, stream, who, args, w_uv); !s.is_ok()) return s;
+    if (decode && generation == MlaDecodeKernel::kV3 && mla_wgmma_decode_supported(args) && on_hopper()) {
+      if (Status s = launch_mla_wgmma_decode(args, w_uv, T, mla_pdl_from_env(), stream, who); !s.is_ok()) return s;
+    } else {
+      const size_t smem = attn_layout(p.kv_lora_rank + p.qk_rope).total;
+      const bool two_m_tiles = args.head_group > 16;
+      void (*kernel)(MlaAttentionArgs, detail::WUvPrefetch) =
+          two_m_tiles ? mla_split_attention_mma_kernel<2> : mla_split_attention_mma_kernel<1>;
+      if (Status s = set_smem(reinterpret_cast<const void*>(kernel), smem, who); !s.is_ok()) return s;
+      const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>(splits),
+                      static_cast<unsigned>((p.num_heads + args.head_group - 1) / args.head_group));
+      if (Status s = launch_with_pdl(kernel, grid, kAttnThreads, smem, stream, who, args, w_uv); !s.is_ok()) return s;
+    }
   }
 
-  if (mla_resolve_decode_kernel(p.decode_kernel) == MlaDecodeKernel::kV2 && T <= kMlaSplitKCombineMaxTokens) {
+  if (generation != MlaDecodeKernel::kV1 && T <= kMlaSplitKCombineMaxTokens) {
     return launch_split_k_combine(p, args, T, stream, who);
   }
   const size_t combine_smem = combine_smem_bytes();

@@ -1,9 +1,12 @@
-// Body of the default split-attention kernel of mla_decode.cu (included there only; see its file comment, step 2).
+// Body of the mma.sync split-attention kernel of mla_decode.cu (see its file comment, step 2) and the helpers the
+// warpgroup-MMA kernel of mla_decode_wgmma.cu shares with it (the slice of a split, the W_UV prefetch).
 #pragma once
 
 #include <cstdint>
 
 #include <cuda_bf16.h>
+
+#include "common/status.hpp"
 
 #include "kernels/cuda/mla.hpp"
 #include "kernels/cuda/mla_attention.cuh"
@@ -71,9 +74,10 @@ struct Slice {
   int64_t row_begin, row_end;  // context rows of this split
 };
 
-// Rows of token t's visible context that split `split` covers: equal slices, whole tiles each (the last split
-// may be shorter or empty).
-__device__ __forceinline__ Slice attention_slice(const MlaAttentionArgs& a, int64_t t, int split) {
+// Rows of token t's visible context that split `split` covers: equal slices, whole tiles of `tile_rows` each (the
+// last split may be shorter or empty).
+__device__ __forceinline__ Slice attention_slice(const MlaAttentionArgs& a, int64_t t, int split,
+                                                 int tile_rows = kAttnRows) {
   Slice s;
   s.n = find_sequence(a.cu_q, a.num_seqs, t);
   const int64_t q_begin = a.cu_q[s.n];
@@ -82,7 +86,7 @@ __device__ __forceinline__ Slice attention_slice(const MlaAttentionArgs& a, int6
   int64_t visible = context - q_len + (t - q_begin) + 1;  // rows 0 .. position
   visible = mla_i64_max(0, mla_i64_min(visible, static_cast<int64_t>(a.max_pages_per_seq) * a.page_size));
   int64_t per_split = (visible + a.splits - 1) / a.splits;
-  per_split = (per_split + kAttnRows - 1) / kAttnRows * kAttnRows;
+  per_split = (per_split + tile_rows - 1) / tile_rows * tile_rows;
   s.row_begin = mla_i64_min(visible, per_split * split);
   s.row_end = mla_i64_min(visible, s.row_begin + per_split);
   return s;
@@ -125,6 +129,13 @@ struct WUvPrefetch {
   const __nv_bfloat16* kv_b;  // nullptr: no prefetch
   int nope, v_head;
 };
+
+// The split attention on warpgroup MMA and TMA (mla_decode_wgmma.cu, MlaDecodeKernel::kV3): whether it covers
+// these arguments (args.head_group as mla_decode_head_group chose it), and its launch (same grid, workspace and
+// partials as mla_split_attention_mma_kernel; `pdl`: programmatic dependent launch). Hopper only.
+bool mla_wgmma_decode_supported(const MlaAttentionArgs& args);
+Status launch_mla_wgmma_decode(const MlaAttentionArgs& args, const WUvPrefetch& w_uv, int64_t num_tokens, bool pdl,
+                               cudaStream_t stream, const char* who);
 
 // Hints W_UV of heads [h0, h0 + heads) into L2, this split's share of its 128-byte lines.
 __device__ __forceinline__ void prefetch_w_uv(const MlaAttentionArgs& a, const WUvPrefetch& w, int h0, int heads,

@@ -375,22 +375,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// The driver's cuTensorMapEncodeTiled through the runtime (no link against libcuda); null where unavailable.
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 encoder = [] {
-    void* function = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      function = nullptr;
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(function);
-  }();
-  return encoder;
-}
-
 // A 2-D bf16 tensor of `rows` rows x `columns` columns (row pitch columns * 2 bytes) read in boxes of kKTile rows x
 // 64 columns, 128-byte swizzled; elements past the tensor read as zeros.
 bool encode_rows_map(PFN_cuTensorMapEncodeTiled_v12000 encode, CUtensorMap* map, const void* base, uint64_t columns,
@@ -411,6 +395,21 @@ bool ping_pong_chosen() {
 }
 
 }  // namespace
+
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encoder = [] {
+    void* function = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      function = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(function);
+  }();
+  return encoder;
+}
 
 bool mla_wgmma_prefill_supported(int nope, int rope, int v_head, const void* q, int64_t q_stride) {
   return nope == kNope && rope == kRope && v_head == kVHead && (reinterpret_cast<uintptr_t>(q) & 15u) == 0 &&

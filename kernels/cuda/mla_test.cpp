@@ -240,16 +240,18 @@ void check_attention(const MlaShape& shape, const Batch& batch, uint32_t seed) {
   std::vector<float> decode_out;     // mla_decode v1 on tensor cores, launched directly (mode 0)
   std::vector<float> decode_v2_out;  // the same on the v2 kernels (mode 9): the graph replay must match it bitwise
   std::vector<float> legacy_out;     // mode 6
+  std::vector<float> decode_v3_out;  // mode 13: mla_decode on the v3 attention (warpgroup MMA where it applies)
   std::vector<float> naive_v2_out;   // mode 4's output: mode 8 (the v1 flash kernel) must match it bitwise
-  for (int mode = 0; mode < 13; ++mode) {
+  for (int mode = 0; mode < 15; ++mode) {
     // 0, 1: mla_decode tensor-core (v1 kernels) / fp32; 2, 3: mla_prefill absorbed tensor-core / fp32; 4:
     // mla_prefill naive (forced, own workspace); 5: mla_prefill kAuto with the host tables and the absorbed-sized
     // workspace; 6, 7: mla_decode / mla_prefill absorbed on the legacy tensor-core kernel (legacy_tc_attention, the
     // bypass of the default one); 8: mla_prefill naive forced on the v1 flash kernel (mode 4 runs v2 explicitly);
     // 9: mla_decode on the v2 kernels (within 2e-4 + 1e-3 |v1| of mode 0: only the W_UV product's summation order
     // differs); 10, 11, 12: mla_decode v2 / v1 / legacy with the bf16 output (out null), bitwise the bf16 rounding
-    // of modes 9 / 0 / 6.
-    const bool bf16_out = mode >= 10;
+    // of modes 9 / 0 / 6; 13, 14: mla_decode v3 (the split attention on warpgroup MMA at Kimi dims, v2's elsewhere)
+    // with the fp32 and the bf16 output (14 bitwise the rounding of 13).
+    const bool bf16_out = (mode >= 10 && mode <= 12) || mode == 14;
     const bool decode = mode < 2 || mode == 6 || mode >= 9, fp32 = mode < 4 && (mode % 2) == 1;
     const bool host_tables = mode == 4 || mode == 5 || mode == 8;
     const bool naive_forced = mode == 4 || mode == 8;
@@ -267,7 +269,9 @@ void check_attention(const MlaShape& shape, const Batch& batch, uint32_t seed) {
                            "mla_decode tensor-core v2",
                            "mla_decode tensor-core v2 bf16 out",
                            "mla_decode tensor-core v1 bf16 out",
-                           "mla_decode tensor-core legacy bf16 out"};
+                           "mla_decode tensor-core legacy bf16 out",
+                           "mla_decode tensor-core v3",
+                           "mla_decode tensor-core v3 bf16 out"};
     const std::string name = names[mode];
     SCOPED_TRACE(name);
     out_d.upload(std::vector<float>(out_size + out_pad, NAN));
@@ -276,6 +280,7 @@ void check_attention(const MlaShape& shape, const Batch& batch, uint32_t seed) {
     p.out_bf16 = bf16_out ? out_bf16_d.get() : nullptr;
     p.decode_kernel = mode == 0 || mode == 11   ? MlaDecodeKernel::kV1
                       : mode == 9 || mode == 10 ? MlaDecodeKernel::kV2
+                      : mode >= 13              ? MlaDecodeKernel::kV3
                                                 : MlaDecodeKernel::kDefault;
     p.fp32_attention = fp32;
     p.legacy_tc_attention = mode == 6 || mode == 7 || mode == 12;
@@ -297,7 +302,10 @@ void check_attention(const MlaShape& shape, const Batch& batch, uint32_t seed) {
         ASSERT_TRUE(std::isnan(out[i])) << "fp32 out written at " << i << " while out_bf16 is set";
       }
       const std::vector<__nv_bfloat16> out_bf16 = out_bf16_d.download();
-      const std::vector<float>& fp32_run = mode == 10 ? decode_v2_out : mode == 11 ? decode_out : legacy_out;
+      const std::vector<float>& fp32_run = mode == 10   ? decode_v2_out
+                                           : mode == 11 ? decode_out
+                                           : mode == 14 ? decode_v3_out
+                                                        : legacy_out;
       ASSERT_GE(fp32_run.size(), out_size);
       size_t differing = 0;
       for (size_t i = 0; i < out.size(); ++i) {
@@ -314,6 +322,15 @@ void check_attention(const MlaShape& shape, const Batch& batch, uint32_t seed) {
     if (mode == 0) decode_out = out;
     if (mode == 4) naive_v2_out = out;
     if (mode == 6) legacy_out = out;
+    if (mode == 13) {
+      decode_v3_out = out;
+      double max_diff = 0.0;
+      for (size_t i = 0; i < out_size; ++i) {
+        const double diff = std::fabs(static_cast<double>(out[i]) - decode_v2_out[i]);
+        max_diff = std::isfinite(diff) ? std::max(max_diff, diff) : INFINITY;
+      }
+      std::printf("  [v3 vs v2] max abs diff %.3g\n", max_diff);  // the CPU reference below is the check
+    }
     if (mode == 8) expect_bitwise_equal_v1_v2(out, naive_v2_out, out_size, H, v_head, cu_q);
     if (mode == 9) {
       decode_v2_out = out;
@@ -360,14 +377,21 @@ void check_attention(const MlaShape& shape, const Batch& batch, uint32_t seed) {
     p.legacy_tc_attention = false;
     p.workspace = ws_d.get();
     p.workspace_bytes = ws_bytes;
-    ASSERT_NO_FATAL_FAILURE(
-        replay_captured(stream, cudaStreamCaptureModeGlobal, 2, [&](cudaStream_t s) { return mla_decode(p, s); }));
-    const std::vector<float> out = out_d.download();
-    cudaStreamDestroy(stream);
-    for (size_t i = 0; i < out_size; ++i) {
-      ASSERT_EQ(std::memcmp(&out[i], &decode_v2_out[i], sizeof(float)), 0)
-          << "graph replay differs at " << i << ": " << out[i] << " vs " << decode_v2_out[i];
+    for (MlaDecodeKernel kernel : {MlaDecodeKernel::kV2, MlaDecodeKernel::kV3}) {
+      const bool v3 = kernel == MlaDecodeKernel::kV3;
+      SCOPED_TRACE(v3 ? "v3" : "v2");
+      out_d.upload(std::vector<float>(out_size + out_pad, NAN));
+      p.decode_kernel = kernel;
+      ASSERT_NO_FATAL_FAILURE(
+          replay_captured(stream, cudaStreamCaptureModeGlobal, 2, [&](cudaStream_t s) { return mla_decode(p, s); }));
+      const std::vector<float> out = out_d.download();
+      const std::vector<float>& direct = v3 ? decode_v3_out : decode_v2_out;
+      for (size_t i = 0; i < out_size; ++i) {
+        ASSERT_EQ(std::memcmp(&out[i], &direct[i], sizeof(float)), 0)
+            << "graph replay differs at " << i << ": " << out[i] << " vs " << direct[i];
+      }
     }
+    cudaStreamDestroy(stream);
   }
 }
 
@@ -833,7 +857,7 @@ TEST(MlaAttentionValidation, RejectsBadHostInputs) {
       {"workspace small", [](MlaAttentionParams& p) { p.workspace_bytes -= 1; }},
       {"workspace misaligned", [](MlaAttentionParams& p) { p.workspace = fake_device<void>(4100); }},
       {"kv_b misaligned", [](MlaAttentionParams& p) { p.kv_b = fake_device<__nv_bfloat16>(4104); }},
-      {"decode_kernel 3", [](MlaAttentionParams& p) { p.decode_kernel = static_cast<MlaDecodeKernel>(3); }},
+      {"decode_kernel 4", [](MlaAttentionParams& p) { p.decode_kernel = static_cast<MlaDecodeKernel>(4); }},
   };
   for (const Bad& bad : cases) {
     MlaAttentionParams p = valid_attention_params();
