@@ -3,6 +3,7 @@
 # (bench/gpu/engine_bench.cpp) on Kimi-Linear-48B with random weights and on two K3-shaped layers (KDA + MLA, both
 # MoE: 896 experts do not leave room for more on one GPU). Output: OUTDIR/engine_gpu.jsonl (bench/results format).
 #   bench/gpu/engine.sh OUTDIR COMMIT DATE
+# PREFILL=0 skips the 48B prefill runs (for a change that touches decode only; their records then stay as they were).
 set -uo pipefail
 out=${1:-/tmp/engine-out}
 commit=${2:-unknown}
@@ -19,7 +20,9 @@ timeout 330 "$bin" --config tests/data/configs/kimi-linear-48b-a3b.config.json -
   --batches 1,2,4,8,32,128,256 --prompts "" "${common[@]}" \
   >"$out/engine_48b.jsonl" 2>"$out/engine_48b.err"
 echo "rc=$?"; cat "$out/engine_48b.err"
-for chunk in 16384 32768; do
+chunks="16384 32768"
+[[ "${PREFILL:-1}" == 0 ]] && chunks=""
+for chunk in $chunks; do
   echo "== Kimi-Linear-48B (random weights): prefill, $chunk-token passes"
   timeout 200 "$bin" --config tests/data/configs/kimi-linear-48b-a3b.config.json --label kimi-linear-48b \
     --contexts "" --prompts 4096,32768,131072 --prefill-chunk $chunk --no-ceilings "${common[@]}" \
@@ -31,5 +34,6 @@ timeout 150 "$bin" --config tests/data/configs/kimi-k3-shape.config.json --kinds
   --label k3-2-layers --no-ceilings --prompts 4096,32768 --memory-fraction 0.95 "${common[@]}" \
   >"$out/engine_k3.jsonl" 2>"$out/engine_k3.err"
 echo "rc=$?"; cat "$out/engine_k3.err"
-cat "$out/engine_48b.jsonl" "$out/engine_48b_prefill_16384.jsonl" "$out/engine_48b_prefill_32768.jsonl" \
-  "$out/engine_k3.jsonl" >"$out/engine_gpu.jsonl"
+for f in engine_48b engine_48b_prefill_16384 engine_48b_prefill_32768 engine_k3; do
+  [[ -f "$out/$f.jsonl" ]] && cat "$out/$f.jsonl"
+done >"$out/engine_gpu.jsonl"

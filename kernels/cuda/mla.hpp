@@ -51,7 +51,7 @@ struct MlaPagePool {
 // v3: v2 with the split attention on Hopper warpgroup MMA and TMA (mla_decode_wgmma.cu: 64-row tiles by TMA from
 // the pages, the head group on the MMA's N side); where it does not apply (kv_lora or kv_lora + rope not a multiple
 // of 64, not sm_90) v3 runs v2. v3 agrees with v2 up to rounding (summation order of the scores and P·rows).
-// kDefault: the environment variable DELTASERVE_MLA_DECODE_KERNEL=v1|v2|v3 (read once per process) if set, else v2.
+// kDefault: the environment variable DELTASERVE_MLA_DECODE_KERNEL=v1|v2|v3 (read once per process) if set, else v3.
 enum class MlaDecodeKernel : int { kDefault = 0, kV1 = 1, kV2 = 2, kV3 = 3 };
 constexpr int kMlaSplitKCombineMaxTokens = 16;
 

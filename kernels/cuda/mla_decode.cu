@@ -30,8 +30,10 @@
 //                 slices' products added in a fixed order over distributed shared memory (see the kernel). Kimi-48B,
 //                 batch 1: 256 CTAs of 24 KB instead of 32 of 192 KB (H200 Nsight, v1 combine: 14.0 us for 7.1 MB).
 // MlaDecodeKernel selects the generation (MlaAttentionParams::decode_kernel, else
-// DELTASERVE_MLA_DECODE_KERNEL=v1|v2|v3, default v2): v1 runs steps 1, 2, 3; v2 runs 1, 2 and 3' up to 16 tokens, 3
-// past that; v3 is v2 with step 2 on warpgroup MMA and TMA where it applies (mla_decode_wgmma.cu; decode only). Both combines write bf16
+// DELTASERVE_MLA_DECODE_KERNEL=v1|v2|v3, default v3): v1 runs steps 1, 2, 3; v2 runs 1, 2 and 3' up to 16 tokens, 3
+// past that; v3 is v2 with step 2 on warpgroup MMA and TMA where it applies (mla_decode_wgmma.cu; decode only; H200,
+// Kimi-48B dims, MlaDecodeGpu.Timing 2026-12-02: 0.85-0.87 of the byte limit at B >= 64 and context 32k against
+// v2's 0.35-0.36, 43 against 66 us at B = 1). Both combines write bf16
 // instead of fp32 when MlaAttentionParams::out_bf16 is set (the rounding of the same fp32 value).
 // MlaAttentionParams::fp32_attention replaces step 2 by the fp32 CUDA-core kernel; legacy_tc_attention (or
 // DELTASERVE_MLA_TC=legacy) runs the original three kernels instead (both in mla_decode_reference.cu).
@@ -728,7 +730,7 @@ MlaDecodeKernel mla_resolve_decode_kernel(MlaDecodeKernel requested) {
   static const MlaDecodeKernel from_env = [] {
     const char* e = std::getenv("DELTASERVE_MLA_DECODE_KERNEL");
     const std::string value = e != nullptr ? e : "";
-    return value == "v1" ? MlaDecodeKernel::kV1 : value == "v3" ? MlaDecodeKernel::kV3 : MlaDecodeKernel::kV2;
+    return value == "v1" ? MlaDecodeKernel::kV1 : value == "v2" ? MlaDecodeKernel::kV2 : MlaDecodeKernel::kV3;
   }();
   return from_env;
 }
