@@ -152,17 +152,6 @@ Result<std::shared_ptr<Backend>> make_backend(const ModelConfig& config, const W
 
   DS_CUDA_RETURN(cudaSetDevice(options.device));
   DS_CUDA_RETURN(cudaFree(nullptr));  // creates the context, so cudaMemGetInfo sees its cost
-  // A measurement switch: the device-wide L1 / shared-memory split preferred for kernels that set none (all of ours).
-  // An SM runs CTAs of two kernels at once only under one split, so a programmatically launched kernel with little
-  // shared memory may wait for the SMs of a large-shared-memory kernel before it unless both prefer shared memory.
-  if (const char* preference = std::getenv("DELTASERVE_CUDA_SMEM_PREFERENCE"); preference != nullptr) {
-    const std::string value = preference;
-    const cudaFuncCache config = value == "shared" ? cudaFuncCachePreferShared
-                                 : value == "l1"   ? cudaFuncCachePreferL1
-                                 : value == "equal" ? cudaFuncCachePreferEqual
-                                                    : cudaFuncCachePreferNone;
-    DS_CUDA_RETURN(cudaDeviceSetCacheConfig(config));
-  }
   cudaDeviceProp props{};
   DS_CUDA_RETURN(cudaGetDeviceProperties(&props, options.device));
   impl->device_name = "cuda:" + std::to_string(options.device) + " (" + props.name + ")";
