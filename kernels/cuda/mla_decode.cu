@@ -642,13 +642,6 @@ Status launch_with_pdl(void (*kernel)(Params...), dim3 grid, int threads, size_t
 Status launch_split_k_combine(const MlaAttentionParams& p, const MlaAttentionArgs& args, int64_t num_tokens,
                               cudaStream_t stream, const char* who) {
   const unsigned slices = static_cast<unsigned>((p.kv_lora_rank + kSkCols - 1) / kSkCols);
-  // Measurement switch: the kernel's preferred shared-memory carveout (percent), so that its CTAs may share SMs with
-  // the attention kernel's (an SM runs CTAs of two kernels only under one L1 / shared-memory split).
-  if (const char* carveout = std::getenv("DELTASERVE_MLA_COMBINE_CARVEOUT"); carveout != nullptr) {
-    (void)cudaFuncSetAttribute(mla_combine_split_k_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                               std::atoi(carveout));
-    (void)cudaGetLastError();
-  }
   cudaLaunchAttribute attributes[2] = {};
   attributes[0].id = cudaLaunchAttributeClusterDimension;
   attributes[0].val.clusterDim.x = slices;

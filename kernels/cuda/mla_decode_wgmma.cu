@@ -17,7 +17,6 @@
 // Supported: kv_lora 512 and rope 64 (Kimi Linear and K3; every loop then has a fixed trip count, which keeps the
 // warpgroup MMAs pipelined), a pool of < 2^31 rows. Elsewhere (the tiny test models) mla_decode runs v2's kernel.
 #include <algorithm>
-#include <cstdlib>
 #include <string>
 
 #include <cuda.h>
@@ -417,12 +416,7 @@ Status launch_mla_wgmma_decode(const MlaAttentionArgs& args, const WUvPrefetch& 
              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
     return internal_error(w + ": cuTensorMapEncodeTiled failed for the page pool");
   }
-  int group = args.head_group <= 8 ? 8 : args.head_group <= 16 ? 16 : 32;
-  // Measurement switch: heads per CTA 8, 16 or 32 instead of mla_decode_head_group's choice.
-  if (const char* forced = std::getenv("DELTASERVE_MLA_V3_GROUP"); forced != nullptr) {
-    const int value = std::atoi(forced);
-    if (value == 8 || value == 16 || value == 32) group = value;
-  }
+  const int group = args.head_group <= 8 ? 8 : args.head_group <= 16 ? 16 : 32;
   kernel_args.a.head_group = group;
   void (*kernel)(const CUtensorMap, const DecodeWgmmaArgs) = group == 8    ? mla_split_attention_wgmma_kernel<8>
                                                              : group == 16 ? mla_split_attention_wgmma_kernel<16>
