@@ -197,10 +197,9 @@ size_t mla_prefill_workspace_bytes(int num_heads, int kv_lora_rank, int qk_nope,
 // Context splits the attention kernels use for a batch of num_tokens query tokens with contexts up to max_context:
 // at least 128 rows per split (DELTASERVE_MLA_MIN_SPLIT_ROWS=32|64|256 changes that for the process: an A/B knob),
 // and about one wave of (token, split) CTAs on the 132 SMs (1 at 132 tokens and more; Kimi-48B ctx 4096: 32 at
-// T <= 4, 16 at T = 8, 2 at T = 64; ctx 32768: 128 at T = 1); at most kMlaMaxSplits (DELTASERVE_MLA_MAX_SPLITS=N
-// lowers that for the process: an A/B knob). Exposed for tests and benchmarks; mla_attention_workspace_bytes accounts
-// for it.
-constexpr int kMlaMaxSplits = 128;
+// T <= 4, 16 at T = 8, 2 at T = 64); at most kMlaMaxSplits. Exposed for tests and benchmarks;
+// mla_attention_workspace_bytes accounts for it.
+constexpr int kMlaMaxSplits = 64;
 int mla_num_splits(int64_t num_tokens, int max_context);
 // Heads per CTA of the default tensor-core attention kernel: 32, or 16 or 8 where num_tokens x splits x head groups
 // would leave most SMs idle (Kimi-48B ctx 4096: 8 at T = 1, 16 at T = 2, 32 from T = 4), capped at num_heads.

@@ -61,15 +61,14 @@ __device__ __forceinline__ float mla_warp_max(float x) {
   return x;
 }
 
-// Combine weights of the context splits of (token t, head h), one warp (lane holds splits lane, lane + 32, ..., up
-// to kMlaMaxSplits): softmax over the splits' (running max, sum) partials in base 2; weight[s] for s < splits, 0 for
-// empty splits (sum 0) and all 0 when every split is empty.
+// Combine weights of the context splits of (token t, head h), one warp (lane holds splits lane and lane + 32, up
+// to kMlaMaxSplits = 64): softmax over the splits' (running max, sum) partials in base 2; weight[s] for s < splits,
+// 0 for empty splits (sum 0) and all 0 when every split is empty.
 __device__ __forceinline__ void mla_split_weights(const float2* partial_ml, int64_t t, int h, int num_heads, int splits,
                                                   int lane, float* weight) {
-  constexpr int kPerLane = kMlaMaxSplits / 32;
-  float m[kPerLane], l[kPerLane];
+  float m[2], l[2];
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
+  for (int i = 0; i < 2; ++i) {
     const int s = lane + 32 * i;
     m[i] = -INFINITY;
     l[i] = 0.0f;
@@ -81,20 +80,14 @@ __device__ __forceinline__ void mla_split_weights(const float2* partial_ml, int6
       }
     }
   }
-  float m_lane = m[0];
+  const float m_max = mla_warp_max(fmaxf(m[0], m[1]));
+  float w[2];
 #pragma unroll
-  for (int i = 1; i < kPerLane; ++i) m_lane = fmaxf(m_lane, m[i]);
-  const float m_max = mla_warp_max(m_lane);
-  float w[kPerLane], total_lane = 0.0f;
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    w[i] = l[i] > 0.0f ? exp2f(m[i] - m_max) : 0.0f;
-    total_lane += w[i] * l[i];
-  }
-  const float total = mla_warp_sum(total_lane);
+  for (int i = 0; i < 2; ++i) w[i] = l[i] > 0.0f ? exp2f(m[i] - m_max) : 0.0f;
+  const float total = mla_warp_sum(w[0] * l[0] + w[1] * l[1]);
   const float inv = total > 0.0f ? 1.0f / total : 0.0f;
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
+  for (int i = 0; i < 2; ++i) {
     const int s = lane + 32 * i;
     if (s < splits) weight[s] = w[i] * inv;
   }

@@ -430,7 +430,7 @@ constexpr int kSkLd = kSkCols + 4;                       // floats per latent ro
 constexpr int kSkLdProd = kMlaMaxVHead + 8;              // floats per partial-product row
 constexpr int kSkParts = 16;                             // split partitions of the merge: the lanes of a half warp
 constexpr int kSkSplitSlots = kMlaMaxSplits / kSkParts;  // splits per partition at most
-constexpr int kSkTokenStep = 2;                          // tokens whose partial loads are in flight together
+constexpr int kSkTokenStep = 4;                          // tokens whose partial loads are in flight together
 constexpr int kSkVRounds = (kMlaMaxVHead / 16 + kSkWarps - 1) / kSkWarps;  // 16-row W_UV blocks per warp at most
 static_assert(kSkParts * (kSkCols / 4) == kSkThreads, "merge: one (column quad, partition) per thread");
 static_assert(kSkMaxSlices <= 8, "portable cluster size");
@@ -626,17 +626,6 @@ bool on_hopper() {
   return major == 9;
 }
 
-// Splits at most: kMlaMaxSplits, or DELTASERVE_MLA_MAX_SPLITS = 1 .. kMlaMaxSplits (read once per process; other
-// values are ignored): the A/B knob for the cap.
-int max_splits() {
-  static const int cap = [] {
-    const char* e = std::getenv("DELTASERVE_MLA_MAX_SPLITS");
-    const int value = e != nullptr ? std::atoi(e) : 0;
-    return value >= 1 && value <= kMlaMaxSplits ? value : kMlaMaxSplits;
-  }();
-  return cap;
-}
-
 bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
 }
@@ -705,7 +694,7 @@ int mla_num_splits(int64_t num_tokens, int max_context) {
   // choice shared with the workspace size, so the per-call legacy_tc_attention flag does not change it.
   const int64_t by_length = (static_cast<int64_t>(max_context) + min_split_rows() - 1) / min_split_rows();
   const int64_t by_occupancy = std::max<int64_t>(1, kSms / num_tokens);
-  return static_cast<int>(std::clamp<int64_t>(std::min(by_length, by_occupancy), 1, max_splits()));
+  return static_cast<int>(std::clamp<int64_t>(std::min(by_length, by_occupancy), 1, kMlaMaxSplits));
 }
 
 int mla_decode_head_group(int64_t num_tokens, int num_heads, int max_context) {
