@@ -517,6 +517,15 @@ TEST(MlaDecode, Kimi48BV2BatchesAndContexts) {
   check_attention(kKimi48B, decode_batch(std::vector<int>(64, 512)), 364);
 }
 
+TEST(MlaDecode, LongContextsOverManySplits) {
+  // Every split in use: one token over 20000 rows (64 splits of 320 rows, the last one empty), two tokens over 20000
+  // and 9000 (64 splits each).
+  ASSERT_EQ(mla_num_splits(1, 20000), 64);
+  ASSERT_EQ(mla_num_splits(2, 20000), 64);
+  check_attention(kKimi48B, decode_batch({20000}), 29);
+  check_attention(kKimi48B, decode_batch({20000, 9000}), 30);
+}
+
 TEST(MlaDecode, V2SplitKOddShapes) {
   // Slices of the split-K combine: kv_lora 96 -> 2 CTAs a cluster (the second one half empty), v_head 40 -> 3 W_UV
   // blocks; kv_lora 32 -> clusters of 1; K3's 96 heads; 8 tokens over several splits each.
