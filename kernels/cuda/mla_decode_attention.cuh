@@ -7,7 +7,6 @@
 #include <cuda_bf16.h>
 
 #include "common/status.hpp"
-
 #include "kernels/cuda/mla.hpp"
 #include "kernels/cuda/mla_attention.cuh"
 #include "kernels/cuda/mma_sm80.cuh"

@@ -34,16 +34,16 @@ namespace {
 
 constexpr int kTileRows = 64;
 constexpr int kStages = 2;
-constexpr int kConsumerThreads = 256;                   // warpgroup 0 (scores, softmax), warpgroup 1 (output)
-constexpr int kThreads = kConsumerThreads + 32;         // + the producer warp
+constexpr int kConsumerThreads = 256;            // warpgroup 0 (scores, softmax), warpgroup 1 (output)
+constexpr int kThreads = kConsumerThreads + 32;  // + the producer warp
 constexpr int kKvLora = 512, kRope = 64;
 constexpr int kWidth = kKvLora + kRope;
-constexpr int kMaxColumnBlocks = kWidth / 64;   // 9
-constexpr int kMaxLatentBlocks = kKvLora / 64;  // 8
-constexpr uint32_t kBlockBytes = kTileRows * 128;                     // [64 rows][64 bf16], swizzled
-constexpr uint32_t kTileBytes = kMaxColumnBlocks * kBlockBytes;       // 73728
-constexpr int kBarScorer = 1;                                         // named barriers; id 0 is __syncthreads
-constexpr int kBarTileReady = 2;                                      // + stage
+constexpr int kMaxColumnBlocks = kWidth / 64;                    // 9
+constexpr int kMaxLatentBlocks = kKvLora / 64;                   // 8
+constexpr uint32_t kBlockBytes = kTileRows * 128;                // [64 rows][64 bf16], swizzled
+constexpr uint32_t kTileBytes = kMaxColumnBlocks * kBlockBytes;  // 73728
+constexpr int kBarScorer = 1;                                    // named barriers; id 0 is __syncthreads
+constexpr int kBarTileReady = 2;                                 // + stage
 
 constexpr uint32_t align_up(uint32_t x, uint32_t a) {
   return (x + a - 1) / a * a;
@@ -52,16 +52,16 @@ constexpr uint32_t align_up(uint32_t x, uint32_t a) {
 // Shared memory of a CTA with N heads (offsets from the 1024-byte aligned base).
 template <int N>
 struct Layout {
-  static constexpr uint32_t kTiles = 0;                                             // [stage][block][64][64] bf16
-  static constexpr uint32_t kQ = kTiles + kStages * kTileBytes;                     // [block][N][64] bf16: q̃
-  static constexpr uint32_t kP = kQ + kMaxColumnBlocks * N * 128;                   // [stage][N][64] bf16: P^T
-  static constexpr uint32_t kScale = kP + kStages * N * 128;                        // [stage][N] fp32 rescale
-  static constexpr uint32_t kMask = align_up(kScale + kStages * N * 4, 8);          // [stage] valid-row bits
-  static constexpr uint32_t kWarpMax = kMask + kStages * 8;                         // [2][4][N] fp32
-  static constexpr uint32_t kWarpSum = kWarpMax + 2 * 4 * N * 4;                    // [4][N] fp32
-  static constexpr uint32_t kBarriers = align_up(kWarpSum + 4 * N * 4, 8);          // full[stage], empty[stage]
-  static constexpr uint32_t kGaveUp = kBarriers + 2 * kStages * 8;                  // see sm90::mbarrier_wait
-  static constexpr uint32_t kBytes = kGaveUp + 16 + 1024;                           // + the alignment slack
+  static constexpr uint32_t kTiles = 0;                                     // [stage][block][64][64] bf16
+  static constexpr uint32_t kQ = kTiles + kStages * kTileBytes;             // [block][N][64] bf16: q̃
+  static constexpr uint32_t kP = kQ + kMaxColumnBlocks * N * 128;           // [stage][N][64] bf16: P^T
+  static constexpr uint32_t kScale = kP + kStages * N * 128;                // [stage][N] fp32 rescale
+  static constexpr uint32_t kMask = align_up(kScale + kStages * N * 4, 8);  // [stage] valid-row bits
+  static constexpr uint32_t kWarpMax = kMask + kStages * 8;                 // [2][4][N] fp32
+  static constexpr uint32_t kWarpSum = kWarpMax + 2 * 4 * N * 4;            // [4][N] fp32
+  static constexpr uint32_t kBarriers = align_up(kWarpSum + 4 * N * 4, 8);  // full[stage], empty[stage]
+  static constexpr uint32_t kGaveUp = kBarriers + 2 * kStages * 8;          // see sm90::mbarrier_wait
+  static constexpr uint32_t kBytes = kGaveUp + 16 + 1024;                   // + the alignment slack
 };
 static_assert(Layout<32>::kBytes <= 227 * 1024, "one CTA an SM");
 
@@ -87,41 +87,42 @@ __device__ __forceinline__ void wgmma_ss<8, 1>(float (&d)[4], uint64_t desc_a, u
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 #define DS_MLA_D8_REGS "{%0, %1, %2, %3, %4, %5, %6, %7}"
-#define DS_MLA_D8_OPS(d) \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+#define DS_MLA_D8_OPS(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
 template <>
 __device__ __forceinline__ void wgmma_ss<16, 0>(float (&d)[8], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 " DS_MLA_D8_REGS ", %8, %9, p, 1, 1, 0, 0;\n}\n"
-               : DS_MLA_D8_OPS(d)
-               : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 " DS_MLA_D8_REGS ", %8, %9, p, 1, 1, 0, 0;\n}\n"
+      : DS_MLA_D8_OPS(d)
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 template <>
 __device__ __forceinline__ void wgmma_ss<16, 1>(float (&d)[8], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 " DS_MLA_D8_REGS ", %8, %9, p, 1, 1, 1, 0;\n}\n"
-               : DS_MLA_D8_OPS(d)
-               : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 " DS_MLA_D8_REGS ", %8, %9, p, 1, 1, 1, 0;\n}\n"
+      : DS_MLA_D8_OPS(d)
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 #define DS_MLA_D16_REGS "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
-#define DS_MLA_D16_OPS(d)                                                                                            \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),      \
+#define DS_MLA_D16_OPS(d)                                                                                     \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
       "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
 template <>
 __device__ __forceinline__ void wgmma_ss<32, 0>(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " DS_MLA_D16_REGS
-               ", %16, %17, p, 1, 1, 0, 0;\n}\n"
-               : DS_MLA_D16_OPS(d)
-               : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " DS_MLA_D16_REGS ", %16, %17, p, 1, 1, 0, 0;\n}\n"
+      : DS_MLA_D16_OPS(d)
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 template <>
 __device__ __forceinline__ void wgmma_ss<32, 1>(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " DS_MLA_D16_REGS
-               ", %16, %17, p, 1, 1, 1, 0;\n}\n"
-               : DS_MLA_D16_OPS(d)
-               : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " DS_MLA_D16_REGS ", %16, %17, p, 1, 1, 1, 0;\n}\n"
+      : DS_MLA_D16_OPS(d)
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 #undef DS_MLA_D8_REGS
 #undef DS_MLA_D8_OPS
@@ -233,8 +234,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (n < heads) {
           const float4 lo = *reinterpret_cast<const float4*>(q_src + n * width + c8 * 8);
           const float4 hi = *reinterpret_cast<const float4*>(q_src + n * width + c8 * 8 + 4);
-          packed = make_uint4(pack_bf16(lo.x, lo.y), pack_bf16(lo.z, lo.w), pack_bf16(hi.x, hi.y),
-                              pack_bf16(hi.z, hi.w));
+          packed =
+              make_uint4(pack_bf16(lo.x, lo.y), pack_bf16(lo.z, lo.w), pack_bf16(hi.x, hi.y), pack_bf16(hi.z, hi.w));
         }
         *reinterpret_cast<uint4*>(smem + L::kQ + (c8 >> 3) * N * 128 + swizzled(n, (c8 & 7) * 8)) = packed;
       }
@@ -394,8 +395,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 bool mla_wgmma_decode_supported(const MlaAttentionArgs& args) {
   const int64_t pool_rows = args.num_pages * args.num_layers * static_cast<int64_t>(args.page_size);
-  return args.kv_lora == kKvLora && args.rope == kRope && args.head_group >= 1 &&
-         args.head_group <= 32 && pool_rows <= INT32_MAX && (args.row_stride * 2) % 16 == 0 &&
+  return args.kv_lora == kKvLora && args.rope == kRope && args.head_group >= 1 && args.head_group <= 32 &&
+         pool_rows <= INT32_MAX && (args.row_stride * 2) % 16 == 0 &&
          (reinterpret_cast<uintptr_t>(args.pages) & 15u) == 0;
 }
 

@@ -5,8 +5,8 @@
 #include <cstdint>
 
 #include <cuda.h>
-#include <cuda_bf16.h>
 #include <cudaTypedefs.h>
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include "common/status.hpp"
