@@ -25,9 +25,9 @@
 #include "kernels/cuda/launch_status.hpp"
 #include "kernels/cuda/mla_attention.cuh"
 #include "kernels/cuda/mla_decode_attention.cuh"
-#include "kernels/cuda/mla_prefill_wgmma.hpp"
 #include "kernels/cuda/mma_sm80.cuh"
 #include "kernels/cuda/sm90_attention.cuh"
+#include "kernels/cuda/tensor_map.hpp"
 
 namespace deltaserve::kernels::cuda::detail {
 namespace {
@@ -65,69 +65,35 @@ struct Layout {
 };
 static_assert(Layout<32>::kBytes <= 227 * 1024, "one CTA an SM");
 
-// wgmma m64nNk16, bf16 operands in shared memory (B K-major), fp32 accumulators (N / 2 a thread, the layout of
-// sm90_attention.cuh). kTransA = 0: A K-major (rows of 64 k); 1: A M-major (rows of 64 m-values, one per k).
-template <int N, int kTransA>
-__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate);
-
-template <>
-__device__ __forceinline__ void wgmma_ss<8, 0>(float (&d)[4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-template <>
-__device__ __forceinline__ void wgmma_ss<8, 1>(float (&d)[4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-#define DS_MLA_D8_REGS "{%0, %1, %2, %3, %4, %5, %6, %7}"
-#define DS_MLA_D8_OPS(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-template <>
-__device__ __forceinline__ void wgmma_ss<16, 0>(float (&d)[8], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 " DS_MLA_D8_REGS ", %8, %9, p, 1, 1, 0, 0;\n}\n"
-      : DS_MLA_D8_OPS(d)
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-template <>
-__device__ __forceinline__ void wgmma_ss<16, 1>(float (&d)[8], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 " DS_MLA_D8_REGS ", %8, %9, p, 1, 1, 1, 0;\n}\n"
-      : DS_MLA_D8_OPS(d)
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
+// wgmma m64nNk16 for N = 8, 16, 32: bf16 operands in shared memory (B K-major), fp32 accumulators (N / 2 a thread, the
+// layout of sm90_attention.cuh). kTransA = 0: A K-major (rows of 64 k); 1: A M-major (rows of 64 m-values, one per k).
 #define DS_MLA_D16_REGS "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
-#define DS_MLA_D16_OPS(d)                                                                                     \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
-      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-template <>
-__device__ __forceinline__ void wgmma_ss<32, 0>(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " DS_MLA_D16_REGS ", %16, %17, p, 1, 1, 0, 0;\n}\n"
-      : DS_MLA_D16_OPS(d)
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+template <int N, int kTransA>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  static_assert(N == 8 || N == 16 || N == 32, "m64n8, m64n16 or m64n32");
+  if constexpr (N == 8) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, %7, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransA));
+  } else if constexpr (N == 16) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, "
+        "%11, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransA));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " DS_MLA_D16_REGS ", %16, %17, p, 1, 1, %19, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+          "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransA));
+  }
 }
-template <>
-__device__ __forceinline__ void wgmma_ss<32, 1>(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " DS_MLA_D16_REGS ", %16, %17, p, 1, 1, 1, 0;\n}\n"
-      : DS_MLA_D16_OPS(d)
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-#undef DS_MLA_D8_REGS
-#undef DS_MLA_D8_OPS
 #undef DS_MLA_D16_REGS
-#undef DS_MLA_D16_OPS
 
 // Byte offset of element (row r, column c < 64) in a 128-byte-swizzled block of 64-element rows.
 __device__ __forceinline__ uint32_t swizzled(int r, int c) {

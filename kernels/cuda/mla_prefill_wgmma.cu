@@ -44,6 +44,7 @@
 #include "kernels/cuda/mla_prefill_wgmma.hpp"
 #include "kernels/cuda/mma_sm80.cuh"
 #include "kernels/cuda/sm90_attention.cuh"
+#include "kernels/cuda/tensor_map.hpp"
 
 namespace deltaserve::kernels::cuda::detail {
 namespace {
@@ -395,21 +396,6 @@ bool ping_pong_chosen() {
 }
 
 }  // namespace
-
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 encoder = [] {
-    void* function = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      function = nullptr;
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(function);
-  }();
-  return encoder;
-}
 
 bool mla_wgmma_prefill_supported(int nope, int rope, int v_head, const void* q, int64_t q_stride) {
   return nope == kNope && rope == kRope && v_head == kVHead && (reinterpret_cast<uintptr_t>(q) & 15u) == 0 &&

@@ -4,8 +4,6 @@
 
 #include <cstdint>
 
-#include <cuda.h>
-#include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -31,10 +29,6 @@ struct MlaWgmmaBlock {
   bool first = false;       // the sequence's first block: no state to carry in
   bool last = false;        // its last block: normalise and write the result
 };
-
-// The driver's cuTensorMapEncodeTiled through the runtime (no link against libcuda), looked up once; null where
-// unavailable. Shared by the TMA kernels of mla_prefill_wgmma.cu and mla_decode_wgmma.cu.
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder();
 
 // Whether kV3 covers these head dims and query layout: qk_nope 128, qk_rope 64, v_head 128 (Kimi Linear, K3), q
 // 16-byte aligned with q_stride a multiple of 8 (16-byte rows). Otherwise the caller runs v2.

@@ -31,6 +31,7 @@
 #include "kernels/cuda/mma_sm80.cuh"
 #include "kernels/cuda/moe_wgmma.hpp"
 #include "kernels/cuda/sm90_ptx.cuh"
+#include "kernels/cuda/tensor_map.hpp"
 
 namespace deltaserve::kernels::cuda {
 namespace {
@@ -294,21 +295,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  // Through the runtime's driver entry point, so that the library does not link libcuda.
-  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
-    void* function = nullptr;
-    cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSymbolNotFound;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function, 12000, cudaEnableDefault, &query) !=
-            cudaSuccess ||
-        query != cudaDriverEntryPointSuccess) {
-      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(function);
-  }();
-  return encode;
-}
-
 // Row-major bf16 [rows, inner] read as boxes of 64 (k) x 128 rows, 128-byte swizzle, zero fill out of range.
 Status encode_map(PFN_cuTensorMapEncodeTiled_v12000 encode, CUtensorMap* map, const __nv_bfloat16* base, int64_t inner,
                   int64_t rows, const char* what) {
@@ -374,7 +360,7 @@ Status moe_expert_ffn_wgmma(const MoeFfnParams& params, cudaStream_t stream, Moe
     return unimplemented("moe_expert_ffn_wgmma: needs a compute capability 9.x GPU (got " + std::to_string(major) +
                          "." + std::to_string(minor) + ")");
   }
-  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = detail::tensor_map_encoder();
   if (encode == nullptr) return unimplemented("moe_expert_ffn_wgmma: the driver has no cuTensorMapEncodeTiled");
 
   WgmmaArgs args{params.expert_offsets, params.activated,       params.y_sorted, E, 0, 0, 0, 0,

@@ -1,0 +1,27 @@
+// The driver's cuTensorMapEncodeTiled, reached through the runtime's driver entry point so that the kernels library
+// does not link libcuda. Shared by the TMA kernels (mla_prefill_wgmma.cu, mla_decode_wgmma.cu, moe_ffn_wgmma.cu).
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+namespace deltaserve::kernels::cuda::detail {
+
+// Looked up once per process; null where the driver does not provide it (the lookup's error is cleared).
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encoder = [] {
+    void* function = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(function);
+  }();
+  return encoder;
+}
+
+}  // namespace deltaserve::kernels::cuda::detail
