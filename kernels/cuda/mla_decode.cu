@@ -56,6 +56,7 @@
 #include "kernels/cuda/mla_attention.cuh"
 #include "kernels/cuda/mla_decode_attention.cuh"
 #include "kernels/cuda/mma_sm80.cuh"
+#include "kernels/cuda/tensor_map.hpp"
 
 namespace deltaserve::kernels::cuda {
 namespace {
@@ -615,17 +616,6 @@ int min_split_rows() {
   return rows;
 }
 
-// Whether the current device is sm_90 (the warpgroup-MMA kernels' architecture), asked at every call.
-bool on_hopper() {
-  int device = 0, major = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return major == 9;
-}
-
 bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
 }
@@ -867,7 +857,7 @@ Status mla_attention_launch(const MlaAttentionParams& p, bool decode, const char
   } else {
     args.head_group = mla_decode_head_group(T, p.num_heads, p.max_context);
     const detail::WUvPrefetch w_uv{T <= 16 ? p.kv_b : nullptr, p.qk_nope, p.v_head};
-    if (decode && generation == MlaDecodeKernel::kV3 && mla_wgmma_decode_supported(args) && on_hopper()) {
+    if (decode && generation == MlaDecodeKernel::kV3 && mla_wgmma_decode_supported(args) && current_device_is_sm90()) {
       if (Status s = launch_mla_wgmma_decode(args, w_uv, T, mla_pdl_from_env(), stream, who); !s.is_ok()) return s;
     } else {
       const size_t smem = attn_layout(p.kv_lora_rank + p.qk_rope).total;

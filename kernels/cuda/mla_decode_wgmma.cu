@@ -67,7 +67,6 @@ static_assert(Layout<32>::kBytes <= 227 * 1024, "one CTA an SM");
 
 // wgmma m64nNk16 for N = 8, 16, 32: bf16 operands in shared memory (B K-major), fp32 accumulators (N / 2 a thread, the
 // layout of sm90_attention.cuh). kTransA = 0: A K-major (rows of 64 k); 1: A M-major (rows of 64 m-values, one per k).
-#define DS_MLA_D16_REGS "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 template <int N, int kTransA>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int accumulate) {
   static_assert(N == 8 || N == 16 || N == 32, "m64n8, m64n16 or m64n32");
@@ -82,18 +81,16 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uin
         "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, "
         "%11, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : DS_SM90_ACC8("+f", d, 0)
         : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransA));
   } else {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " DS_MLA_D16_REGS ", %16, %17, p, 1, 1, %19, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-          "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {" DS_SM90_REGS16 "}, %16, %17, p, 1, 1, %19, 0;\n}\n"
+        : DS_SM90_ACC16("+f", d, 0)
         : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransA));
   }
 }
-#undef DS_MLA_D16_REGS
 
 // Byte offset of element (row r, column c < 64) in a 128-byte-swizzled block of 64-element rows.
 __device__ __forceinline__ uint32_t swizzled(int r, int c) {
@@ -359,11 +356,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 }  // namespace
 
+// The pool's 16-byte aligned pages and rows, which TMA needs, are validate_mla_pool's checks already.
 bool mla_wgmma_decode_supported(const MlaAttentionArgs& args) {
   const int64_t pool_rows = args.num_pages * args.num_layers * static_cast<int64_t>(args.page_size);
   return args.kv_lora == kKvLora && args.rope == kRope && args.head_group >= 1 && args.head_group <= 32 &&
-         pool_rows <= INT32_MAX && (args.row_stride * 2) % 16 == 0 &&
-         (reinterpret_cast<uintptr_t>(args.pages) & 15u) == 0;
+         pool_rows <= INT32_MAX;
 }
 
 Status launch_mla_wgmma_decode(const MlaAttentionArgs& args, const WUvPrefetch& w_uv, int64_t num_tokens, bool pdl,

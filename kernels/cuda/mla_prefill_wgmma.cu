@@ -403,11 +403,8 @@ bool mla_wgmma_prefill_supported(int nope, int rope, int v_head, const void* q, 
 }
 
 bool mla_wgmma_prefill_ready() {
-  if (tensor_map_encoder() == nullptr) return false;
-  int device = 0, major = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major != 9 ||
-      cudaFuncSetAttribute(mla_wgmma_prefill_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  if (tensor_map_encoder() == nullptr || !current_device_is_sm90()) return false;
+  if (cudaFuncSetAttribute(mla_wgmma_prefill_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(kSmemBytes)) != cudaSuccess ||
       cudaFuncSetAttribute(mla_wgmma_prefill_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(kSmemBytes)) != cudaSuccess) {

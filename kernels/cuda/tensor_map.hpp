@@ -1,5 +1,6 @@
 // The driver's cuTensorMapEncodeTiled, reached through the runtime's driver entry point so that the kernels library
-// does not link libcuda. Shared by the TMA kernels (mla_prefill_wgmma.cu, mla_decode_wgmma.cu, moe_ffn_wgmma.cu).
+// does not link libcuda, and the check for a compute capability 9.x device. Shared by the TMA kernels
+// (mla_prefill_wgmma.cu, mla_decode_wgmma.cu, moe_ffn_wgmma.cu).
 #pragma once
 
 #include <cuda.h>
@@ -22,6 +23,18 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(function);
   }();
   return encoder;
+}
+
+// Whether the current device is compute capability 9.x, which the TMA / warpgroup-MMA kernels are built for; a failed
+// query counts as no (its error is cleared).
+inline bool current_device_is_sm90() {
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return major == 9;
 }
 
 }  // namespace deltaserve::kernels::cuda::detail
