@@ -17,6 +17,7 @@
 // Supported: kv_lora 512 and rope 64 (Kimi Linear and K3; every loop then has a fixed trip count, which keeps the
 // warpgroup MMAs pipelined), a pool of < 2^31 rows. Elsewhere (the tiny test models) mla_decode runs v2's kernel.
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 
 #include <cuda.h>
@@ -44,6 +45,7 @@ constexpr uint32_t kBlockBytes = kTileRows * 128;                // [64 rows][64
 constexpr uint32_t kTileBytes = kMaxColumnBlocks * kBlockBytes;  // 73728
 constexpr int kBarScorer = 1;                                    // named barriers; id 0 is __syncthreads
 constexpr int kBarTileReady = 2;                                 // + stage
+constexpr int kBarQReady = 4;                                    // q̃ in shared memory (args.q_by_both)
 
 constexpr uint32_t align_up(uint32_t x, uint32_t a) {
   return (x + a - 1) / a * a;
@@ -100,7 +102,16 @@ __device__ __forceinline__ uint32_t swizzled(int r, int c) {
 struct DecodeWgmmaArgs {
   MlaAttentionArgs a;
   WUvPrefetch w_uv;
-  int box_rows;  // rows of a TMA box: 64 when pages hold whole tiles, else 16
+  int box_rows;      // rows of a TMA box: 64 when pages hold whole tiles, else 16
+  bool pages_ahead;  // the producer reads tile j + 1's page ids before it waits for tile j's stage
+  bool q_by_both;    // both warpgroups load q̃ (all loads of a thread issued first) instead of warpgroup 0 alone
+};
+
+// What the producer issues for one tile: the pool row of each box row group (-1: none), the valid-row bits, the bytes.
+struct TilePlan {
+  int32_t outer[kTileRows / 16];
+  uint64_t mask;
+  uint32_t bytes;
 };
 
 // grid (T, splits, ceil(H / N)), block kThreads, dynamic smem Layout<N>::kBytes.
@@ -146,33 +157,47 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int32_t* table = a.block_tables + static_cast<int64_t>(slice.n) * a.max_pages_per_seq;
     const int groups = kTileRows / args.box_rows;
     const uint32_t group_bytes = static_cast<uint32_t>(column_blocks * args.box_rows * 128);
-    for (int j = 0; j < num_tiles; ++j) {
-      const int s = j % kStages;
-      if (j >= kStages) sm90::mbarrier_wait(empty + s, ((j / kStages) - 1) & 1, gave_up);
+    auto plan = [&](int j) {
+      TilePlan p;
+      p.mask = 0;
+      p.bytes = 0;
       const int64_t tile_begin = slice.row_begin + static_cast<int64_t>(j) * kTileRows;
-      uint64_t mask = 0;
-      uint32_t bytes = 0;
-      int32_t outer[kTileRows / 16];
-      for (int g = 0; g < groups; ++g) {
+#pragma unroll
+      for (int g = 0; g < kTileRows / 16; ++g) {  // unrolled: the plan stays in registers
         const int64_t p0 = tile_begin + static_cast<int64_t>(g) * args.box_rows;
-        outer[g] = -1;
-        if (p0 >= slice.row_end) continue;
+        p.outer[g] = -1;
+        if (g >= groups || p0 >= slice.row_end) continue;
         const int32_t page = __ldg(table + static_cast<int>(p0) / a.page_size);
         if (page < 0 || page >= a.num_pages) continue;
-        outer[g] = static_cast<int32_t>((static_cast<int64_t>(page) * a.num_layers + a.layer) * a.page_size +
-                                        static_cast<int>(p0) % a.page_size);
+        p.outer[g] = static_cast<int32_t>((static_cast<int64_t>(page) * a.num_layers + a.layer) * a.page_size +
+                                          static_cast<int>(p0) % a.page_size);
         const int rows_in = static_cast<int>(mla_i64_min(args.box_rows, slice.row_end - p0));
         const uint64_t bits = rows_in == 64 ? ~uint64_t{0} : ((uint64_t{1} << rows_in) - 1);
-        mask |= bits << (g * args.box_rows);
-        bytes += group_bytes;
+        p.mask |= bits << (g * args.box_rows);
+        p.bytes += group_bytes;
       }
-      row_mask[s] = mask;
-      sm90::mbarrier_arrive_expect_tx(full + s, bytes);
+      return p;
+    };
+    TilePlan next{};
+    if (args.pages_ahead && num_tiles > 0) next = plan(0);
+    for (int j = 0; j < num_tiles; ++j) {
+      const int s = j % kStages;
+      TilePlan cur;
+      if (args.pages_ahead) {
+        cur = next;
+        if (j + 1 < num_tiles) next = plan(j + 1);  // its page-table reads overlap the wait below
+      }
+      if (j >= kStages) sm90::mbarrier_wait(empty + s, ((j / kStages) - 1) & 1, gave_up);
+      if (!args.pages_ahead) cur = plan(j);
+      row_mask[s] = cur.mask;
+      sm90::mbarrier_arrive_expect_tx(full + s, cur.bytes);
       unsigned char* tile = smem + L::kTiles + s * kTileBytes;
-      for (int g = 0; g < groups; ++g) {
-        if (outer[g] < 0) continue;
+#pragma unroll
+      for (int g = 0; g < kTileRows / 16; ++g) {
+        if (cur.outer[g] < 0) continue;
         for (int cb = 0; cb < column_blocks; ++cb) {
-          sm90::tma_load_2d(tile + cb * kBlockBytes + g * args.box_rows * 128, &rows_map, full + s, cb * 64, outer[g]);
+          sm90::tma_load_2d(tile + cb * kBlockBytes + g * args.box_rows * 128, &rows_map, full + s, cb * 64,
+                            cur.outer[g]);
         }
       }
     }
@@ -184,15 +209,45 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (args.w_uv.kv_b != nullptr && t == 0) prefetch_w_uv(a, args.w_uv, h0, heads, split);
   const int wg_warp = warp & 3, g = lane >> 2, tq = lane & 3;
   const int64_t part = (t * a.splits + split) * a.num_heads + h0;
+  const float* q_src = a.q_tilde + (t * a.num_heads + h0) * width;
+  constexpr int kQVecs = width / 8;  // 8-value chunks of a q̃ row
+  if (args.q_by_both) {
+    // q̃ (N x width fp32 from the absorb) into shared memory as bf16 by all 256 consumer threads, every load of a
+    // thread issued before the first conversion; warpgroup 0 waits for it, warpgroup 1 goes on to its first tile.
+    constexpr int kPerThread = (N * kQVecs + kConsumerThreads - 1) / kConsumerThreads;
+    float4 lo[kPerThread], hi[kPerThread];
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) {
+      const int i = tid + k * kConsumerThreads, n = i / kQVecs, c8 = i % kQVecs;
+      lo[k] = hi[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (i < N * kQVecs && n < heads) {
+        lo[k] = *reinterpret_cast<const float4*>(q_src + n * width + c8 * 8);
+        hi[k] = *reinterpret_cast<const float4*>(q_src + n * width + c8 * 8 + 4);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) {
+      const int i = tid + k * kConsumerThreads, n = i / kQVecs, c8 = i % kQVecs;
+      if (i < N * kQVecs) {
+        *reinterpret_cast<uint4*>(smem + L::kQ + (c8 >> 3) * N * 128 + swizzled(n, (c8 & 7) * 8)) =
+            make_uint4(pack_bf16(lo[k].x, lo[k].y), pack_bf16(lo[k].z, lo[k].w), pack_bf16(hi[k].x, hi[k].y),
+                       pack_bf16(hi[k].z, hi[k].w));
+      }
+    }
+    sm90::fence_proxy_async_shared();
+    if (warp < 4) {
+      sm90::named_barrier_sync(kBarQReady, kConsumerThreads);
+    } else {
+      sm90::named_barrier_arrive(kBarQReady, kConsumerThreads);
+    }
+  }
 
   if (warp < 4) {
-    // ---- warpgroup 0: q̃ into shared memory, then scores and softmax of every tile.
-    {
-      const float* q_src = a.q_tilde + (t * a.num_heads + h0) * width;
-      constexpr int vecs = width / 8;
+    // ---- warpgroup 0: q̃ into shared memory (unless both warpgroups did), then scores and softmax of every tile.
+    if (!args.q_by_both) {
 #pragma unroll 4
-      for (int i = tid; i < N * vecs; i += 128) {
-        const int n = i / vecs, c8 = i % vecs;
+      for (int i = tid; i < N * kQVecs; i += 128) {
+        const int n = i / kQVecs, c8 = i % kQVecs;
         uint4 packed = make_uint4(0, 0, 0, 0);
         if (n < heads) {
           const float4 lo = *reinterpret_cast<const float4*>(q_src + n * width + c8 * 8);
@@ -368,7 +423,13 @@ Status launch_mla_wgmma_decode(const MlaAttentionArgs& args, const WUvPrefetch& 
   const std::string w = std::string(who) + " (attention v3)";
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr) return internal_error(w + ": no tensor-map encoder");
-  DecodeWgmmaArgs kernel_args{args, w_uv, args.page_size % kTileRows == 0 ? kTileRows : 16};
+  // Measurement switches of the latency changes (read at every call; on unless set to 0).
+  auto switched_on = [](const char* name) {
+    const char* value = std::getenv(name);
+    return value == nullptr || std::string(value) != "0";
+  };
+  DecodeWgmmaArgs kernel_args{args, w_uv, args.page_size % kTileRows == 0 ? kTileRows : 16,
+                              switched_on("DELTASERVE_MLA_V3_PAGES_AHEAD"), switched_on("DELTASERVE_MLA_V3_Q_BY_BOTH")};
   CUtensorMap map;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(args.kv_lora + args.rope),
                               static_cast<cuuint64_t>(args.num_pages * args.num_layers * args.page_size)};
