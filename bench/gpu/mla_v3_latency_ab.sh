@@ -36,3 +36,4 @@ for setting in "-" "$off"; do
   echo "== trace [$setting]"
   grep -A10 "^span" "$out/trace_${#assignments[@]}/trace.txt" | grep -E "span|mla"
 done
+bash bench/gpu/mla_v3_trace.sh "$out/v3trace"

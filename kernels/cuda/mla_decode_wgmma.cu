@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -94,6 +95,21 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uin
   }
 }
 
+// Optional timeline (compile with -DDELTASERVE_MLA_V3_TRACE; bench/gpu/mla_v3_trace_bench.cu reads it): %globaltimer
+// stamps per CTA (blockIdx flattened) of event 0 the CTA's start, 1 warpgroup 0 past the wait for the absorb, 2 q̃ in
+// shared memory, 3 warpgroup 1's stores done, and per tile j < kTraceTiles: 4 + 4j the producer's copies issued, 5 + 4j
+// warpgroup 0 past the full barrier, 6 + 4j P handed to warpgroup 1, 7 + 4j warpgroup 1's product done.
+#ifdef DELTASERVE_MLA_V3_TRACE
+constexpr int kTraceCtas = 1024, kTraceTiles = 16, kTraceEvents = 4 + 4 * kTraceTiles;
+__device__ unsigned long long g_v3_trace[kTraceCtas][kTraceEvents];
+__device__ __forceinline__ void trace_stamp(int event) {
+  const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if (cta < kTraceCtas && event < kTraceEvents) g_v3_trace[cta][event] = sm90::globaltimer_ns();
+}
+#else
+__device__ __forceinline__ void trace_stamp(int) {}
+#endif
+
 // Byte offset of element (row r, column c < 64) in a 128-byte-swizzled block of 64-element rows.
 __device__ __forceinline__ uint32_t swizzled(int r, int c) {
   return static_cast<uint32_t>(r * 128 + ((((c >> 3) ^ (r & 7)) << 4) | ((c & 7) << 1)));
@@ -146,6 +162,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     *gave_up = 0;
     sm90::mbarrier_init_fence();
+    trace_stamp(0);
   }
   __syncthreads();
 
@@ -200,12 +217,14 @@ __global__ void __launch_bounds__(kThreads, 1)
                             cur.outer[g]);
         }
       }
+      trace_stamp(4 + 4 * j);
     }
     return;
   }
 
   mla_wait_for_previous_grid();
   mla_allow_next_grid();
+  if (tid == 0) trace_stamp(1);
   if (args.w_uv.kv_b != nullptr && t == 0) prefetch_w_uv(a, args.w_uv, h0, heads, split);
   const int wg_warp = warp & 3, g = lane >> 2, tq = lane & 3;
   const int64_t part = (t * a.splits + split) * a.num_heads + h0;
@@ -260,6 +279,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       sm90::fence_proxy_async_shared();
       sm90::named_barrier_sync(kBarScorer, 128);
     }
+    if (tid == 0) trace_stamp(2);
     const int r0 = 16 * wg_warp + g, r1 = r0 + 8;  // the thread's two tile rows
     float m_run[kCols], l_part[kCols];
 #pragma unroll
@@ -270,6 +290,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int j = 0; j < num_tiles; ++j) {
       const int s = j % kStages;
       sm90::mbarrier_wait(full + s, (j / kStages) & 1, gave_up);
+      if (tid == 0) trace_stamp(5 + 4 * j);
       const uint64_t mask = row_mask[s];
       const uint32_t tile = base + L::kTiles + s * kTileBytes;
       float sc[kRegs];
@@ -340,6 +361,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       sm90::fence_proxy_async_shared();
       sm90::named_barrier_arrive(kBarTileReady + s, kConsumerThreads);
+      if (tid == 0) trace_stamp(6 + 4 * j);
     }
     // Row sums across the warpgroup: lanes of one column, then the four warps.
 #pragma unroll
@@ -395,7 +417,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90::wgmma_wait_group<0>();
 #pragma unroll
     for (int b = 0; b < kMaxLatentBlocks; ++b) sm90::wgmma_fence_registers(o[b]);
-    if (tid == 128) sm90::mbarrier_arrive(empty + s);
+    if (tid == 128) {
+      sm90::mbarrier_arrive(empty + s);
+      trace_stamp(7 + 4 * j);
+    }
   }
   float* out_o = a.partial_o + part * a.kv_lora;
 #pragma unroll
@@ -407,9 +432,21 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (col < heads) out_o[col * a.kv_lora + row] = o[b][i];
     }
   }
+  if (tid == 128) trace_stamp(3);
 }
 
 }  // namespace
+
+#ifdef DELTASERVE_MLA_V3_TRACE
+// The trace of the last launches (bench/gpu/mla_v3_trace_bench.cu): kTraceCtas x kTraceEvents stamps, 0 = none.
+std::vector<unsigned long long> mla_v3_trace_take() {
+  std::vector<unsigned long long> stamps(static_cast<size_t>(kTraceCtas) * kTraceEvents);
+  (void)cudaMemcpyFromSymbol(stamps.data(), g_v3_trace, stamps.size() * sizeof(unsigned long long));
+  static const std::vector<unsigned long long> zeros(stamps.size(), 0);
+  (void)cudaMemcpyToSymbol(g_v3_trace, zeros.data(), zeros.size() * sizeof(unsigned long long));
+  return stamps;
+}
+#endif
 
 // The pool's 16-byte aligned pages and rows, which TMA needs, are validate_mla_pool's checks already.
 bool mla_wgmma_decode_supported(const MlaAttentionArgs& args) {
