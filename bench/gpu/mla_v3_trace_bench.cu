@@ -20,7 +20,8 @@
 
 namespace deltaserve::kernels::cuda::detail {
 std::vector<unsigned long long> mla_v3_trace_take();
-}
+std::vector<unsigned long long> mla_combine_trace_take();
+}  // namespace deltaserve::kernels::cuda::detail
 
 namespace {
 
@@ -86,9 +87,11 @@ void run(int batch, int context) {
   for (int i = 0; i < 5; ++i) CHECK_STATUS(mla_decode(p, nullptr));
   CHECK_CUDA(cudaDeviceSynchronize());
   (void)deltaserve::kernels::cuda::detail::mla_v3_trace_take();
+  (void)deltaserve::kernels::cuda::detail::mla_combine_trace_take();
   CHECK_STATUS(mla_decode(p, nullptr));
   CHECK_CUDA(cudaDeviceSynchronize());
   const std::vector<unsigned long long> stamps = deltaserve::kernels::cuda::detail::mla_v3_trace_take();
+  const std::vector<unsigned long long> combine = deltaserve::kernels::cuda::detail::mla_combine_trace_take();
 
   const int splits = mla_num_splits(batch, context), group = mla_decode_head_group(batch, kHeads, context);
   const int ctas = std::min(kTraceCtas, batch * splits * ((kHeads + group - 1) / group));
@@ -128,6 +131,47 @@ void run(int batch, int context) {
     if (load.empty()) break;
     std::printf("  %4d %7.2f %6.2f %6.2f %6.2f | %9.2f %6.2f %8.2f\n", j, median_of(e), median_of(e + 1),
                 median_of(e + 2), median_of(e + 3), median(load), median(score), median(product));
+  }
+
+  // The split-K combine after it (events of mla_decode.cu's timeline, same clock): CTAs that started while an
+  // attention CTA still ran (the first wave) and those that started after the last attention store, separately.
+  double attention_end = 0.0;
+  for (int c = 0; c < ctas; ++c)
+    attention_end = std::isfinite(at(c, 3)) ? std::max(attention_end, at(c, 3)) : attention_end;
+  constexpr int kCombineEvents = 8;
+  const int combine_ctas = static_cast<int>(combine.size()) / kCombineEvents;
+  auto combine_at = [&](int c, int e) {
+    const unsigned long long v = combine[static_cast<size_t>(c) * kCombineEvents + e];
+    return v == 0 || v < t0 ? NAN : static_cast<double>(v - t0) * 1e-3;
+  };
+  std::vector<int> waves[2];
+  std::vector<int> per_sm(1024, 0);
+  for (int c = 0; c < combine_ctas; ++c) {
+    if (!std::isfinite(combine_at(c, 0))) continue;
+    waves[combine_at(c, 0) < attention_end ? 0 : 1].push_back(c);
+    const unsigned long long sm = combine[static_cast<size_t>(c) * kCombineEvents + 7];
+    if (sm > 0 && sm <= per_sm.size()) ++per_sm[sm - 1];
+  }
+  const int busiest = *std::max_element(per_sm.begin(), per_sm.end());
+  const int sms_used = static_cast<int>(std::count_if(per_sm.begin(), per_sm.end(), [](int n) { return n > 0; }));
+  std::printf(
+      "  combine: attention's last store %.2f; %zu CTAs started before it, %zu after; %d SMs, at most %d CTAs "
+      "on one\n",
+      attention_end, waves[0].size(), waves[1].size(), sms_used, busiest);
+  static const char* names[7] = {"start", "waited", "weights", "merged", "product", "cluster1", "end"};
+  for (int w = 0; w < 2; ++w) {
+    if (waves[w].empty()) continue;
+    std::printf("    %s wave medians:", w == 0 ? "first" : "second");
+    for (int e = 0; e < 7; ++e) {
+      std::vector<double> x;
+      for (int c : waves[w]) {
+        if (std::isfinite(combine_at(c, e))) x.push_back(combine_at(c, e));
+      }
+      std::printf(" %s %.2f", names[e], median(x));
+    }
+    double last = 0.0;
+    for (int c : waves[w]) last = std::isfinite(combine_at(c, 6)) ? std::max(last, combine_at(c, 6)) : last;
+    std::printf("; last end %.2f\n", last);
   }
 }
 

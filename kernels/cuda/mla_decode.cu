@@ -48,6 +48,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include <cooperative_groups.h>
 
@@ -442,6 +443,29 @@ static_assert(kSkMaxSlices <= 8, "portable cluster size");
 // needs more registers).
 constexpr int kSkMaxRegisters = 120;
 
+// Optional timeline (compile with -DDELTASERVE_MLA_V3_TRACE, as mla_decode_wgmma.cu; bench/gpu/mla_v3_trace_bench.cu
+// reads it): %globaltimer stamps per CTA of this kernel (blockIdx flattened) at event 0 the start, 1 past the wait,
+// 2 split weights in shared memory, 3 latent columns merged, 4 the slice's product written, 5 past the first cluster
+// barrier, 6 the end; event 7 holds the SM id + 1.
+#ifdef DELTASERVE_MLA_V3_TRACE
+constexpr int kSkTraceCtas = 1024, kSkTraceEvents = 8;
+__device__ unsigned long long g_sk_trace[kSkTraceCtas][kSkTraceEvents];
+__device__ __forceinline__ void sk_trace_stamp(int event) {
+  const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if (threadIdx.x != 0 || cta >= kSkTraceCtas) return;
+  unsigned long long ns;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(ns));
+  g_sk_trace[cta][event] = ns;
+  if (event == 0) {
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;\n" : "=r"(sm));
+    g_sk_trace[cta][7] = sm + 1ull;
+  }
+}
+#else
+__device__ __forceinline__ void sk_trace_stamp(int) {}
+#endif
+
 // grid (slices, H, ceil(T / kSkTokens)) in clusters of (slices, 1, 1), block kSkThreads; kv_b 16-byte aligned.
 // Writes out_bf16 when it is set, else out.
 __global__ void __maxnreg__(kSkMaxRegisters)
@@ -462,6 +486,7 @@ __global__ void __maxnreg__(kSkMaxRegisters)
   const int g = lane >> 2, tq = lane & 3;
   const int v_blocks = (v_head + 15) / 16;
   const __nv_bfloat16* w_uv = kv_b + (static_cast<int64_t>(h) * (nope + v_head) + nope) * kv_lora;  // [v, kv_lora]
+  sk_trace_stamp(0);
 
   // W_UV fragments, before the wait: v block warp + kSkWarps * round, rows v0 + g (wa) and v0 + 8 + g (wb),
   // columns c0 + 32 b + 8 tq .. + 8 (zero past v_head and kv_lora; kv_lora is a multiple of 8).
@@ -483,12 +508,14 @@ __global__ void __maxnreg__(kSkMaxRegisters)
   }
   detail::mla_wait_for_previous_grid();
   detail::mla_allow_next_grid();
+  sk_trace_stamp(1);
 
   for (int tt = warp; tt < tokens; tt += kSkWarps) {
     detail::mla_split_weights(partial_ml, t0 + tt, h, num_heads, splits, lane, s_weight + tt * kMlaMaxSplits);
   }
   for (int i = tokens * kSkLd + tid; i < kSkTokens * kSkLd; i += kSkThreads) s_lat[i] = 0.0f;  // rows past the batch
   __syncthreads();
+  sk_trace_stamp(2);
 
   // Merged latent columns: thread (quad, part) sums splits part, part + 16, ... of column quad `quad` for 4 tokens
   // at a time (their loads in flight together), then the 16 partitions add by a fixed butterfly in the half warp.
@@ -535,6 +562,7 @@ __global__ void __maxnreg__(kSkMaxRegisters)
     }
   }
   __syncthreads();
+  sk_trace_stamp(3);
 
   // This slice's product o_lat[:, cols] · W_UV[:, cols]ᵀ into s_prod (rows past the batch hold zeros' products).
 #pragma unroll
@@ -570,7 +598,9 @@ __global__ void __maxnreg__(kSkMaxRegisters)
     }
   }
 
+  sk_trace_stamp(4);
   cluster.sync();  // every slice's s_prod written and visible to the cluster
+  sk_trace_stamp(5);
   for (int e = slice * kSkThreads + tid; e < tokens * v_head; e += slices * kSkThreads) {
     const int tt = e / v_head, v = e - tt * v_head;
     float sum = 0.0f;
@@ -586,6 +616,7 @@ __global__ void __maxnreg__(kSkMaxRegisters)
     }
   }
   cluster.sync();  // the other slices have read this CTA's s_prod
+  sk_trace_stamp(6);
 }
 
 // ---- launch ---------------------------------------------------------------------------------------------------
@@ -883,6 +914,16 @@ Status mla_attention_launch(const MlaAttentionParams& p, bool decode, const char
                          T, p.num_heads, p.kv_lora_rank, p.qk_nope, p.v_head, splits, p.out, p.out_bf16);
 }
 
+#ifdef DELTASERVE_MLA_V3_TRACE
+// The split-K combine's timeline of the last launches (bench/gpu/mla_v3_trace_bench.cu), cleared after reading.
+std::vector<unsigned long long> mla_combine_trace_take() {
+  std::vector<unsigned long long> stamps(static_cast<size_t>(kSkTraceCtas) * kSkTraceEvents);
+  (void)cudaMemcpyFromSymbol(stamps.data(), g_sk_trace, stamps.size() * sizeof(unsigned long long));
+  static const std::vector<unsigned long long> zeros(stamps.size(), 0);
+  (void)cudaMemcpyToSymbol(g_sk_trace, zeros.data(), zeros.size() * sizeof(unsigned long long));
+  return stamps;
+}
+#endif
 }  // namespace detail
 
 Status mla_decode(const MlaAttentionParams& params, cudaStream_t stream) {

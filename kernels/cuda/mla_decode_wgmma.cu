@@ -119,7 +119,7 @@ struct DecodeWgmmaArgs {
   MlaAttentionArgs a;
   WUvPrefetch w_uv;
   int box_rows;      // rows of a TMA box: 64 when pages hold whole tiles, else 16
-  bool pages_ahead;  // the producer reads tile j + 1's page ids before it waits for tile j's stage
+  bool pages_ahead;  // the producer reads tile j + 1's page ids right after issuing tile j, before the next wait
   bool q_by_both;    // both warpgroups load q̃ (all loads of a thread issued first) instead of warpgroup 0 alone
 };
 
@@ -195,17 +195,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       return p;
     };
-    TilePlan next{};
-    if (args.pages_ahead && num_tiles > 0) next = plan(0);
+    TilePlan cur{};
+    if (num_tiles > 0) cur = plan(0);
     for (int j = 0; j < num_tiles; ++j) {
       const int s = j % kStages;
-      TilePlan cur;
-      if (args.pages_ahead) {
-        cur = next;
-        if (j + 1 < num_tiles) next = plan(j + 1);  // its page-table reads overlap the wait below
-      }
       if (j >= kStages) sm90::mbarrier_wait(empty + s, ((j / kStages) - 1) & 1, gave_up);
-      if (!args.pages_ahead) cur = plan(j);
+      if (!args.pages_ahead && j > 0) cur = plan(j);
       row_mask[s] = cur.mask;
       sm90::mbarrier_arrive_expect_tx(full + s, cur.bytes);
       unsigned char* tile = smem + L::kTiles + s * kTileBytes;
@@ -218,6 +213,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
       trace_stamp(4 + 4 * j);
+      // The next tile's page-table reads, after this tile's copies are issued, overlap the wait for its stage.
+      if (args.pages_ahead && j + 1 < num_tiles) cur = plan(j + 1);
     }
     return;
   }
