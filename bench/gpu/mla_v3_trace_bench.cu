@@ -163,6 +163,7 @@ void run(int batch, int context) {
     if (waves[w].empty()) continue;
     std::printf("    %s wave medians:", w == 0 ? "first" : "second");
     for (int e = 0; e < 7; ++e) {
+      if (e == 2) continue;  // no longer stamped
       std::vector<double> x;
       for (int c : waves[w]) {
         if (std::isfinite(combine_at(c, e))) x.push_back(combine_at(c, e));

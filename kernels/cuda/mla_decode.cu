@@ -432,21 +432,14 @@ constexpr int kSkLd = kSkCols + 4;                       // floats per latent ro
 constexpr int kSkLdProd = kMlaMaxVHead + 8;              // floats per partial-product row
 constexpr int kSkParts = 16;                             // split partitions of the merge: the lanes of a half warp
 constexpr int kSkSplitSlots = kMlaMaxSplits / kSkParts;  // splits per partition at most
-constexpr int kSkTokenStep = 4;                          // tokens whose partial loads are in flight together
 constexpr int kSkVRounds = (kMlaMaxVHead / 16 + kSkWarps - 1) / kSkWarps;  // 16-row W_UV blocks per warp at most
 static_assert(kSkParts * (kSkCols / 4) == kSkThreads, "merge: one (column quad, partition) per thread");
 static_assert(kSkMaxSlices <= 8, "portable cluster size");
-// Registers per thread at most: where the attention kernel before it runs one m tile (8- or 16-head groups: one or
-// two tokens by default; mla_split_attention_mma_kernel<1>, 136 registers x 256 threads, one CTA an SM) it leaves
-// 120 x 256 of the SM's 64 K registers, so a CTA of this kernel fits beside it and, launched with PDL, loads its W_UV
-// slice while the attention still runs (ptxas at 120: no spills; the fit is exact, so it ends if either kernel
-// needs more registers).
-constexpr int kSkMaxRegisters = 120;
 
 // Optional timeline (compile with -DDELTASERVE_MLA_V3_TRACE, as mla_decode_wgmma.cu; bench/gpu/mla_v3_trace_bench.cu
 // reads it): %globaltimer stamps per CTA of this kernel (blockIdx flattened) at event 0 the start, 1 past the wait,
-// 2 split weights in shared memory, 3 latent columns merged, 4 the slice's product written, 5 past the first cluster
-// barrier, 6 the end; event 7 holds the SM id + 1.
+// 3 latent columns merged, 4 the slice's product written, 5 past the first cluster barrier, 6 the end (2 is unused:
+// the split weights were a phase of their own before); event 7 holds the SM id + 1.
 #ifdef DELTASERVE_MLA_V3_TRACE
 constexpr int kSkTraceCtas = 1024, kSkTraceEvents = 8;
 __device__ unsigned long long g_sk_trace[kSkTraceCtas][kSkTraceEvents];
@@ -467,173 +460,22 @@ __device__ __forceinline__ void sk_trace_stamp(int) {}
 #endif
 
 // grid (slices, H, ceil(T / kSkTokens)) in clusters of (slices, 1, 1), block kSkThreads; kv_b 16-byte aligned.
-// Writes out_bf16 when it is set, else out.
-__global__ void __maxnreg__(kSkMaxRegisters)
-    mla_combine_split_k_before_kernel(const float* __restrict__ partial_o, const float2* __restrict__ partial_ml,
-                                      const __nv_bfloat16* __restrict__ kv_b, int64_t num_tokens, int num_heads,
-                                      int kv_lora, int nope, int v_head, int splits, float* __restrict__ out,
-                                      __nv_bfloat16* __restrict__ out_bf16) {
-  __shared__ __align__(16) float s_weight[kSkTokens * kMlaMaxSplits];
-  __shared__ __align__(16) float s_lat[kSkTokens * kSkLd];
-  __shared__ __align__(16) float s_prod[kSkTokens * kSkLdProd];
-  cg::cluster_group cluster = cg::this_cluster();
-  const int slice = static_cast<int>(cluster.block_rank()), slices = static_cast<int>(cluster.num_blocks());
-  const int h = blockIdx.y;
-  const int64_t t0 = static_cast<int64_t>(blockIdx.z) * kSkTokens;
-  const int tokens = static_cast<int>(min(static_cast<int64_t>(kSkTokens), num_tokens - t0));
-  const int c0 = slice * kSkCols;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, tq = lane & 3;
-  const int v_blocks = (v_head + 15) / 16;
-  const __nv_bfloat16* w_uv = kv_b + (static_cast<int64_t>(h) * (nope + v_head) + nope) * kv_lora;  // [v, kv_lora]
-  sk_trace_stamp(0);
-
-  // W_UV fragments, before the wait: v block warp + kSkWarps * round, rows v0 + g (wa) and v0 + 8 + g (wb),
-  // columns c0 + 32 b + 8 tq .. + 8 (zero past v_head and kv_lora; kv_lora is a multiple of 8).
-  uint4 wa[kSkVRounds][2], wb[kSkVRounds][2];
-#pragma unroll
-  for (int round = 0; round < kSkVRounds; ++round) {
-    const int v0 = (warp + kSkWarps * round) * 16, ra = v0 + g, rb = v0 + 8 + g;
-#pragma unroll
-    for (int b = 0; b < 2; ++b) {
-      const int c = c0 + 32 * b + 8 * tq;
-      const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-      wa[round][b] = c < kv_lora && ra < v_head
-                         ? __ldg(reinterpret_cast<const uint4*>(w_uv + static_cast<int64_t>(ra) * kv_lora + c))
-                         : zero;
-      wb[round][b] = c < kv_lora && rb < v_head
-                         ? __ldg(reinterpret_cast<const uint4*>(w_uv + static_cast<int64_t>(rb) * kv_lora + c))
-                         : zero;
-    }
-  }
-  detail::mla_wait_for_previous_grid();
-  detail::mla_allow_next_grid();
-  sk_trace_stamp(1);
-
-  for (int tt = warp; tt < tokens; tt += kSkWarps) {
-    detail::mla_split_weights(partial_ml, t0 + tt, h, num_heads, splits, lane, s_weight + tt * kMlaMaxSplits);
-  }
-  for (int i = tokens * kSkLd + tid; i < kSkTokens * kSkLd; i += kSkThreads) s_lat[i] = 0.0f;  // rows past the batch
-  __syncthreads();
-  sk_trace_stamp(2);
-
-  // Merged latent columns: thread (quad, part) sums splits part, part + 16, ... of column quad `quad` for 4 tokens
-  // at a time (their loads in flight together), then the 16 partitions add by a fixed butterfly in the half warp.
-  {
-    const int part = lane % kSkParts, quad = warp * (32 / kSkParts) + lane / kSkParts;
-    const int col = c0 + 4 * quad;
-    const bool col_in = col < kv_lora;
-    const int64_t split_stride = static_cast<int64_t>(num_heads) * kv_lora;
-    const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (int tt0 = 0; tt0 < tokens; tt0 += kSkTokenStep) {
-      float w[kSkTokenStep][kSkSplitSlots];
-      float4 x[kSkTokenStep][kSkSplitSlots];
-#pragma unroll
-      for (int u = 0; u < kSkTokenStep; ++u) {
-#pragma unroll
-        for (int k = 0; k < kSkSplitSlots; ++k) {
-          const int tt = tt0 + u, s = part + kSkParts * k;
-          w[u][k] = tt < tokens && s < splits && col_in ? s_weight[tt * kMlaMaxSplits + s] : 0.0f;
-          x[u][k] = w[u][k] != 0.0f
-                        ? __ldg(reinterpret_cast<const float4*>(partial_o + ((t0 + tt) * splits + s) * split_stride +
-                                                                static_cast<int64_t>(h) * kv_lora + col))
-                        : zero4;
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kSkTokenStep; ++u) {
-        float4 acc = zero4;
-#pragma unroll
-        for (int k = 0; k < kSkSplitSlots; ++k) {
-          acc.x = fmaf(w[u][k], x[u][k].x, acc.x);
-          acc.y = fmaf(w[u][k], x[u][k].y, acc.y);
-          acc.z = fmaf(w[u][k], x[u][k].z, acc.z);
-          acc.w = fmaf(w[u][k], x[u][k].w, acc.w);
-        }
-#pragma unroll
-        for (int offset = 1; offset < kSkParts; offset <<= 1) {
-          acc.x += __shfl_xor_sync(0xffffffffu, acc.x, offset);
-          acc.y += __shfl_xor_sync(0xffffffffu, acc.y, offset);
-          acc.z += __shfl_xor_sync(0xffffffffu, acc.z, offset);
-          acc.w += __shfl_xor_sync(0xffffffffu, acc.w, offset);
-        }
-        if (part == 0 && tt0 + u < tokens) *reinterpret_cast<float4*>(&s_lat[(tt0 + u) * kSkLd + 4 * quad]) = acc;
-      }
-    }
-  }
-  __syncthreads();
-  sk_trace_stamp(3);
-
-  // This slice's product o_lat[:, cols] · W_UV[:, cols]ᵀ into s_prod (rows past the batch hold zeros' products).
-#pragma unroll
-  for (int round = 0; round < kSkVRounds; ++round) {
-    const int vb = warp + kSkWarps * round;
-    if (vb >= v_blocks) break;
-    float acc[2][4] = {};
-#pragma unroll
-    for (int b = 0; b < 2; ++b) {
-#pragma unroll
-      for (int s = 0; s < 2; ++s) {
-        const int col = 32 * b + 8 * tq + 4 * s;
-        const uint32_t a0 = s == 0 ? wa[round][b].x : wa[round][b].z, a1 = s == 0 ? wa[round][b].y : wa[round][b].w;
-        const uint32_t b0 = s == 0 ? wb[round][b].x : wb[round][b].z, b1 = s == 0 ? wb[round][b].y : wb[round][b].w;
-        const float4 x_lo = *reinterpret_cast<const float4*>(&s_lat[g * kSkLd + col]);
-        const float4 x_hi = *reinterpret_cast<const float4*>(&s_lat[(g + 8) * kSkLd + col]);
-        uint32_t hi[4], lo[4];
-        split_bf16(x_lo.x, x_lo.y, hi[0], lo[0]);
-        split_bf16(x_hi.x, x_hi.y, hi[1], lo[1]);
-        split_bf16(x_lo.z, x_lo.w, hi[2], lo[2]);
-        split_bf16(x_hi.z, x_hi.w, hi[3], lo[3]);
-        detail::mma_bf16_16816(acc[0], hi, a0, a1);
-        detail::mma_bf16_16816(acc[0], lo, a0, a1);
-        detail::mma_bf16_16816(acc[1], hi, b0, b1);
-        detail::mma_bf16_16816(acc[1], lo, b0, b1);
-      }
-    }
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const int v = vb * 16 + nt * 8 + 2 * tq;
-      *reinterpret_cast<float2*>(&s_prod[g * kSkLdProd + v]) = make_float2(acc[nt][0], acc[nt][1]);
-      *reinterpret_cast<float2*>(&s_prod[(g + 8) * kSkLdProd + v]) = make_float2(acc[nt][2], acc[nt][3]);
-    }
-  }
-
-  sk_trace_stamp(4);
-  cluster.sync();  // every slice's s_prod written and visible to the cluster
-  sk_trace_stamp(5);
-  for (int e = slice * kSkThreads + tid; e < tokens * v_head; e += slices * kSkThreads) {
-    const int tt = e / v_head, v = e - tt * v_head;
-    float sum = 0.0f;
-#pragma unroll
-    for (int r = 0; r < kSkMaxSlices; ++r) {
-      if (r < slices) sum += cluster.map_shared_rank(s_prod, r)[tt * kSkLdProd + v];
-    }
-    const int64_t at = ((t0 + tt) * num_heads + h) * v_head + v;
-    if (out_bf16 != nullptr) {
-      out_bf16[at] = __float2bfloat16(sum);
-    } else {
-      out[at] = sum;
-    }
-  }
-  cluster.sync();  // the other slices have read this CTA's s_prod
-  sk_trace_stamp(6);
-}
-
-// The split-K combine with its loads first (the default; DELTASERVE_MLA_SK_COMBINE=before runs the kernel above for
-// an A/B). The same cluster, slices, merge order and products as above, so the same bits, but:
+// Writes out_bf16 when it is set, else out. kVRounds: 16-row W_UV blocks per warp (1 up to v_head 128).
+// Latency at small batches (mla_v3_trace_bench's timeline, H200; the previous version of this kernel ended 11.8 us
+// after the attention at B = 1, 4k, and 12.0 at 32k; this one 6.5 and 7.8 us):
 // - every partial of the CTA's columns and every (max, sum) pair of the head is loaded right after the wait, in one
-//   round of loads, instead of the pairs first and the partials only after the weights are in shared memory;
-// - every warp computes the split weights itself from the pairs (the same warp reductions as mla_split_weights) and
-//   takes its lanes' weights by shuffles: no shared-memory weights and no block barrier before the merge;
-// - at most 80 registers (kSkVRounds W_UV rows held only where v_head needs them, 2 tokens' loads in flight instead of
-//   4), so three CTAs fit an SM and one fits beside a v3 attention CTA of 8 or 16 heads: with 120, two fit an SM
-//   and none beside v3 at 16 heads, and at batch 1 a quarter of the 256 CTAs waited for the first ones to end
-//   (mla_v3_trace_bench's timeline: the combine ended 11.8 us after the attention at 4k, 12.0 at 32k).
-constexpr int kSkEarlyTokenStep = 2;
-constexpr int kSkEarlyMinBlocks = 3;  // CTAs an SM holds (v_head <= 128; 2 past it, without spills)
+//   round of loads (the previous version loaded the pairs, stored the weights in shared memory, then the partials);
+// - every warp computes the split weights itself from the pairs (mla_split_weights' reductions) and takes its
+//   lanes' weights by shuffles: no shared-memory weights and no block barrier before the merge;
+// - at most 80 registers (2 tokens' loads in flight, W_UV rows held only where v_head needs them), so three CTAs
+//   fit an SM and one beside a v3 attention CTA of 8 or 16 heads. With 120 registers two fitted an SM and, the
+//   register file being split among four schedulers, none beside v3 at 16 heads; at batch 1 a quarter of the 256
+//   CTAs waited for the first ones to end.
+constexpr int kSkTokenStep = 2;  // tokens whose partial loads are in flight together
+constexpr int kSkMinBlocks = 3;  // CTAs an SM holds (v_head <= 128; 2 past it, without spills)
 
 template <int kVRounds>
-__global__ void __launch_bounds__(kSkThreads, kVRounds == 1 ? kSkEarlyMinBlocks : 2)
+__global__ void __launch_bounds__(kSkThreads, kVRounds == 1 ? kSkMinBlocks : 2)
     mla_combine_split_k_kernel(const float* __restrict__ partial_o, const float2* __restrict__ partial_ml,
                                const __nv_bfloat16* __restrict__ kv_b, int64_t num_tokens, int num_heads, int kv_lora,
                                int nope, int v_head, int splits, float* __restrict__ out,
@@ -652,7 +494,8 @@ __global__ void __launch_bounds__(kSkThreads, kVRounds == 1 ? kSkEarlyMinBlocks 
   const __nv_bfloat16* w_uv = kv_b + (static_cast<int64_t>(h) * (nope + v_head) + nope) * kv_lora;  // [v, kv_lora]
   sk_trace_stamp(0);
 
-  // W_UV fragments, before the wait, as in the kernel above.
+  // W_UV fragments, before the wait: v block warp + kSkWarps * round, rows v0 + g (wa) and v0 + 8 + g (wb),
+  // columns c0 + 32 b + 8 tq .. + 8 (zero past v_head and kv_lora; kv_lora is a multiple of 8).
   uint4 wa[kVRounds][2], wb[kVRounds][2];
 #pragma unroll
   for (int round = 0; round < kVRounds; ++round) {
@@ -681,11 +524,11 @@ __global__ void __launch_bounds__(kSkThreads, kVRounds == 1 ? kSkEarlyMinBlocks 
   const bool col_in = col < kv_lora;
   const int64_t split_stride = static_cast<int64_t>(num_heads) * kv_lora;
   const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  for (int tt0 = 0; tt0 < tokens; tt0 += kSkEarlyTokenStep) {
-    float2 ml[kSkEarlyTokenStep][2];
-    float4 x[kSkEarlyTokenStep][kSkSplitSlots];
+  for (int tt0 = 0; tt0 < tokens; tt0 += kSkTokenStep) {
+    float2 ml[kSkTokenStep][2];
+    float4 x[kSkTokenStep][kSkSplitSlots];
 #pragma unroll
-    for (int u = 0; u < kSkEarlyTokenStep; ++u) {
+    for (int u = 0; u < kSkTokenStep; ++u) {
       const int64_t t = t0 + tt0 + u;
       const bool token_in = tt0 + u < tokens;
 #pragma unroll
@@ -703,7 +546,7 @@ __global__ void __launch_bounds__(kSkThreads, kVRounds == 1 ? kSkEarlyMinBlocks 
       }
     }
 #pragma unroll
-    for (int u = 0; u < kSkEarlyTokenStep; ++u) {
+    for (int u = 0; u < kSkTokenStep; ++u) {
       // The weights of mla_split_weights (empty splits, sum 0, weigh 0; all 0 when every split is empty).
       float m[2], l[2];
 #pragma unroll
@@ -746,7 +589,7 @@ __global__ void __launch_bounds__(kSkThreads, kVRounds == 1 ? kSkEarlyMinBlocks 
   __syncthreads();
   sk_trace_stamp(3);
 
-  // This slice's product o_lat[:, cols] · W_UV[:, cols]ᵀ into s_prod, as above.
+  // This slice's product o_lat[:, cols] · W_UV[:, cols]ᵀ into s_prod (rows past the batch hold zeros' products).
 #pragma unroll
   for (int round = 0; round < kVRounds; ++round) {
     const int vb = warp + kSkWarps * round;
@@ -860,15 +703,9 @@ Status launch_split_k_combine(const MlaAttentionParams& p, const MlaAttentionArg
   config.stream = stream;
   config.attrs = attributes;
   config.numAttrs = detail::mla_pdl_from_env() ? 2 : 1;
-  // Temporary A/B switch (DELTASERVE_MLA_SK_COMBINE=before: the kernel before the loads-first one).
-  static const bool before = [] {
-    const char* e = std::getenv("DELTASERVE_MLA_SK_COMBINE");
-    return e != nullptr && std::string(e) == "before";
-  }();
   void (*kernel)(const float*, const float2*, const __nv_bfloat16*, int64_t, int, int, int, int, int, float*,
-                 __nv_bfloat16*) = before                      ? mla_combine_split_k_before_kernel
-                                   : p.v_head <= 16 * kSkWarps ? mla_combine_split_k_kernel<1>
-                                                               : mla_combine_split_k_kernel<kSkVRounds>;
+                 __nv_bfloat16*) =
+      p.v_head <= 16 * kSkWarps ? mla_combine_split_k_kernel<1> : mla_combine_split_k_kernel<kSkVRounds>;
   if (const cudaError_t error = cudaLaunchKernelEx(
           &config, kernel, static_cast<const float*>(args.partial_o), static_cast<const float2*>(args.partial_ml),
           p.kv_b, num_tokens, p.num_heads, p.kv_lora_rank, p.qk_nope, p.v_head, args.splits, p.out, p.out_bf16);

@@ -121,6 +121,7 @@ struct DecodeWgmmaArgs {
   int box_rows;      // rows of a TMA box: 64 when pages hold whole tiles, else 16
   bool pages_ahead;  // the producer reads tile j + 1's page ids right after issuing tile j, before the next wait
   bool q_by_both;    // both warpgroups load q̃ (all loads of a thread issued first) instead of warpgroup 0 alone
+  bool polling;      // the producer's and warpgroup 0's stage waits poll with test_wait instead of try_wait
 };
 
 // What the producer issues for one tile: the pool row of each box row group (-1: none), the valid-row bits, the bytes.
@@ -199,7 +200,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (num_tiles > 0) cur = plan(0);
     for (int j = 0; j < num_tiles; ++j) {
       const int s = j % kStages;
-      if (j >= kStages) sm90::mbarrier_wait(empty + s, ((j / kStages) - 1) & 1, gave_up);
+      if (j >= kStages) {
+        if (args.polling) {
+          sm90::mbarrier_wait_polling(empty + s, ((j / kStages) - 1) & 1, gave_up);
+        } else {
+          sm90::mbarrier_wait(empty + s, ((j / kStages) - 1) & 1, gave_up);
+        }
+      }
       if (!args.pages_ahead && j > 0) cur = plan(j);
       row_mask[s] = cur.mask;
       sm90::mbarrier_arrive_expect_tx(full + s, cur.bytes);
@@ -286,7 +293,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     for (int j = 0; j < num_tiles; ++j) {
       const int s = j % kStages;
-      sm90::mbarrier_wait(full + s, (j / kStages) & 1, gave_up);
+      if (args.polling) {
+        sm90::mbarrier_wait_polling(full + s, (j / kStages) & 1, gave_up);
+      } else {
+        sm90::mbarrier_wait(full + s, (j / kStages) & 1, gave_up);
+      }
       if (tid == 0) trace_stamp(5 + 4 * j);
       const uint64_t mask = row_mask[s];
       const uint32_t tile = base + L::kTiles + s * kTileBytes;
@@ -462,8 +473,15 @@ Status launch_mla_wgmma_decode(const MlaAttentionArgs& args, const WUvPrefetch& 
     const char* value = std::getenv(name);
     return value == nullptr || std::string(value) != "0";
   };
-  DecodeWgmmaArgs kernel_args{args, w_uv, args.page_size % kTileRows == 0 ? kTileRows : 16,
-                              switched_on("DELTASERVE_MLA_V3_PAGES_AHEAD"), switched_on("DELTASERVE_MLA_V3_Q_BY_BOTH")};
+  DecodeWgmmaArgs kernel_args{args,
+                              w_uv,
+                              args.page_size % kTileRows == 0 ? kTileRows : 16,
+                              switched_on("DELTASERVE_MLA_V3_PAGES_AHEAD"),
+                              switched_on("DELTASERVE_MLA_V3_Q_BY_BOTH"),
+                              [] {  // off unless DELTASERVE_MLA_V3_POLL=1
+                                const char* value = std::getenv("DELTASERVE_MLA_V3_POLL");
+                                return value != nullptr && std::string(value) == "1";
+                              }()};
   CUtensorMap map;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(args.kv_lora + args.rope),
                               static_cast<cuuint64_t>(args.num_pages * args.num_layers * args.page_size)};
