@@ -121,7 +121,7 @@ struct DecodeWgmmaArgs {
   int box_rows;      // rows of a TMA box: 64 when pages hold whole tiles, else 16
   bool pages_ahead;  // the producer reads tile j + 1's page ids right after issuing tile j, before the next wait
   bool q_by_both;    // both warpgroups load q̃ (all loads of a thread issued first) instead of warpgroup 0 alone
-  bool polling;      // the producer's and warpgroup 0's stage waits poll with test_wait instead of try_wait
+  bool issue_lanes;  // the producer's copies issued by nine lanes (one column block each) instead of lane 0 alone
 };
 
 // What the producer issues for one tile: the pool row of each box row group (-1: none), the valid-row bits, the bytes.
@@ -169,9 +169,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (warp == kConsumerThreads / 32) {
     // Producer: the cache rows and page tables exist before this grid (the absorb before it waited for the row
-    // writes), so the tiles stream before the wait for the absorb.
-    if (lane != 0) return;
-    sm90::tma_prefetch_descriptor(&rows_map);
+    // writes), so the tiles stream before the wait for the absorb. Every lane plans (the same values); lane cb
+    // issues column block cb of each box row group (args.issue_lanes; else lane 0 issues all nine, which took
+    // ~0.6-0.8 us from a stage's release to its refill).
+    if (lane == 0) sm90::tma_prefetch_descriptor(&rows_map);
     const int32_t* table = a.block_tables + static_cast<int64_t>(slice.n) * a.max_pages_per_seq;
     const int groups = kTileRows / args.box_rows;
     const uint32_t group_bytes = static_cast<uint32_t>(column_blocks * args.box_rows * 128);
@@ -201,25 +202,32 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int j = 0; j < num_tiles; ++j) {
       const int s = j % kStages;
       if (j >= kStages) {
-        if (args.polling) {
-          sm90::mbarrier_wait_polling(empty + s, ((j / kStages) - 1) & 1, gave_up);
-        } else {
-          sm90::mbarrier_wait(empty + s, ((j / kStages) - 1) & 1, gave_up);
-        }
+        sm90::mbarrier_wait(empty + s, ((j / kStages) - 1) & 1, gave_up);
       }
       if (!args.pages_ahead && j > 0) cur = plan(j);
-      row_mask[s] = cur.mask;
-      sm90::mbarrier_arrive_expect_tx(full + s, cur.bytes);
+      if (lane == 0) {
+        row_mask[s] = cur.mask;
+        sm90::mbarrier_arrive_expect_tx(full + s, cur.bytes);
+      }
+      __syncwarp();
       unsigned char* tile = smem + L::kTiles + s * kTileBytes;
 #pragma unroll
       for (int g = 0; g < kTileRows / 16; ++g) {
         if (cur.outer[g] < 0) continue;
-        for (int cb = 0; cb < column_blocks; ++cb) {
-          sm90::tma_load_2d(tile + cb * kBlockBytes + g * args.box_rows * 128, &rows_map, full + s, cb * 64,
-                            cur.outer[g]);
+        if (args.issue_lanes) {
+          if (lane < column_blocks) {
+            sm90::tma_load_2d(tile + lane * kBlockBytes + g * args.box_rows * 128, &rows_map, full + s, lane * 64,
+                              cur.outer[g]);
+          }
+        } else if (lane == 0) {
+          for (int cb = 0; cb < column_blocks; ++cb) {
+            sm90::tma_load_2d(tile + cb * kBlockBytes + g * args.box_rows * 128, &rows_map, full + s, cb * 64,
+                              cur.outer[g]);
+          }
         }
       }
-      trace_stamp(4 + 4 * j);
+      __syncwarp();
+      if (lane == 0) trace_stamp(4 + 4 * j);
       // The next tile's page-table reads, after this tile's copies are issued, overlap the wait for its stage.
       if (args.pages_ahead && j + 1 < num_tiles) cur = plan(j + 1);
     }
@@ -293,11 +301,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     for (int j = 0; j < num_tiles; ++j) {
       const int s = j % kStages;
-      if (args.polling) {
-        sm90::mbarrier_wait_polling(full + s, (j / kStages) & 1, gave_up);
-      } else {
-        sm90::mbarrier_wait(full + s, (j / kStages) & 1, gave_up);
-      }
+      sm90::mbarrier_wait(full + s, (j / kStages) & 1, gave_up);
       if (tid == 0) trace_stamp(5 + 4 * j);
       const uint64_t mask = row_mask[s];
       const uint32_t tile = base + L::kTiles + s * kTileBytes;
@@ -478,10 +482,7 @@ Status launch_mla_wgmma_decode(const MlaAttentionArgs& args, const WUvPrefetch& 
                               args.page_size % kTileRows == 0 ? kTileRows : 16,
                               switched_on("DELTASERVE_MLA_V3_PAGES_AHEAD"),
                               switched_on("DELTASERVE_MLA_V3_Q_BY_BOTH"),
-                              [] {  // off unless DELTASERVE_MLA_V3_POLL=1
-                                const char* value = std::getenv("DELTASERVE_MLA_V3_POLL");
-                                return value != nullptr && std::string(value) == "1";
-                              }()};
+                              switched_on("DELTASERVE_MLA_V3_ISSUE_LANES")};
   CUtensorMap map;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(args.kv_lora + args.rope),
                               static_cast<cuuint64_t>(args.num_pages * args.num_layers * args.page_size)};

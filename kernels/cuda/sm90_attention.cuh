@@ -55,21 +55,6 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* barrier, uint32_t parity
   }
 }
 
-// The same bounded wait polling with mbarrier.test_wait, which never suspends the thread (a measurement variant: does
-// a waiter suspended in try_wait resume later than the phase completes?).
-__device__ __forceinline__ void mbarrier_wait_polling(uint64_t* barrier, uint32_t parity, volatile int* gave_up) {
-  const uint32_t bar = detail::smem_address(barrier);
-  if (mbarrier_test_wait(bar, parity)) return;
-  const long long start = clock64();
-  while (!mbarrier_test_wait(bar, parity)) {
-    if (*gave_up != 0) return;
-    if (clock64() - start > 4'000'000'000ll) {
-      *gave_up = 1;
-      return;
-    }
-  }
-}
-
 // ---- TMA ---------------------------------------------------------------------------------------------------------
 // Box at element coordinates (x = column, y = row) of a 2-D tensor map -> shared memory, completing `bytes` (the
 // whole box, zero-filled where it leaves the tensor) on `barrier`.

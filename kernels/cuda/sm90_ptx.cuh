@@ -36,20 +36,6 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t
 __device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
-// The non-blocking test: never suspends the thread (try_wait may, until the phase completes or a time limit).
-__device__ __forceinline__ bool mbarrier_test_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-      "selp.u32 %0, 1, 0, p;\n"
-      "}\n"
-      : "=r"(done)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return done != 0;
-}
 __device__ __forceinline__ bool mbarrier_try_wait(uint32_t bar, uint32_t parity) {
   uint32_t done = 0;
   asm volatile(
