@@ -28,7 +28,8 @@
 //   3'. (v2, at most kMlaSplitKCombineMaxTokens tokens) split-K combine: per (16 tokens, head) a cluster of up to 8
 //                 CTAs, each merging 64 latent columns and multiplying them by its 64-column slice of W_UV, the
 //                 slices' products added in a fixed order over distributed shared memory (see the kernel). Kimi-48B,
-//                 batch 1: 256 CTAs of 24 KB instead of 32 of 192 KB (H200 Nsight, v1 combine: 14.0 us for 7.1 MB).
+//                 batch 1: 256 CTAs of 24 KB instead of 32 of 192 KB (H200 Nsight, v1 combine: 14.0 us for 7.1 MB);
+//                 its partials load in one round after the wait, and three of its CTAs fit an SM.
 // MlaDecodeKernel selects the generation (MlaAttentionParams::decode_kernel, else
 // DELTASERVE_MLA_DECODE_KERNEL=v1|v2|v3, default v3): v1 runs steps 1, 2, 3; v2 runs 1, 2 and 3' up to 16 tokens, 3
 // past that; v3 is v2 with step 2 on warpgroup MMA and TMA where it applies (mla_decode_wgmma.cu; decode only; H200,
