@@ -131,10 +131,8 @@ struct TilePlan {
   uint32_t bytes;
 };
 
-// grid (T, splits, ceil(H / N)), block kThreads, dynamic smem Layout<N>::kBytes. kChains: independent accumulator
-// chains of the scores' 36 k steps (1, or 2: even and odd steps, added at the end), a measurement of whether the
-// dependent m64nNk16 steps, not the tile's shared-memory reads, set warpgroup 0's time per tile.
-template <int N, int kChains>
+// grid (T, splits, ceil(H / N)), block kThreads, dynamic smem Layout<N>::kBytes.
+template <int N>
 __global__ void __launch_bounds__(kThreads, 1)
     mla_split_attention_wgmma_kernel(const __grid_constant__ CUtensorMap rows_map, const DecodeWgmmaArgs args) {
   constexpr int kRegs = N / 2;  // accumulator registers of one m64nN product
@@ -307,28 +305,18 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (tid == 0) trace_stamp(5 + 4 * j);
       const uint64_t mask = row_mask[s];
       const uint32_t tile = base + L::kTiles + s * kTileBytes;
-      float sc[kRegs], sc_odd[kRegs];
+      float sc[kRegs];
       sm90::wgmma_fence();
 #pragma unroll
       for (int step = 0; step < column_blocks * 4; ++step) {
         const uint32_t k_off = (step >> 2) * kBlockBytes + (step & 3) * 32;
         const uint32_t q_off = (step >> 2) * N * 128 + (step & 3) * 32;
-        const uint64_t desc_a = sm90::smem_descriptor_sw128(tile + k_off, 16, 1024);
-        const uint64_t desc_b = sm90::smem_descriptor_sw128(base + L::kQ + q_off, 16, 1024);
-        if (kChains == 2 && (step & 1) != 0) {
-          wgmma_ss<N, 0>(sc_odd, desc_a, desc_b, step > 1 ? 1 : 0);
-        } else {
-          wgmma_ss<N, 0>(sc, desc_a, desc_b, step >= kChains ? 1 : 0);
-        }
+        wgmma_ss<N, 0>(sc, sm90::smem_descriptor_sw128(tile + k_off, 16, 1024),
+                       sm90::smem_descriptor_sw128(base + L::kQ + q_off, 16, 1024), step > 0 ? 1 : 0);
       }
       sm90::wgmma_commit_group();
       sm90::wgmma_wait_group<0>();
       sm90::wgmma_fence_registers(sc);
-      if constexpr (kChains == 2) {
-        sm90::wgmma_fence_registers(sc_odd);
-#pragma unroll
-        for (int i = 0; i < kRegs; ++i) sc[i] += sc_odd[i];
-      }
 
       // Register 4i + e holds row (e < 2 ? r0 : r1), head column 8i + 2tq + e % 2; column slot c = 2i + e % 2.
       const bool v0 = ((mask >> r0) & 1) != 0, v1 = ((mask >> r1) & 1) != 0;
@@ -508,16 +496,9 @@ Status launch_mla_wgmma_decode(const MlaAttentionArgs& args, const WUvPrefetch& 
   }
   const int group = args.head_group <= 8 ? 8 : args.head_group <= 16 ? 16 : 32;
   kernel_args.a.head_group = group;
-  // DELTASERVE_MLA_V3_SCORE_CHAINS=2: the scores in two accumulator chains (a measurement switch; read per call).
-  const char* chains_env = std::getenv("DELTASERVE_MLA_V3_SCORE_CHAINS");
-  const bool two_chains = chains_env != nullptr && std::string(chains_env) == "2";
-  using Kernel = void (*)(const CUtensorMap, const DecodeWgmmaArgs);
-  const Kernel kernel = two_chains ? (group == 8    ? mla_split_attention_wgmma_kernel<8, 2>
-                                      : group == 16 ? mla_split_attention_wgmma_kernel<16, 2>
-                                                    : mla_split_attention_wgmma_kernel<32, 2>)
-                                   : (group == 8    ? mla_split_attention_wgmma_kernel<8, 1>
-                                      : group == 16 ? mla_split_attention_wgmma_kernel<16, 1>
-                                                    : mla_split_attention_wgmma_kernel<32, 1>);
+  void (*kernel)(const CUtensorMap, const DecodeWgmmaArgs) = group == 8    ? mla_split_attention_wgmma_kernel<8>
+                                                             : group == 16 ? mla_split_attention_wgmma_kernel<16>
+                                                                           : mla_split_attention_wgmma_kernel<32>;
   const size_t smem = group == 8 ? Layout<8>::kBytes : group == 16 ? Layout<16>::kBytes : Layout<32>::kBytes;
   if (const cudaError_t e =
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
