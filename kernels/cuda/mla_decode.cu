@@ -53,6 +53,7 @@
 
 #include <cooperative_groups.h>
 
+#include "kernels/cuda/device_timeline.cuh"
 #include "kernels/cuda/launch_status.hpp"
 #include "kernels/cuda/mla.hpp"
 #include "kernels/cuda/mla_attention.cuh"
@@ -445,12 +446,10 @@ static_assert(kSkMaxSlices <= 8, "portable cluster size");
 constexpr int kSkTraceCtas = 1024, kSkTraceEvents = 8;
 __device__ unsigned long long g_sk_trace[kSkTraceCtas][kSkTraceEvents];
 __device__ __forceinline__ void sk_trace_stamp(int event) {
-  const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-  if (threadIdx.x != 0 || cta >= kSkTraceCtas) return;
-  unsigned long long ns;
-  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(ns));
-  g_sk_trace[cta][event] = ns;
-  if (event == 0) {
+  if (threadIdx.x != 0) return;
+  detail::timeline_stamp(g_sk_trace, event);
+  const unsigned cta = detail::timeline_cta();
+  if (event == 0 && cta < kSkTraceCtas) {
     unsigned sm;
     asm volatile("mov.u32 %0, %%smid;\n" : "=r"(sm));
     g_sk_trace[cta][7] = sm + 1ull;
@@ -945,11 +944,7 @@ Status mla_attention_launch(const MlaAttentionParams& p, bool decode, const char
 #ifdef DELTASERVE_MLA_V3_TRACE
 // The split-K combine's timeline of the last launches (bench/gpu/mla_v3_trace_bench.cu), cleared after reading.
 std::vector<unsigned long long> mla_combine_trace_take() {
-  std::vector<unsigned long long> stamps(static_cast<size_t>(kSkTraceCtas) * kSkTraceEvents);
-  (void)cudaMemcpyFromSymbol(stamps.data(), g_sk_trace, stamps.size() * sizeof(unsigned long long));
-  static const std::vector<unsigned long long> zeros(stamps.size(), 0);
-  (void)cudaMemcpyToSymbol(g_sk_trace, zeros.data(), zeros.size() * sizeof(unsigned long long));
-  return stamps;
+  return timeline_take(g_sk_trace);
 }
 #endif
 }  // namespace detail

@@ -24,6 +24,7 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
+#include "kernels/cuda/device_timeline.cuh"
 #include "kernels/cuda/launch_status.hpp"
 #include "kernels/cuda/mla_attention.cuh"
 #include "kernels/cuda/mla_decode_attention.cuh"
@@ -103,8 +104,7 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uin
 constexpr int kTraceCtas = 1024, kTraceTiles = 16, kTraceEvents = 4 + 4 * kTraceTiles;
 __device__ unsigned long long g_v3_trace[kTraceCtas][kTraceEvents];
 __device__ __forceinline__ void trace_stamp(int event) {
-  const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-  if (cta < kTraceCtas && event < kTraceEvents) g_v3_trace[cta][event] = sm90::globaltimer_ns();
+  timeline_stamp(g_v3_trace, event);
 }
 #else
 __device__ __forceinline__ void trace_stamp(int) {}
@@ -452,11 +452,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #ifdef DELTASERVE_MLA_V3_TRACE
 // The trace of the last launches (bench/gpu/mla_v3_trace_bench.cu): kTraceCtas x kTraceEvents stamps, 0 = none.
 std::vector<unsigned long long> mla_v3_trace_take() {
-  std::vector<unsigned long long> stamps(static_cast<size_t>(kTraceCtas) * kTraceEvents);
-  (void)cudaMemcpyFromSymbol(stamps.data(), g_v3_trace, stamps.size() * sizeof(unsigned long long));
-  static const std::vector<unsigned long long> zeros(stamps.size(), 0);
-  (void)cudaMemcpyToSymbol(g_v3_trace, zeros.data(), zeros.size() * sizeof(unsigned long long));
-  return stamps;
+  return timeline_take(g_v3_trace);
 }
 #endif
 
