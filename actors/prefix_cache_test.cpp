@@ -25,7 +25,10 @@ constexpr int64_t kMaxTokens = 6;
 NodeOptions cache_options(int64_t checkpoint_interval) {
   NodeOptions o = testing::tiny_serve_options();
   o.prefill_chunk = 512;
-  o.heartbeat_interval = 500ms;  // expiry after 5 s without reports: CI machines stall for seconds
+  // Expiry after ten missed reports (20 s). A prefill worker reports between chunks, and under ASan on a 2-core CI
+  // machine, beside other cluster tests, one 512-token chunk over a 4k context has taken more than the 5 s that a
+  // 500 ms interval allowed: the workers were dropped as lost and the request failed after its retries.
+  o.heartbeat_interval = 2s;
   o.cache_page_tokens = 1024;
   o.checkpoint_interval_blocks = checkpoint_interval;
   o.model_id = "tiny-linear-test";
