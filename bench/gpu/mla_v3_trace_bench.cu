@@ -29,7 +29,8 @@ using namespace deltaserve::kernels::cuda;  // NOLINT(google-build-using-namespa
 
 constexpr int kHeads = 32, kKvLora = 512, kNope = 128, kRope = 64, kVHead = 128, kPageSize = 64;
 constexpr int kWidth = kKvLora + kRope, kQWidth = kNope + kRope;
-constexpr int kTraceCtas = 1024, kTraceTiles = 16, kTraceEvents = 4 + 4 * kTraceTiles;  // as in mla_decode_wgmma.cu
+constexpr int kTraceCtas = 1024, kTraceTiles = 16, kTraceFine = 4 + 4 * kTraceTiles;  // as in mla_decode_wgmma.cu
+constexpr int kTraceEvents = kTraceFine + 3 * kTraceTiles;
 
 template <typename T>
 T* device_copy(const std::vector<T>& host) {
@@ -131,6 +132,24 @@ void run(int batch, int context) {
     if (load.empty()) break;
     std::printf("  %4d %7.2f %6.2f %6.2f %6.2f | %9.2f %6.2f %8.2f\n", j, median_of(e), median_of(e + 1),
                 median_of(e + 2), median_of(e + 3), median(load), median(score), median(product));
+  }
+  // Finer: per tile, medians over the CTAs of the producer's refill (the stage's release by warpgroup 1 two tiles
+  // back -> the producer past its wait -> the copies issued) and of warpgroup 0's steps (data in -> scores in
+  // registers -> past the maxima's barrier -> P handed over).
+  std::printf("  tile | release->woke woke->issued | in->scores scores->max max->P\n");
+  auto median_gap = [&](int from, int to) {
+    std::vector<double> x;
+    for (int c = 0; c < ctas; ++c) {
+      if (std::isfinite(at(c, from)) && std::isfinite(at(c, to))) x.push_back(at(c, to) - at(c, from));
+    }
+    return median(x);
+  };
+  for (int j = 0; j < kTraceTiles; ++j) {
+    const int e = 4 + 4 * j, f = kTraceFine + 3 * j;
+    if (!std::isfinite(median_of(e + 1))) break;
+    const double release_to_woke = j >= 2 ? median_gap(4 + 4 * (j - 2) + 3, f) : NAN;
+    std::printf("  %4d | %13.2f %11.2f | %10.2f %11.2f %6.2f\n", j, release_to_woke, median_gap(f, e),
+                median_gap(e + 1, f + 1), median_gap(f + 1, f + 2), median_gap(f + 2, e + 2));
   }
 
   // The split-K combine after it (events of mla_decode.cu's timeline, same clock): CTAs that started while an

@@ -99,14 +99,18 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uin
 // Optional timeline (compile with -DDELTASERVE_MLA_V3_TRACE; bench/gpu/mla_v3_trace_bench.cu reads it): %globaltimer
 // stamps per CTA (blockIdx flattened) of event 0 the CTA's start, 1 warpgroup 0 past the wait for the absorb, 2 q̃ in
 // shared memory, 3 warpgroup 1's stores done, and per tile j < kTraceTiles: 4 + 4j the producer's copies issued, 5 + 4j
-// warpgroup 0 past the full barrier, 6 + 4j P handed to warpgroup 1, 7 + 4j warpgroup 1's product done.
+// warpgroup 0 past the full barrier, 6 + 4j P handed to warpgroup 1, 7 + 4j warpgroup 1's product done; and at
+// kTraceFine + 3j the producer past its wait for the stage, + 1 warpgroup 0's scores in registers, + 2 warpgroup 0
+// past the barrier of the tile's per-head maxima.
 #ifdef DELTASERVE_MLA_V3_TRACE
-constexpr int kTraceCtas = 1024, kTraceTiles = 16, kTraceEvents = 4 + 4 * kTraceTiles;
+constexpr int kTraceCtas = 1024, kTraceTiles = 16, kTraceFine = 4 + 4 * kTraceTiles;
+constexpr int kTraceEvents = kTraceFine + 3 * kTraceTiles;
 __device__ unsigned long long g_v3_trace[kTraceCtas][kTraceEvents];
 __device__ __forceinline__ void trace_stamp(int event) {
   timeline_stamp(g_v3_trace, event);
 }
 #else
+constexpr int kTraceFine = 0;
 __device__ __forceinline__ void trace_stamp(int) {}
 #endif
 
@@ -204,6 +208,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (j >= kStages) {
         sm90::mbarrier_wait(empty + s, ((j / kStages) - 1) & 1, gave_up);
       }
+      if (lane == 0) trace_stamp(kTraceFine + 3 * j);
       if (!args.pages_ahead && j > 0) cur = plan(j);
       if (lane == 0) {
         row_mask[s] = cur.mask;
@@ -317,6 +322,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       sm90::wgmma_commit_group();
       sm90::wgmma_wait_group<0>();
       sm90::wgmma_fence_registers(sc);
+      if (tid == 0) trace_stamp(kTraceFine + 3 * j + 1);
 
       // Register 4i + e holds row (e < 2 ? r0 : r1), head column 8i + 2tq + e % 2; column slot c = 2i + e % 2.
       const bool v0 = ((mask >> r0) & 1) != 0, v1 = ((mask >> r1) & 1) != 0;
@@ -339,6 +345,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int c = 0; c < kCols; ++c) warp_max[wg_warp * N + 8 * (c >> 1) + 2 * tq + (c & 1)] = mx[c];
       }
       sm90::named_barrier_sync(kBarScorer, 128);
+      if (tid == 0) trace_stamp(kTraceFine + 3 * j + 2);
       float* scale = reinterpret_cast<float*>(smem + L::kScale) + s * N;
       unsigned char* p_tile = smem + L::kP + s * N * 128;
 #pragma unroll
