@@ -1,6 +1,6 @@
 // A chain of dependent batch-1 GEMVs (x_{s+1} = bf16(W_s x_s), the shapes of o_proj and a KDA projection
-// alternating: 2304 -> 4096 -> 2304 ...) run two ways, next to the device-to-device copy bandwidth measured in the
-// same run:
+// alternating: 2304 -> 4096 -> 2304 ...) run three ways, next to the device-to-device copy bandwidth measured in the
+// same run (the third, chain_ring_kernel, is described above it):
 //   * launches: one skinny_gemm launch per step (the engine's kernel and its programmatic dependent launch), the
 //     chain captured in a CUDA graph;
 //   * persistent: one launch, one CTA per SM, for the whole chain. A producer warp streams the CTA's weight rows of
@@ -174,6 +174,90 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
+// ---- persistent, every warp its own cp.async ring ---------------------------------------------------------------
+// The same chain with the streaming of the skinny GEMM instead of one producer warp's bulk copies (which the ninth
+// session's run measured at 0.68-0.71 of copy even without the dependency, 8 bulk copies a stage from one warp):
+// one CTA of 8 warps per SM; global warp g takes rows g, g + W, ... of every step (W warps in all); each warp keeps
+// its next kRingRows rows (of this step and the next ones: the sequence runs on across the steps) in flight with
+// 16-byte cp.async from all 32 lanes into its own slots, lane l copying and later reading only chunks l, l + 32,
+// ..., so a lane's cp.async.wait_group is all it needs before reading. Per step the CTA waits for the grid-wide
+// counter, stages x in shared memory, multiplies each of its rows as it lands, then publishes. While a CTA waits,
+// its warps' next rows (most of the next step's bytes: ~140 KB an SM a step against 192 KB of slots) stream on.
+constexpr int kRingWarps = 8;
+constexpr int kRingThreads = 32 * kRingWarps;
+constexpr int kRingRows = 3;                                               // row slots per warp
+constexpr uint32_t kRingRowBytes = kMaxIn * 2;                             // 8 KB a slot
+constexpr uint32_t kRingXOffset = kRingWarps * kRingRows * kRingRowBytes;  // 192 KB of slots, then x
+constexpr uint32_t kRingSmemBytes = kRingXOffset + kMaxIn * 2;
+
+// Rows of step s that global warp g of W takes.
+__device__ __forceinline__ int ring_rows(const Chain& c, int s, int g, int warps) {
+  return g < c.n[s] ? (c.n[s] - 1 - g) / warps + 1 : 0;
+}
+
+__global__ void __launch_bounds__(kRingThreads, 1)
+    chain_ring_kernel(const __grid_constant__ Chain c, unsigned* counter, int mode) {
+  // mode 1: the consumers wait for each step's input; 2: nobody waits (timing only: wrong results).
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int warps = static_cast<int>(gridDim.x) * kRingWarps, g = static_cast<int>(blockIdx.x) * kRingWarps + warp;
+  unsigned char* slots = smem + static_cast<uint32_t>(warp) * kRingRows * kRingRowBytes;
+  const uint4* x_s = reinterpret_cast<const uint4*>(smem + kRingXOffset);
+
+  // The issue cursor walks this warp's rows of every step in order; each issue is one commit group (an empty one
+  // past the last row), so "the oldest kRingRows groups" always means "the next row to multiply".
+  int issue_step = 0, issue_index = 0, issue_slot = 0;
+  auto issue_next = [&]() {
+    while (issue_step < c.steps && issue_index >= ring_rows(c, issue_step, g, warps)) {
+      ++issue_step;
+      issue_index = 0;
+    }
+    if (issue_step < c.steps) {
+      const int row = g + issue_index * warps;
+      const int chunks = c.in[issue_step] / 8;
+      const uint4* src = reinterpret_cast<const uint4*>(c.w[issue_step] + static_cast<int64_t>(row) * c.in[issue_step]);
+      uint4* dst = reinterpret_cast<uint4*>(slots + static_cast<uint32_t>(issue_slot) * kRingRowBytes);
+      for (int k = lane; k < chunks; k += 32) detail::cp_async16(dst + k, src + k);
+      ++issue_index;
+    }
+    detail::cp_async_commit();
+    issue_slot = issue_slot + 1 == kRingRows ? 0 : issue_slot + 1;
+  };
+  for (int k = 0; k < kRingRows; ++k) issue_next();
+
+  int slot = 0;
+  for (int s = 0; s < c.steps; ++s) {
+    if (s > 0 && mode == 1) {
+      if (tid == 0) wait_for_step(counter, s);
+      __syncthreads();
+    }
+    const int chunks = c.in[s] / 8;
+    for (int i = tid; i < chunks; i += kRingThreads) {
+      reinterpret_cast<uint4*>(smem + kRingXOffset)[i] = __ldcg(reinterpret_cast<const uint4*>(c.x[s]) + i);
+    }
+    __syncthreads();
+    const int rows = ring_rows(c, s, g, warps);
+    for (int i = 0; i < rows; ++i) {
+      detail::cp_async_wait<kRingRows - 1>();  // this lane's copies of the oldest row have landed
+      const uint4* w = reinterpret_cast<const uint4*>(slots + static_cast<uint32_t>(slot) * kRingRowBytes);
+      float acc = 0.0f;
+      for (int k = lane; k < chunks; k += 32) acc = detail::dot8_bf16(w[k], x_s[k], acc);
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+      if (lane == 0) c.x[s + 1][g + i * warps] = __float2bfloat16_rn(acc);  // published by the step's fence below
+      issue_next();  // into the slot just read: each lane overwrites only the chunks it read itself
+      slot = slot + 1 == kRingRows ? 0 : slot + 1;
+    }
+    // Every row of this CTA written and x_s read by all before thread 0's cumulative fence and the count.
+    __syncthreads();
+    if (tid == 0) {
+      __threadfence();
+      atomicAdd(counter, 1u);
+    }
+  }
+  detail::cp_async_wait<0>();
+}
+
 // ---- host -------------------------------------------------------------------------------------------------------
 
 std::vector<__nv_bfloat16> random_bf16(size_t n, float scale, uint32_t seed) {
@@ -269,6 +353,16 @@ void run_persistent(const Device& d, int mode, cudaStream_t stream) {
                                          kSmemBytes, stream));
 }
 
+// mode 1: consumers wait for each step; 2: nobody waits (timing only).
+void run_ring(const Device& d, int mode, cudaStream_t stream) {
+  int sms = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  CHECK_CUDA(cudaMemsetAsync(d.counter, 0, sizeof(unsigned), stream));
+  void* args[] = {const_cast<Chain*>(&d.c), const_cast<unsigned**>(&d.counter), &mode};
+  CHECK_CUDA(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(chain_ring_kernel), dim3(sms),
+                                         dim3(kRingThreads), args, kRingSmemBytes, stream));
+}
+
 std::vector<float> download(const __nv_bfloat16* p, int n) {
   std::vector<__nv_bfloat16> h(n);
   CHECK_CUDA(cudaMemcpy(h.data(), p, n * 2, cudaMemcpyDeviceToHost));
@@ -327,6 +421,8 @@ int main(int argc, char** argv) {
   }
   CHECK_CUDA(cudaFuncSetAttribute(reinterpret_cast<const void*>(chain_kernel),
                                   cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBytes)));
+  CHECK_CUDA(cudaFuncSetAttribute(reinterpret_cast<const void*>(chain_ring_kernel),
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kRingSmemBytes)));
   std::vector<std::vector<__nv_bfloat16>> w(steps);
   for (int s = 0; s < steps; ++s) {
     const int in = s % 2 == 0 ? 2304 : 4096, n = s % 2 == 0 ? 4096 : 2304;
@@ -342,13 +438,17 @@ int main(int argc, char** argv) {
   Device two = d;
   two.c.steps = 2;
   bool ok = true;
-  for (int variant = 0; variant < 3; ++variant) {
+  for (int variant = 0; variant < 4; ++variant) {
     CHECK_CUDA(cudaMemset(d.c.x[2], 0xff, kMaxIn * 2));
     if (variant == 0) run_launches(two, stream);
-    if (variant > 0) run_persistent(two, variant == 1 ? 1 : 0, stream);
+    if (variant == 1 || variant == 2) run_persistent(two, variant == 1 ? 1 : 0, stream);
+    if (variant == 3) run_ring(two, 1, stream);
     CHECK_CUDA(cudaStreamSynchronize(stream));
     const double err = max_rel(download(d.c.x[2], 2304), reference);
-    const char* name = variant == 0 ? "launches" : variant == 1 ? "persistent" : "persistent, no run-ahead";
+    const char* name = variant == 0   ? "launches"
+                       : variant == 1 ? "persistent"
+                       : variant == 2 ? "persistent, no run-ahead"
+                                      : "persistent, cp.async ring per warp";
     std::fprintf(stderr, "gemv_chain: %s, two steps against the CPU: max relative error %.3g\n", name, err);
     if (!(err <= 0.02)) ok = false;
   }
@@ -369,18 +469,25 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaEventCreate(&e1));
   const double bandwidth = copy_bandwidth();
   const double floor_us = 1e6 * d.weight_bytes / bandwidth;
-  const char* names[] = {"launches (skinny_gemm, PDL, graph)", "persistent (producer runs ahead)",
-                         "persistent (producer waits at each step)", "persistent without the dependency (timing only)"};
-  std::vector<float> finals[4];
-  for (int variant = 0; variant < 4; ++variant) {
+  const char* names[] = {"launches (skinny_gemm, PDL, graph)",
+                         "persistent (producer runs ahead)",
+                         "persistent (producer waits at each step)",
+                         "persistent without the dependency (timing only)",
+                         "persistent, cp.async ring per warp (runs ahead)",
+                         "persistent, cp.async ring per warp, without the dependency (timing only)"};
+  constexpr int kVariants = 6;
+  std::vector<float> finals[kVariants];
+  for (int variant = 0; variant < kVariants; ++variant) {
     constexpr int kRuns = 20;
     std::vector<float> times;
     for (int run = 0; run < kRuns + 3; ++run) {
       CHECK_CUDA(cudaEventRecord(e0, stream));
       if (variant == 0) {
         CHECK_CUDA(cudaGraphLaunch(exec, stream));
-      } else {
+      } else if (variant <= 3) {
         run_persistent(d, variant == 1 ? 1 : variant == 2 ? 0 : 2, stream);
+      } else {
+        run_ring(d, variant == 4 ? 1 : 2, stream);
       }
       CHECK_CUDA(cudaEventRecord(e1, stream));
       CHECK_CUDA(cudaEventSynchronize(e1));
@@ -400,7 +507,7 @@ int main(int argc, char** argv) {
   }
   // After many steps the two summation orders' bf16 roundings have spread through every element, so the final
   // outputs are compared as vectors (|a - b| / |b|; ~2^-8 a step adds up to a few percent over 52 steps).
-  for (int variant = 1; variant < 3; ++variant) {
+  for (int variant : {1, 2, 4}) {
     double diff = 0.0, norm = 0.0;
     for (size_t i = 0; i < finals[0].size(); ++i) {
       const double dv = static_cast<double>(finals[variant][i]) - finals[0][i];
