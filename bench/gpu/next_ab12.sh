@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# GPU machine only, from the repo root of main: the two measurements prepared at the end of the eleventh session
+# (bench/gpu/engine_notes.md), in one call of about 2 minutes; both build with nvcc alone (no cmake):
+#   1. the v3 MLA decode attention's finer timeline (bench/gpu/mla_v3_trace.sh): where the stage refill gap and
+#      warpgroup 0's ~1 us a tile go;
+#   2. bench/gpu/gemv_chain_bench.cu with chain_ring_kernel: does a persistent GEMV chain that streams like the
+#      skinny GEMM reach ~0.85-0.9 of copy across its grid-wide dependencies?
+#   bench/gpu/next_ab12.sh OUTDIR
+set -u
+out=${1:?usage: next_ab12.sh OUTDIR}
+mkdir -p "$out" build
+start=$(date +%s)
+nvidia-smi --query-gpu=name,driver_version --format=csv >"$out/gpu.txt" 2>&1
+(nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xcudafe=--diag_suppress=2810 -I. \
+  bench/gpu/gemv_chain_bench.cu kernels/cuda/small_batch_gemm.cu -o build/gemv_chain >"$out/gemv_build.log" 2>&1
+  echo "gemv_chain build rc=$? at $(($(date +%s) - start)) s") &
+bash bench/gpu/mla_v3_trace.sh "$out/v3trace" - >"$out/v3trace.log" 2>&1
+echo "v3 trace rc=$? at $(($(date +%s) - start)) s"
+grep -vE "^ +[0-9]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ \|" "$out/v3trace.log" | head -60
+wait
+timeout 120 build/gemv_chain --steps 52 >"$out/gemv_chain.jsonl" 2>"$out/gemv_chain.err"
+echo "gemv_chain rc=$?"
+cat "$out/gemv_chain.err"
+python3 - "$out/gemv_chain.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(f"{r['case'].split(',')[-1]}: {r['value']:.1f} us, {r['per_step_us']:.2f} us a step, "
+          f"{r['ratio_to_limit']:.3f} of copy")
+PY
+echo "total $(($(date +%s) - start)) s"
