@@ -25,7 +25,7 @@ python3 - "$out/gemv_chain.jsonl" <<'PY'
 import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
-    print(f"{r['case'].split(',')[-1]}: {r['value']:.1f} us, {r['per_step_us']:.2f} us a step, "
+    print(f"{r['case'].split(',', 2)[-1]}: {r['value']:.1f} us, {r['per_step_us']:.2f} us a step, "
           f"{r['ratio_to_limit']:.3f} of copy")
 PY
 echo "total $(($(date +%s) - start)) s"
