@@ -64,21 +64,16 @@ __device__ __forceinline__ float mla_warp_max(float x) {
 // Combine weights of the context splits of (token t, head h), one warp (lane holds splits lane and lane + 32, up
 // to kMlaMaxSplits = 64): softmax over the splits' (running max, sum) partials in base 2; weight[s] for s < splits,
 // 0 for empty splits (sum 0) and all 0 when every split is empty.
-__device__ __forceinline__ void mla_split_weights(const float2* partial_ml, int64_t t, int h, int num_heads, int splits,
-                                                  int lane, float* weight) {
+// The same weights from the lane's two (max, sum) pairs already loaded (splits lane and lane + 32; a pair with sum
+// <= 0, e.g. (0, 0) for a split past `splits`, is empty): returns the weights of those two splits. Warp-collective.
+__device__ __forceinline__ float2 mla_split_weight_pair(float2 ml0, float2 ml1) {
+  const float2 ml[2] = {ml0, ml1};
   float m[2], l[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const int s = lane + 32 * i;
-    m[i] = -INFINITY;
-    l[i] = 0.0f;
-    if (s < splits) {
-      const float2 ml = partial_ml[(t * splits + s) * num_heads + h];
-      if (ml.y > 0.0f) {
-        m[i] = ml.x;
-        l[i] = ml.y;
-      }
-    }
+    const bool filled = ml[i].y > 0.0f;
+    m[i] = filled ? ml[i].x : -INFINITY;
+    l[i] = filled ? ml[i].y : 0.0f;
   }
   const float m_max = mla_warp_max(fmaxf(m[0], m[1]));
   float w[2];
@@ -86,11 +81,19 @@ __device__ __forceinline__ void mla_split_weights(const float2* partial_ml, int6
   for (int i = 0; i < 2; ++i) w[i] = l[i] > 0.0f ? exp2f(m[i] - m_max) : 0.0f;
   const float total = mla_warp_sum(w[0] * l[0] + w[1] * l[1]);
   const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+  return make_float2(w[0] * inv, w[1] * inv);
+}
+__device__ __forceinline__ void mla_split_weights(const float2* partial_ml, int64_t t, int h, int num_heads, int splits,
+                                                  int lane, float* weight) {
+  float2 ml[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int s = lane + 32 * i;
-    if (s < splits) weight[s] = w[i] * inv;
+    ml[i] = s < splits ? partial_ml[(t * splits + s) * num_heads + h] : make_float2(0.0f, 0.0f);
   }
+  const float2 w = mla_split_weight_pair(ml[0], ml[1]);
+  if (lane < splits) weight[lane] = w.x;
+  if (lane + 32 < splits) weight[lane + 32] = w.y;
 }
 
 // Programmatic dependent launch: wait for the previous grid on the stream (its writes visible), and let the next

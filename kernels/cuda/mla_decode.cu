@@ -547,21 +547,9 @@ __global__ void __launch_bounds__(kSkThreads, kVRounds == 1 ? kSkMinBlocks : 2)
     }
 #pragma unroll
     for (int u = 0; u < kSkTokenStep; ++u) {
-      // The weights of mla_split_weights (empty splits, sum 0, weigh 0; all 0 when every split is empty).
-      float m[2], l[2];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const bool filled = ml[u][i].y > 0.0f;
-        m[i] = filled ? ml[u][i].x : -INFINITY;
-        l[i] = filled ? ml[u][i].y : 0.0f;
-      }
-      const float m_max = detail::mla_warp_max(fmaxf(m[0], m[1]));
-      float w[2];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) w[i] = l[i] > 0.0f ? exp2f(m[i] - m_max) : 0.0f;
-      const float total = detail::mla_warp_sum(w[0] * l[0] + w[1] * l[1]);
-      const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-      const float w0 = w[0] * inv, w1 = w[1] * inv;
+      // The weights of mla_split_weights (empty splits weigh 0; all 0 when every split is empty).
+      const float2 pair = detail::mla_split_weight_pair(ml[u][0], ml[u][1]);
+      const float w0 = pair.x, w1 = pair.y;
       float4 acc = zero4;
 #pragma unroll
       for (int k = 0; k < kSkSplitSlots; ++k) {
