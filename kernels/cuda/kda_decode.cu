@@ -123,6 +123,33 @@ __device__ __forceinline__ float conv_channel(const float* weight, const bf16* t
   next[2] = x;
   return silu(sum);
 }
+// The same from what it reads loaded beforehand (load_conv_inputs), for a caller that issues those loads early; the
+// same arithmetic, so the same bits.
+struct ConvInputs {
+  float taps[4];  // weight[0..K-1], the rest 0
+  float tail[3];  // tail[0..K-2], the rest 0
+  float x;
+};
+__device__ __forceinline__ ConvInputs load_conv_inputs(const float* weight, const bf16* tail, int K, const bf16* x) {
+  ConvInputs in;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) in.taps[j] = j < K ? weight[j] : 0.0f;
+#pragma unroll
+  for (int j = 0; j < 3; ++j) in.tail[j] = j < K - 1 ? __bfloat162float(tail[j]) : 0.0f;
+  in.x = __bfloat162float(*x);
+  return in;
+}
+__device__ __forceinline__ float conv_channel(const ConvInputs& in, int K, float (&next)[3]) {
+  const float last = K == 4 ? in.taps[3] : K == 3 ? in.taps[2] : K == 2 ? in.taps[1] : in.taps[0];
+  float sum = last * in.x;
+  if (K > 1) sum += in.taps[0] * in.tail[0];
+  if (K > 2) sum += in.taps[1] * in.tail[1];
+  if (K > 3) sum += in.taps[2] * in.tail[2];
+  next[0] = K == 2 ? in.x : in.tail[1];
+  next[1] = K == 3 ? in.x : in.tail[2];
+  next[2] = in.x;
+  return silu(sum);
+}
 
 // One CTA of 512 threads per (batch row, head); grid (H, B). Thread (rg, cgi) holds value columns 4 cgi .. 4 cgi + 3
 // of state rows 8 rg .. 8 rg + 7 (a warp is one row group: 32 x 16 bytes contiguous per row). Sums over the 16 row
@@ -188,14 +215,34 @@ __global__ void __launch_bounds__(kThreads, kFusedGates ? 1 : 2)
     return;
   }
 
+  // Prologue roles: thread (which, channel), which = 0 q, 1 k, 2 gate, 3 v; the conv threads' tail, taps and input.
+  const int which = tid / kD, c = tid % kD, channel = h * kD + c;
+  const int conv = which == 3 ? 2 : which;  // q, k, v (which != 2)
+  const auto tail_of = [&] { return p.conv_state + ((static_cast<size_t>(slot) * 3 + conv) * C + channel) * (K - 1); };
+  const auto weight_of = [&] {
+    return (conv == 0 ? p.q_conv_weight : (conv == 1 ? p.k_conv_weight : p.v_conv_weight)) +
+           static_cast<size_t>(channel) * K;
+  };
+  const auto input_of = [&] { return (conv == 0 ? p.q_in : (conv == 1 ? p.k_in : p.v_in)) + row + channel; };
+
   // Fused gates: this column's gate logit (its decay goes to decay_s below, with the prologue's) and output-gate
-  // logit, each rounded to bf16 like the separate GEMM's outputs.
+  // logit, each rounded to bf16 like the separate GEMM's outputs. Every load of the thread, the prologue's too, is
+  // issued first, in one round: in program order they were four dependent rounds (the low-rank rows, their second
+  // half after the first dot product, dt_bias and a_log after both, the conv inputs after the decay).
   float out_gate_logit = 0.0f;
+  ConvInputs early{};
   if constexpr (kFusedGates) {
     const bf16* low = p.gate_low + static_cast<size_t>(b) * p.gate_low_stride + 32 * quarter;
-    uint4 x[4];
+    uint4 x[4], y[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) x[j] = *reinterpret_cast<const uint4*>(low + 8 * j);
+    if (p.g_b != nullptr) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) y[j] = *reinterpret_cast<const uint4*>(low + kD + 8 * j);
+    }
+    const float dt_bias = quarter == 0 ? p.dt_bias[h * kD + column] : 0.0f;
+    const float a_log = quarter == 0 ? p.a_log[h] : 0.0f;
+    if (which != 2) early = load_conv_inputs(weight_of(), tail_of(), K, input_of());
     cp_async_wait<0>();  // this thread's own weight pieces
     float sum = 0.0f;
 #pragma unroll
@@ -204,32 +251,29 @@ __global__ void __launch_bounds__(kThreads, kFusedGates ? 1 : 2)
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
     const float gate_logit = __bfloat162float(__float2bfloat16(sum));
     if (p.g_b != nullptr) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) x[j] = *reinterpret_cast<const uint4*>(low + kD + 8 * j);
       sum = 0.0f;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) sum = dot8_bf16(gate_weights[(4 + j) * kThreads + tid], x[j], sum);
+      for (int j = 0; j < 4; ++j) sum = dot8_bf16(gate_weights[(4 + j) * kThreads + tid], y[j], sum);
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
       out_gate_logit = __bfloat162float(__float2bfloat16(sum));
     }
-    if (quarter == 0) decay_s[column] = gate_decay_of(p, gate_logit, h * kD + column, h);
+    if (quarter == 0) decay_s[column] = decay_of_values(p, gate_logit, dt_bias, a_log);
   }
 
-  // Prologue: thread = (which, channel), which = 0 q, 1 k, 2 gate, 3 v. A warp's 32 channels share `which`, so
-  // the q and k warps also reduce their sums of squares right away.
+  // Prologue. A warp's 32 channels share `which`, so the q and k warps also reduce their sums of squares right away.
   {
-    const int which = tid / kD, c = tid % kD, channel = h * kD + c;
     if (which == 2) {
       if constexpr (!kFusedGates) decay_s[c] = gate_decay(p, row, channel, h);  // decay = e^g
     } else {
-      const int conv = which == 3 ? 2 : which;  // q, k, v
-      bf16* tail = p.conv_state + ((static_cast<size_t>(slot) * 3 + conv) * C + channel) * (K - 1);
-      const float* weight = (conv == 0 ? p.q_conv_weight : (conv == 1 ? p.k_conv_weight : p.v_conv_weight)) +
-                            static_cast<size_t>(channel) * K;
-      const bf16* input = conv == 0 ? p.q_in : (conv == 1 ? p.k_in : p.v_in);
+      bf16* tail = tail_of();
       float next[3];
-      const float x = conv_channel(weight, tail, K, __bfloat162float(input[row + channel]), next);
+      float x;
+      if constexpr (kFusedGates) {
+        x = conv_channel(early, K, next);
+      } else {
+        x = conv_channel(weight_of(), tail, K, __bfloat162float(*input_of()), next);
+      }
       x_s[conv][c] = x;
 #pragma unroll
       for (int j = 0; j < 3; ++j) {

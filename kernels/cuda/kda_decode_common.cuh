@@ -75,11 +75,15 @@ __device__ __forceinline__ float conv_step(const float* weight, float (&tail)[3]
 
 // Decay e^g of channel `channel` of head h from its raw gate logit: g = -e^{a_log} softplus(gate + dt_bias), or
 // lower_bound * sigmoid(e^{a_log} (gate + dt_bias)) when bounded.
-__device__ __forceinline__ float gate_decay_of(const DecodeArgs& p, float gate, int channel, int h) {
-  const float x = gate + p.dt_bias[channel];
-  const float a = __expf(p.a_log[h]);
+// decay_of_values takes the channel's dt_bias and the head's a_log already loaded.
+__device__ __forceinline__ float decay_of_values(const DecodeArgs& p, float gate, float dt_bias, float a_log) {
+  const float x = gate + dt_bias;
+  const float a = __expf(a_log);
   const float g = p.bounded ? p.lower_bound * sigmoid(a * x) : -a * (x > 20.0f ? x : log1pf(__expf(x)));
   return __expf(g);
+}
+__device__ __forceinline__ float gate_decay_of(const DecodeArgs& p, float gate, int channel, int h) {
+  return decay_of_values(p, gate, p.dt_bias[channel], p.a_log[h]);
 }
 // The same from gate_raw of the row starting at `row`.
 __device__ __forceinline__ float gate_decay(const DecodeArgs& p, size_t row, int channel, int h) {
