@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # GPU machine only, from the repo root of branch kda-decode-loads-first, with main's tree in .devsrc/base
-# (`git checkout kda-decode-loads-first && bench/gpu/stage_branch.sh main base`, carry .devsrc). The fused-gates
-# decode step (batch rows <= 4) issuing all its loads in one round against main's four dependent rounds, side by
-# side in one call of about 6 minutes:
+# (`git checkout kda-decode-loads-first && bench/gpu/stage_branch.sh main base`, carry .devsrc). Two batch-1 latency
+# changes against main, side by side in one call of about 6 minutes: the fused-gates KDA decode step (batch rows
+# <= 4) issuing all its loads in one round instead of four dependent rounds, and the final norm and the dense
+# layer's post-attention norm inside their GEMM launches (two single-CTA rms_norm launches fewer a step; the step
+# trace tells the two apart):
 #   1. both trees built in parallel; the candidate's KDA decode cases (kernels_cuda_test KdaDecode*) and the engine's
 #      CUDA cases (engine_cuda_test);
 #   2. the 48B decode step at B = 1 / 2 / 4 / 8, context 4k, alternating base, candidate, base, candidate;

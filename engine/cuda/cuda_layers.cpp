@@ -407,11 +407,26 @@ Status CudaBackend::Impl::run_mla(const DeviceLayer& layer, const PassTables& t,
 
 // residual += down(glu(gate_up(x))). Takes its temporaries from the arena without resetting it.
 Status CudaBackend::Impl::run_dense_ffn(const DeviceFfn& ffn, const __nv_bfloat16* x, int64_t x_stride, int64_t rows) {
+  return run_dense_ffn(ffn, rows, [&](float* gate_up) {
+    return gemm.run(x, x_stride, ffn.gate_up, rows, ffn.width, 2 * ffn.intermediate, gate_up, 2 * ffn.intermediate);
+  });
+}
+
+// The same on the RMSNorm of fp32 rows, which the gate/up projection applies itself where it can.
+Status CudaBackend::Impl::run_dense_ffn(const DeviceFfn& ffn, const GemmNormInput& x, int64_t rows) {
+  return run_dense_ffn(ffn, rows, [&](float* gate_up) {
+    const int64_t out = 2 * ffn.intermediate;
+    return gemm.run_shared_input(x, rows, ffn.width, {GemmTarget(ffn.gate_up, out, gate_up, out)});
+  });
+}
+
+Status CudaBackend::Impl::run_dense_ffn(const DeviceFfn& ffn, int64_t rows,
+                                        const std::function<Status(float*)>& gate_up_projection) {
   const int64_t I = ffn.intermediate, width = ffn.width;
   auto* gate_up = arena.take<float>(rows * 2 * I);
   auto* activated = arena.take<__nv_bfloat16>(rows * I);
   DS_RETURN_IF_ERROR(arena_check("FFN"));
-  DS_RETURN_IF_ERROR(gemm.run(x, x_stride, ffn.gate_up, rows, width, 2 * I, gate_up, 2 * I));
+  DS_RETURN_IF_ERROR(gate_up_projection(gate_up));
   DS_RETURN_IF_ERROR(
       kc::glu(gate_up, rows, I, glu_kind(config), config.situ_beta, config.situ_linear_beta, activated, stream()));
   return gemm.run(activated, I, ffn.down, rows, I, width, residual, config.hidden_size, /*accumulate=*/true);

@@ -378,6 +378,10 @@ Status CudaBackend::Impl::forward_layers(const PassTables& t, const float** fina
                                            normed_f32, hidden, stream()));
       return run_moe(layer.moe, T);
     }
+    if (!layer.is_moe && Gemm::fuses_input_norm(T)) {  // the gate/up projection normalises x in its launch
+      profiler.mark(Phase::kDenseFfn, stream());
+      return run_dense_ffn(layer.dense, GemmNormInput{x, hidden, layer.post_attention_norm, eps, normed}, T);
+    }
     DS_RETURN_IF_ERROR(kc::rms_norm(x, hidden, layer.post_attention_norm, T, hidden, eps, normed, hidden, stream()));
     if (!layer.is_moe) {
       profiler.mark(Phase::kDenseFfn, stream());
@@ -447,9 +451,10 @@ void CudaBackend::Impl::size_logits(std::span<SequenceInput> batch, std::vector<
 Status CudaBackend::Impl::lm_head_piece(const float* final_hidden, const PassTables& t, int64_t begin, int64_t n) {
   const int64_t hidden = config.hidden_size, vocab = config.vocab_size;
   DS_RETURN_IF_ERROR(kc::gather_slots(final_hidden, hidden * 4, t.d_logit_rows + begin, n, head_rows, stream()));
-  DS_RETURN_IF_ERROR(kc::rms_norm(head_rows, hidden, weights->final_norm, n, hidden, config.rms_norm_eps, head_normed,
-                                  hidden, stream()));
-  return gemm.run(head_normed, hidden, weights->lm_head, n, hidden, vocab, logits, vocab);
+  // The final norm inside the LM head's launch where the skinny GEMM fuses it (bitwise rms_norm's rows), else
+  // rms_norm into head_normed first.
+  return gemm.run_shared_input(GemmNormInput{head_rows, hidden, weights->final_norm, config.rms_norm_eps, head_normed},
+                               n, hidden, {GemmTarget(weights->lm_head, vocab, logits, vocab)});
 }
 
 // Rows of one sequence are consecutive: each run is copied in one piece. Synchronises (pageable destinations, and

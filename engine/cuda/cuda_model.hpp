@@ -4,6 +4,7 @@
 
 #include <compare>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -204,6 +205,9 @@ struct CudaBackend::Impl {
   [[nodiscard]] Status run_moe(const DeviceMoe& moe, int64_t rows, const float* unnormed = nullptr,
                                const float* norm_weight = nullptr);
   [[nodiscard]] Status run_dense_ffn(const DeviceFfn& ffn, const __nv_bfloat16* x, int64_t x_stride, int64_t rows);
+  [[nodiscard]] Status run_dense_ffn(const DeviceFfn& ffn, const GemmNormInput& x, int64_t rows);
+  [[nodiscard]] Status run_dense_ffn(const DeviceFfn& ffn, int64_t rows,
+                                     const std::function<Status(float*)>& gate_up_projection);
   [[nodiscard]] Status ensure_mla_workspace(size_t bytes);
   [[nodiscard]] Status arena_check(const char* where) const;
   cudaStream_t stream() const { return pools->stream(); }
