@@ -450,11 +450,17 @@ void CudaBackend::Impl::size_logits(std::span<SequenceInput> batch, std::vector<
 
 Status CudaBackend::Impl::lm_head_piece(const float* final_hidden, const PassTables& t, int64_t begin, int64_t n) {
   const int64_t hidden = config.hidden_size, vocab = config.vocab_size;
-  DS_RETURN_IF_ERROR(kc::gather_slots(final_hidden, hidden * 4, t.d_logit_rows + begin, n, head_rows, stream()));
+  // A pure decode pass wants every row's logits, in order (build_tables: one row per sequence), so the rows are read
+  // where they are; otherwise the wanted rows are gathered first.
+  const float* rows = final_hidden + begin * hidden;
+  if (!t.pure_decode) {
+    DS_RETURN_IF_ERROR(kc::gather_slots(final_hidden, hidden * 4, t.d_logit_rows + begin, n, head_rows, stream()));
+    rows = head_rows;
+  }
   // The final norm inside the LM head's launch where the skinny GEMM fuses it (bitwise rms_norm's rows), else
   // rms_norm into head_normed first.
-  return gemm.run_shared_input(GemmNormInput{head_rows, hidden, weights->final_norm, config.rms_norm_eps, head_normed},
-                               n, hidden, {GemmTarget(weights->lm_head, vocab, logits, vocab)});
+  return gemm.run_shared_input(GemmNormInput{rows, hidden, weights->final_norm, config.rms_norm_eps, head_normed}, n,
+                               hidden, {GemmTarget(weights->lm_head, vocab, logits, vocab)});
 }
 
 // Rows of one sequence are consecutive: each run is copied in one piece. Synchronises (pageable destinations, and
