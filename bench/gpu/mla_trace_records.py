@@ -4,7 +4,9 @@ usage: mla_trace_records.py TRACE_TXT SETTING COMMIT DATE COMMAND > records.json
 TRACE_TXT: what mla_v3_trace_bench printed (bench/gpu/mla_v3_trace.sh writes trace_0.txt, trace_2.txt). Per shape
 (batch, context) it gives `mla_decode_timeline` records, every time in us from the first attention CTA's start:
 the attention's last store, the split-K combine's last end, the combine's end past the attention (the value that
-adds to a decode step), and how many combine CTAs started only after the attention's last store.
+adds to a decode step), how many combine CTAs started only after the attention's last store, and per tile the
+medians of each step of its chain (issue -> in -> P -> done; release -> producer woke -> issued; in -> scores ->
+maxima -> P).
 """
 import json
 import re
@@ -38,6 +40,21 @@ def main():
             record("attention_q_ready", float(m[1]), "us")
             record("attention_last_store", float(m[3]), "us")
             attention_end = float(m[3])
+            continue
+        # Per tile (medians over the CTAs): issue -> data in -> P handed over -> warpgroup 1 done, and (39fbd41) the
+        # stage's release -> producer past its wait -> copies issued, data in -> scores -> maxima -> P.
+        m = re.match(r"\s+(\d+)\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+ \|\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", line)
+        if m and shape:
+            for metric, value in zip(("tile_issue_to_in", "tile_in_to_p", "tile_p_to_done"), m.groups()[1:]):
+                record(metric, float(value), "us", f"tile {m[1]}")
+            continue
+        m = re.match(r"\s+(\d+) \|\s+(nan|[\d.]+)\s+([\d.]+) \|\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", line)
+        if m and shape:
+            names = ("tile_release_to_woke", "tile_woke_to_issued", "tile_in_to_scores", "tile_scores_to_max",
+                     "tile_max_to_p")
+            for metric, value in zip(names, m.groups()[1:]):
+                if value != "nan":
+                    record(metric, float(value), "us", f"tile {m[1]}")
             continue
         m = re.search(r"combine: attention's last store [\d.]+; (\d+) CTAs started before it, (\d+) after", line)
         if m and shape:
