@@ -1,13 +1,17 @@
 // A chain of dependent batch-1 GEMVs (x_{s+1} = bf16(W_s x_s), the shapes of o_proj and a KDA projection
-// alternating: 2304 -> 4096 -> 2304 ...) run three ways, next to the device-to-device copy bandwidth measured in the
-// same run (the third, chain_ring_kernel, is described above it):
+// alternating: 2304 -> 4096 -> 2304 ...) run four ways, next to the device-to-device copy bandwidth measured in the
+// same run (the third and fourth, chain_ring_kernel and chain_ll_kernel, are described above them):
 //   * launches: one skinny_gemm launch per step (the engine's kernel and its programmatic dependent launch), the
 //     chain captured in a CUDA graph;
 //   * persistent: one launch, one CTA per SM, for the whole chain. A producer warp streams the CTA's weight rows of
 //     every step, in order, through a ring of shared-memory stages (bulk copies); eight consumer warps multiply them
 //     with x. Between steps the consumers wait on a grid-wide counter (the previous step's outputs), but the producer
 //     does not: it runs on into the next steps' rows as ring slots free up, so the weight stream does not stop at a
-//     step boundary; and the same kernel with the producer waiting on the counter too (persistence without it).
+//     step boundary; and the same kernel with the producer waiting on the counter too (persistence without it);
+//   * persistent, cp.async ring per warp: every warp streams its own rows; the same counter between steps;
+//   * persistent, LL: the ring kernel's streaming, the dependency carried in the data (each output word holds its
+//     value and a tag of the step and launch, like NCCL's LL protocol): no counter, fence, atomic or CTA barrier; a
+//     warp waits only for the words of x it multiplies with, read straight into registers.
 // The question it answers: how much of a decode step's latency between dependent kernels does a producer that runs
 // ahead across a grid-wide dependency remove, on the simplest chain (bench/gpu/engine_notes.md, eighth session:
 // the case for fewer, longer-lived kernels). Correctness: every variant against a CPU reference of the first two
@@ -23,6 +27,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <cuda_bf16.h>
@@ -195,19 +200,18 @@ __device__ __forceinline__ int ring_rows(const Chain& c, int s, int g, int warps
   return g < c.n[s] ? (c.n[s] - 1 - g) / warps + 1 : 0;
 }
 
-__global__ void __launch_bounds__(kRingThreads, 1)
-    chain_ring_kernel(const __grid_constant__ Chain c, unsigned* counter, int mode) {
-  // mode 1: the consumers wait for each step's input; 2: nobody waits (timing only: wrong results).
-  extern __shared__ __align__(1024) unsigned char smem[];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int warps = static_cast<int>(gridDim.x) * kRingWarps, g = static_cast<int>(blockIdx.x) * kRingWarps + warp;
-  unsigned char* slots = smem + static_cast<uint32_t>(warp) * kRingRows * kRingRowBytes;
-  const uint4* x_s = reinterpret_cast<const uint4*>(smem + kRingXOffset);
+// A warp's ring of kRingRows row slots. The issue cursor walks the warp's rows of every step in order; each issue is
+// one commit group (an empty one past the last row), so "the oldest kRingRows groups" always means "the next row to
+// multiply". Lane l copies and reads only chunks l, l + 32, ... of a row, so its own cp.async.wait_group suffices.
+struct WarpRing {
+  unsigned char* slots;  // this warp's kRingRows slots
+  int g, warps, lane;
+  int issue_step = 0, issue_index = 0, issue_slot = 0, read_slot = 0;
 
-  // The issue cursor walks this warp's rows of every step in order; each issue is one commit group (an empty one
-  // past the last row), so "the oldest kRingRows groups" always means "the next row to multiply".
-  int issue_step = 0, issue_index = 0, issue_slot = 0;
-  auto issue_next = [&]() {
+  __device__ __forceinline__ WarpRing(unsigned char* slots_, int g_, int warps_, int lane_)
+      : slots(slots_), g(g_), warps(warps_), lane(lane_) {}
+
+  __device__ __forceinline__ void issue_next(const Chain& c) {
     while (issue_step < c.steps && issue_index >= ring_rows(c, issue_step, g, warps)) {
       ++issue_step;
       issue_index = 0;
@@ -222,10 +226,32 @@ __global__ void __launch_bounds__(kRingThreads, 1)
     }
     detail::cp_async_commit();
     issue_slot = issue_slot + 1 == kRingRows ? 0 : issue_slot + 1;
-  };
-  for (int k = 0; k < kRingRows; ++k) issue_next();
+  }
+  __device__ __forceinline__ void start(const Chain& c) {
+    for (int k = 0; k < kRingRows; ++k) issue_next(c);
+  }
+  // The next row to multiply, once this lane's copies of it have landed.
+  __device__ __forceinline__ const uint4* wait_row() const {
+    detail::cp_async_wait<kRingRows - 1>();
+    return reinterpret_cast<const uint4*>(slots + static_cast<uint32_t>(read_slot) * kRingRowBytes);
+  }
+  // Done with that row: the next one is copied into its slot (each lane overwrites only the chunks it read itself).
+  __device__ __forceinline__ void release(const Chain& c) {
+    issue_next(c);
+    read_slot = read_slot + 1 == kRingRows ? 0 : read_slot + 1;
+  }
+};
 
-  int slot = 0;
+__global__ void __launch_bounds__(kRingThreads, 1)
+    chain_ring_kernel(const __grid_constant__ Chain c, unsigned* counter, int mode) {
+  // mode 1: the consumers wait for each step's input; 2: nobody waits (timing only: wrong results).
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int warps = static_cast<int>(gridDim.x) * kRingWarps, g = static_cast<int>(blockIdx.x) * kRingWarps + warp;
+  const uint4* x_s = reinterpret_cast<const uint4*>(smem + kRingXOffset);
+  WarpRing ring(smem + static_cast<uint32_t>(warp) * kRingRows * kRingRowBytes, g, warps, lane);
+  ring.start(c);
+
   for (int s = 0; s < c.steps; ++s) {
     if (s > 0 && mode == 1) {
       if (tid == 0) wait_for_step(counter, s);
@@ -238,21 +264,172 @@ __global__ void __launch_bounds__(kRingThreads, 1)
     __syncthreads();
     const int rows = ring_rows(c, s, g, warps);
     for (int i = 0; i < rows; ++i) {
-      detail::cp_async_wait<kRingRows - 1>();  // this lane's copies of the oldest row have landed
-      const uint4* w = reinterpret_cast<const uint4*>(slots + static_cast<uint32_t>(slot) * kRingRowBytes);
+      const uint4* w = ring.wait_row();  // this lane's copies of the oldest row have landed
       float acc = 0.0f;
       for (int k = lane; k < chunks; k += 32) acc = detail::dot8_bf16(w[k], x_s[k], acc);
 #pragma unroll
       for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
       if (lane == 0) c.x[s + 1][g + i * warps] = __float2bfloat16_rn(acc);  // published by the step's fence below
-      issue_next();  // into the slot just read: each lane overwrites only the chunks it read itself
-      slot = slot + 1 == kRingRows ? 0 : slot + 1;
+      ring.release(c);
     }
     // Every row of this CTA written and x_s read by all before thread 0's cumulative fence and the count.
     __syncthreads();
     if (tid == 0) {
       __threadfence();
       atomicAdd(counter, 1u);
+    }
+  }
+  detail::cp_async_wait<0>();
+}
+
+// ---- persistent, cp.async ring per warp, flags in the data (LL) -------------------------------------------------
+// The ring kernel's streaming with the dependency carried by the data itself, like NCCL's LL protocol: step s's
+// output is a buffer of 32-bit words, one per row, the bf16 in the low half and the step's tag in the high half,
+// written by one 32-bit store, so a reader sees a word either old or whole. A warp needing step s's input loads the
+// words its lanes need straight from L2 (relaxed loads, which bypass L1) and loads again whatever group of four
+// still carries an old tag. No counter, fence, atomic or CTA barrier: a warp waits for exactly the words it
+// multiplies with, and x lives in registers (the ring kernel's shared-memory copy would need a CTA barrier).
+// Step 0 reads x0 from the plain bf16 buffer, so no tag of it has to change between launches. Every launch gets a
+// new epoch; the tag of step s's output is (epoch * (kMaxSteps + 1) + s + 1) mod 0xffff, never 0xffff (the
+// buffers' 0xff fill), so words of an earlier launch (or never written) never match: a buffer holds only one
+// step's outputs, and its tags repeat only every 21845 epochs (129 * 21845 = 43 * 0xffff).
+// Lane l multiplies chunks k = l + 32 j (8 values; 32 bytes of LL words). Loading a chunk's two 16-byte halves
+// with two instructions would touch every 32-byte sector twice; instead each instruction covers 512 contiguous
+// bytes (lanes 0-15 the first halves of their own chunks and lanes 16-31 the second halves of lanes 0-15's, and
+// the other way round for the next 512 bytes), and two 32-bit shuffles (xor 16) a chunk hand the second halves
+// over. Only the chain's two widths (2304, 4096: 9 and 16 chunks a lane) are compiled. The dot products run in the
+// ring kernel's order, so with the same x the two kernels' outputs are the same bits.
+constexpr uint32_t kLLSmemBytes = kRingXOffset;  // the rings only
+
+// The tag of step s's output in launch `epoch`: 0 ... 0xfffe.
+__host__ __device__ __forceinline__ uint32_t ll_tag(unsigned epoch, int s) {
+  return static_cast<uint32_t>((static_cast<uint64_t>(epoch) * (kMaxSteps + 1) + static_cast<uint64_t>(s) + 1u) %
+                               0xffffu);
+}
+
+// 16 bytes of LL words at p + kOffset bytes, loaded from L2 into v when `load` (else v stays as it is).
+template <int kOffset>
+__device__ __forceinline__ void ll_load(uint4& v, const uint32_t* p, bool load) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %5, 0;\n"
+      "@p ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4+%6];\n"
+      "}\n"
+      : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
+      : "l"(p), "r"(static_cast<uint32_t>(load)), "n"(kOffset));
+}
+
+__device__ __forceinline__ void ll_store(uint32_t* p, uint32_t word) {
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(word) : "memory");
+}
+
+// The bf16 (low halves) and the tags (high halves) of four LL words, two to a register.
+__device__ __forceinline__ uint2 ll_values(const uint4& v) {
+  return make_uint2(__byte_perm(v.x, v.y, 0x5410), __byte_perm(v.z, v.w, 0x5410));
+}
+__device__ __forceinline__ bool ll_tagged(const uint4& v, uint32_t tag2) {
+  return __byte_perm(v.x, v.y, 0x7632) == tag2 && __byte_perm(v.z, v.w, 0x7632) == tag2;
+}
+
+// Groups a and b of every block j < kJ (1 KB apart) that `want` asks for (bits 2j, 2j + 1), all in flight at once.
+template <int... kBlocks>
+__device__ __forceinline__ void ll_load_blocks(const uint32_t* pa, const uint32_t* pb, uint32_t want, uint4* ra,
+                                               uint4* rb, std::integer_sequence<int, kBlocks...>) {
+  (ll_load<1024 * kBlocks>(ra[kBlocks], pa, (want >> (2 * kBlocks)) & 1u), ...);
+  (ll_load<1024 * kBlocks>(rb[kBlocks], pb, (want >> (2 * kBlocks + 1)) & 1u), ...);
+}
+
+// This lane's chunks l + 32 j (j < kJ) of step s's input x (s > 0) from its LL buffer `src`, once every word carries
+// `tag` (wait) or as they are (!wait). Each pass issues all the loads still needed before looking at any of them; a
+// group already complete keeps its words (they no longer change in this launch) and is not loaded again.
+template <int kJ>
+__device__ __forceinline__ void ll_gather(const uint32_t* src, uint32_t tag, bool wait, int lane, uint4 (&x)[16]) {
+  static_assert(kJ >= 1 && kJ <= 16, "bits 2j and 2j + 1 of a 32-bit mask");
+  const int h = lane & 15, hi = lane >> 4;
+  // Word offsets of this lane's two 16-byte groups in each 256-word (1 KB) block: group a in the first 512 bytes,
+  // b in the second. Lanes 0-15: a = their own first half, b = the second half of lane l + 16's chunk; lanes 16-31:
+  // a = the second half of lane l - 16's chunk, b = their own first half.
+  const uint32_t* pa = src + 8 * h + 4 * hi;
+  const uint32_t* pb = src + 128 + 8 * h + 4 * (1 - hi);
+  const uint32_t tag2 = tag | (tag << 16);
+  uint4 ra[kJ], rb[kJ];
+#pragma unroll
+  for (int j = 0; j < kJ; ++j) ra[j] = rb[j] = make_uint4(0u, 0u, 0u, 0u);
+  uint32_t want = 0xffffffffu >> (32 - 2 * kJ);  // bit 2j: group a of block j; 2j + 1: group b
+  uint64_t start = 0;
+  for (;;) {
+    ll_load_blocks(pa, pb, want, ra, rb, std::make_integer_sequence<int, kJ>{});
+    uint32_t missing = 0;
+#pragma unroll
+    for (int j = 0; j < kJ; ++j) {
+      missing |= (static_cast<uint32_t>(!ll_tagged(ra[j], tag2)) << (2 * j)) |
+                 (static_cast<uint32_t>(!ll_tagged(rb[j], tag2)) << (2 * j + 1));
+    }
+    if (!wait || !__any_sync(0xffffffffu, missing != 0)) break;
+    want = missing;
+    const uint64_t now = sm90::globaltimer_ns();
+    if (start == 0) {
+      start = now;
+    } else if (now - start > sm90::kMbarrierTimeoutNs) {
+      __trap();
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kJ; ++j) {
+    const uint2 a = ll_values(ra[j]), b = ll_values(rb[j]);
+    const uint2 own = hi ? b : a, other = hi ? a : b;
+    x[j] =
+        make_uint4(own.x, own.y, __shfl_xor_sync(0xffffffffu, other.x, 16), __shfl_xor_sync(0xffffffffu, other.y, 16));
+  }
+}
+
+// Global warp g's rows of step s (kJ = in / 256 chunks a lane): gather x, then multiply each row as it lands.
+template <int kJ>
+__device__ __forceinline__ void ll_step(const Chain& c, WarpRing& ring, uint32_t* ll, unsigned epoch, int s, bool wait,
+                                        int rows) {
+  uint4 x[16];
+  if (s == 0) {
+    const uint4* x0 = reinterpret_cast<const uint4*>(c.x[0]) + ring.lane;
+#pragma unroll
+    for (int j = 0; j < kJ; ++j) x[j] = __ldg(x0 + 32 * j);
+  } else {
+    ll_gather<kJ>(ll + static_cast<int64_t>(s) * kMaxIn, ll_tag(epoch, s - 1), wait, ring.lane, x);
+  }
+  uint32_t* out = ll + static_cast<int64_t>(s + 1) * kMaxIn;
+  const uint32_t tag = ll_tag(epoch, s) << 16;
+  for (int i = 0; i < rows; ++i) {
+    const uint4* w = ring.wait_row() + ring.lane;
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kJ; ++j) acc = detail::dot8_bf16(w[32 * j], x[j], acc);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+    if (ring.lane == 0) {
+      ll_store(out + ring.g + i * ring.warps, tag | __bfloat16_as_ushort(__float2bfloat16_rn(acc)));
+    }
+    ring.release(c);
+  }
+}
+
+__global__ void __launch_bounds__(kRingThreads, 1)
+    chain_ll_kernel(const __grid_constant__ Chain c, uint32_t* ll, unsigned epoch, int mode) {
+  // mode 1: each warp waits for the words of its input; 2: nobody waits (timing only: wrong results). ll: buffer
+  // s (kMaxIn words at ll + s * kMaxIn) holds step s's input, step s - 1's output (buffer 0 unused).
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int warps = static_cast<int>(gridDim.x) * kRingWarps, g = static_cast<int>(blockIdx.x) * kRingWarps + warp;
+  WarpRing ring(smem + static_cast<uint32_t>(warp) * kRingRows * kRingRowBytes, g, warps, lane);
+  ring.start(c);
+  for (int s = 0; s < c.steps; ++s) {
+    const int rows = ring_rows(c, s, g, warps);
+    if (rows == 0) continue;  // nothing of this step's input needed
+    if (c.in[s] == 4096) {
+      ll_step<16>(c, ring, ll, epoch, s, mode == 1, rows);
+    } else if (c.in[s] == 2304) {
+      ll_step<9>(c, ring, ll, epoch, s, mode == 1, rows);
+    } else {
+      __trap();  // run_ll admits only these widths
     }
   }
   detail::cp_async_wait<0>();
@@ -296,6 +473,7 @@ struct Device {
   Chain c{};
   std::vector<__nv_bfloat16*> buffers;
   unsigned* counter = nullptr;
+  uint32_t* ll = nullptr;  // chain_ll_kernel's kMaxSteps + 1 buffers of kMaxIn LL words
   double weight_bytes = 0.0;
 };
 
@@ -321,12 +499,16 @@ Device make_device(int steps, const std::vector<std::vector<__nv_bfloat16>>& w, 
   }
   CHECK_CUDA(cudaMemcpy(d.c.x[0], x0.data(), x0.size() * 2, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMalloc(&d.counter, sizeof(unsigned)));
+  const size_t ll_bytes = size_t{kMaxSteps + 1} * kMaxIn * sizeof(uint32_t);
+  CHECK_CUDA(cudaMalloc(&d.ll, ll_bytes));
+  CHECK_CUDA(cudaMemset(d.ll, 0xff, ll_bytes));  // tag 0xffff: never valid
   return d;
 }
 
 void free_device(Device& d) {
   for (auto* p : d.buffers) CHECK_CUDA(cudaFree(p));
   CHECK_CUDA(cudaFree(d.counter));
+  CHECK_CUDA(cudaFree(d.ll));
 }
 
 void run_launches(const Device& d, cudaStream_t stream) {
@@ -363,11 +545,41 @@ void run_ring(const Device& d, int mode, cudaStream_t stream) {
                                          dim3(kRingThreads), args, kRingSmemBytes, stream));
 }
 
+// mode 1: each warp waits for its input's words; 2: nobody waits (timing only). `epoch`: new on every launch.
+void run_ll(const Device& d, int mode, unsigned epoch, cudaStream_t stream) {
+  for (int s = 0; s < d.c.steps; ++s) {
+    if (d.c.in[s] != 2304 && d.c.in[s] != 4096) {
+      std::fprintf(stderr, "gemv_chain: chain_ll_kernel takes inputs of 2304 or 4096 only\n");
+      std::exit(1);
+    }
+  }
+  int sms = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  uint32_t* ll = d.ll;
+  void* args[] = {const_cast<Chain*>(&d.c), &ll, &epoch, &mode};
+  // Cooperative: every CTA resident at once (warps wait on each other's words).
+  CHECK_CUDA(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(chain_ll_kernel), dim3(sms), dim3(kRingThreads),
+                                         args, kLLSmemBytes, stream));
+}
+
 std::vector<float> download(const __nv_bfloat16* p, int n) {
   std::vector<__nv_bfloat16> h(n);
   CHECK_CUDA(cudaMemcpy(h.data(), p, n * 2, cudaMemcpyDeviceToHost));
   std::vector<float> f(n);
   for (int i = 0; i < n; ++i) f[i] = to_float(h[i]);
+  return f;
+}
+
+// The bf16 of n LL words; NaN where a word does not carry `tag` (not written in that launch).
+std::vector<float> download_ll(const uint32_t* p, int n, uint32_t tag) {
+  std::vector<uint32_t> h(n);
+  CHECK_CUDA(cudaMemcpy(h.data(), p, n * sizeof(uint32_t), cudaMemcpyDeviceToHost));
+  std::vector<float> f(n);
+  for (int i = 0; i < n; ++i) {
+    __nv_bfloat16_raw raw;
+    raw.x = static_cast<unsigned short>(h[i] & 0xffffu);
+    f[i] = (h[i] >> 16) == tag ? to_float(__nv_bfloat16(raw)) : NAN;
+  }
   return f;
 }
 
@@ -423,6 +635,8 @@ int main(int argc, char** argv) {
                                   cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBytes)));
   CHECK_CUDA(cudaFuncSetAttribute(reinterpret_cast<const void*>(chain_ring_kernel),
                                   cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kRingSmemBytes)));
+  CHECK_CUDA(cudaFuncSetAttribute(reinterpret_cast<const void*>(chain_ll_kernel),
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kLLSmemBytes)));
   std::vector<std::vector<__nv_bfloat16>> w(steps);
   for (int s = 0; s < steps; ++s) {
     const int in = s % 2 == 0 ? 2304 : 4096, n = s % 2 == 0 ? 4096 : 2304;
@@ -438,17 +652,21 @@ int main(int argc, char** argv) {
   Device two = d;
   two.c.steps = 2;
   bool ok = true;
-  for (int variant = 0; variant < 4; ++variant) {
+  unsigned epoch = 0;  // chain_ll_kernel's: one more for every launch
+  for (int variant = 0; variant < 5; ++variant) {
     CHECK_CUDA(cudaMemset(d.c.x[2], 0xff, kMaxIn * 2));
     if (variant == 0) run_launches(two, stream);
     if (variant == 1 || variant == 2) run_persistent(two, variant == 1 ? 1 : 0, stream);
     if (variant == 3) run_ring(two, 1, stream);
+    if (variant == 4) run_ll(two, 1, ++epoch, stream);
     CHECK_CUDA(cudaStreamSynchronize(stream));
-    const double err = max_rel(download(d.c.x[2], 2304), reference);
+    const double err = max_rel(
+        variant == 4 ? download_ll(d.ll + 2 * kMaxIn, 2304, ll_tag(epoch, 1)) : download(d.c.x[2], 2304), reference);
     const char* name = variant == 0   ? "launches"
                        : variant == 1 ? "persistent"
                        : variant == 2 ? "persistent, no run-ahead"
-                                      : "persistent, cp.async ring per warp";
+                       : variant == 3 ? "persistent, cp.async ring per warp"
+                                      : "persistent, LL flags in the data";
     std::fprintf(stderr, "gemv_chain: %s, two steps against the CPU: max relative error %.3g\n", name, err);
     if (!(err <= 0.02)) ok = false;
   }
@@ -474,8 +692,10 @@ int main(int argc, char** argv) {
                          "persistent (producer waits at each step)",
                          "persistent without the dependency (timing only)",
                          "persistent, cp.async ring per warp (runs ahead)",
-                         "persistent, cp.async ring per warp, without the dependency (timing only)"};
-  constexpr int kVariants = 6;
+                         "persistent, cp.async ring per warp, without the dependency (timing only)",
+                         "persistent, LL flags in the data (runs ahead)",
+                         "persistent, LL flags in the data, without the dependency (timing only)"};
+  constexpr int kVariants = 8;
   std::vector<float> finals[kVariants];
   for (int variant = 0; variant < kVariants; ++variant) {
     constexpr int kRuns = 20;
@@ -486,8 +706,10 @@ int main(int argc, char** argv) {
         CHECK_CUDA(cudaGraphLaunch(exec, stream));
       } else if (variant <= 3) {
         run_persistent(d, variant == 1 ? 1 : variant == 2 ? 0 : 2, stream);
-      } else {
+      } else if (variant <= 5) {
         run_ring(d, variant == 4 ? 1 : 2, stream);
+      } else {
+        run_ll(d, variant == 6 ? 1 : 2, ++epoch, stream);  // a new epoch: the last run's words never match
       }
       CHECK_CUDA(cudaEventRecord(e1, stream));
       CHECK_CUDA(cudaEventSynchronize(e1));
@@ -497,7 +719,10 @@ int main(int argc, char** argv) {
     }
     std::sort(times.begin(), times.end());
     const double median = times[times.size() / 2];
-    finals[variant] = download(d.c.x[steps], 2304);  // an even number of steps ends at width 2304
+    // An even number of steps ends at width 2304.
+    finals[variant] = variant >= 6
+                          ? download_ll(d.ll + static_cast<size_t>(steps) * kMaxIn, 2304, ll_tag(epoch, steps - 1))
+                          : download(d.c.x[steps], 2304);
     const char* name = names[variant];
     std::printf(
         "{\"bench\": \"gemv_chain\", \"case\": \"%d steps 2304->4096->2304...,batch 1,%s\", \"metric\": \"time\", "
@@ -507,7 +732,7 @@ int main(int argc, char** argv) {
   }
   // After many steps the two summation orders' bf16 roundings have spread through every element, so the final
   // outputs are compared as vectors (|a - b| / |b|; ~2^-8 a step adds up to a few percent over 52 steps).
-  for (int variant : {1, 2, 4}) {
+  for (int variant : {1, 2, 4, 6}) {
     double diff = 0.0, norm = 0.0;
     for (size_t i = 0; i < finals[0].size(); ++i) {
       const double dv = static_cast<double>(finals[variant][i]) - finals[0][i];
