@@ -11,7 +11,10 @@
 //   * persistent, cp.async ring per warp: every warp streams its own rows; the same counter between steps;
 //   * persistent, LL: the ring kernel's streaming, the dependency carried in the data (each output word holds its
 //     value and a tag of the step and launch, like NCCL's LL protocol): no counter, fence, atomic or CTA barrier; a
-//     warp waits only for the words of x it multiplies with, read straight into registers.
+//     warp waits only for the words of x it multiplies with, read straight into registers. Measured (f50016c) at
+//     0.36 of copy with the dependency, 0.69-0.77 without: every warp polling all of x floods L2 with the very
+//     lines being written. Two more timings of it: 256 ns between polls, and x constant from x0's buffer (L1-resident:
+//     the streaming core alone, with neither the dependency nor an L2 read of x per step).
 // The question it answers: how much of a decode step's latency between dependent kernels does a producer that runs
 // ahead across a grid-wide dependency remove, on the simplest chain (bench/gpu/engine_notes.md, eighth session:
 // the case for fewer, longer-lived kernels). Correctness: every variant against a CPU reference of the first two
@@ -344,7 +347,8 @@ __device__ __forceinline__ void ll_load_blocks(const uint32_t* pa, const uint32_
 // `tag` (wait) or as they are (!wait). Each pass issues all the loads still needed before looking at any of them; a
 // group already complete keeps its words (they no longer change in this launch) and is not loaded again.
 template <int kJ>
-__device__ __forceinline__ void ll_gather(const uint32_t* src, uint32_t tag, bool wait, int lane, uint4 (&x)[16]) {
+__device__ __forceinline__ void ll_gather(const uint32_t* src, uint32_t tag, bool wait, bool backoff, int lane,
+                                          uint4 (&x)[16]) {
   static_assert(kJ >= 1 && kJ <= 16, "bits 2j and 2j + 1 of a 32-bit mask");
   const int h = lane & 15, hi = lane >> 4;
   // Word offsets of this lane's two 16-byte groups in each 256-word (1 KB) block: group a in the first 512 bytes,
@@ -368,6 +372,7 @@ __device__ __forceinline__ void ll_gather(const uint32_t* src, uint32_t tag, boo
     }
     if (!wait || !__any_sync(0xffffffffu, missing != 0)) break;
     want = missing;
+    if (backoff) __nanosleep(256);  // fewer polls of lines still being written
     const uint64_t now = sm90::globaltimer_ns();
     if (start == 0) {
       start = now;
@@ -386,15 +391,16 @@ __device__ __forceinline__ void ll_gather(const uint32_t* src, uint32_t tag, boo
 
 // Global warp g's rows of step s (kJ = in / 256 chunks a lane): gather x, then multiply each row as it lands.
 template <int kJ>
-__device__ __forceinline__ void ll_step(const Chain& c, WarpRing& ring, uint32_t* ll, unsigned epoch, int s, bool wait,
+__device__ __forceinline__ void ll_step(const Chain& c, WarpRing& ring, uint32_t* ll, unsigned epoch, int s, int mode,
                                         int rows) {
   uint4 x[16];
-  if (s == 0) {
+  if (s == 0 || mode == 3) {  // mode 3 reads every step's x from x0's buffer (L1-resident after the first step)
     const uint4* x0 = reinterpret_cast<const uint4*>(c.x[0]) + ring.lane;
 #pragma unroll
     for (int j = 0; j < kJ; ++j) x[j] = __ldg(x0 + 32 * j);
   } else {
-    ll_gather<kJ>(ll + static_cast<int64_t>(s) * kMaxIn, ll_tag(epoch, s - 1), wait, ring.lane, x);
+    ll_gather<kJ>(ll + static_cast<int64_t>(s) * kMaxIn, ll_tag(epoch, s - 1), mode == 1 || mode == 4, mode == 4,
+                  ring.lane, x);
   }
   uint32_t* out = ll + static_cast<int64_t>(s + 1) * kMaxIn;
   const uint32_t tag = ll_tag(epoch, s) << 16;
@@ -414,7 +420,8 @@ __device__ __forceinline__ void ll_step(const Chain& c, WarpRing& ring, uint32_t
 
 __global__ void __launch_bounds__(kRingThreads, 1)
     chain_ll_kernel(const __grid_constant__ Chain c, uint32_t* ll, unsigned epoch, int mode) {
-  // mode 1: each warp waits for the words of its input; 2: nobody waits (timing only: wrong results). ll: buffer
+  // mode 1: each warp waits for the words of its input; 4: the same with a 256 ns sleep between polls; 2: nobody
+  // waits; 3: every step's x from x0's buffer (2 and 3 timing only: wrong results). ll: buffer
   // s (kMaxIn words at ll + s * kMaxIn) holds step s's input, step s - 1's output (buffer 0 unused).
   extern __shared__ __align__(1024) unsigned char smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -425,9 +432,9 @@ __global__ void __launch_bounds__(kRingThreads, 1)
     const int rows = ring_rows(c, s, g, warps);
     if (rows == 0) continue;  // nothing of this step's input needed
     if (c.in[s] == 4096) {
-      ll_step<16>(c, ring, ll, epoch, s, mode == 1, rows);
+      ll_step<16>(c, ring, ll, epoch, s, mode, rows);
     } else if (c.in[s] == 2304) {
-      ll_step<9>(c, ring, ll, epoch, s, mode == 1, rows);
+      ll_step<9>(c, ring, ll, epoch, s, mode, rows);
     } else {
       __trap();  // run_ll admits only these widths
     }
@@ -545,7 +552,8 @@ void run_ring(const Device& d, int mode, cudaStream_t stream) {
                                          dim3(kRingThreads), args, kRingSmemBytes, stream));
 }
 
-// mode 1: each warp waits for its input's words; 2: nobody waits (timing only). `epoch`: new on every launch.
+// mode 1: each warp waits for its input's words, 4: with a sleep between polls; 2: nobody waits, 3: x constant (both
+// timing only). `epoch`: new on every launch.
 void run_ll(const Device& d, int mode, unsigned epoch, cudaStream_t stream) {
   for (int s = 0; s < d.c.steps; ++s) {
     if (d.c.in[s] != 2304 && d.c.in[s] != 4096) {
@@ -694,8 +702,10 @@ int main(int argc, char** argv) {
                          "persistent, cp.async ring per warp (runs ahead)",
                          "persistent, cp.async ring per warp, without the dependency (timing only)",
                          "persistent, LL flags in the data (runs ahead)",
-                         "persistent, LL flags in the data, without the dependency (timing only)"};
-  constexpr int kVariants = 8;
+                         "persistent, LL flags in the data, without the dependency (timing only)",
+                         "persistent, LL flags in the data, 256 ns between polls (runs ahead)",
+                         "persistent, LL flags in the data, x constant from L1 (timing only)"};
+  constexpr int kVariants = 10;
   std::vector<float> finals[kVariants];
   for (int variant = 0; variant < kVariants; ++variant) {
     constexpr int kRuns = 20;
@@ -709,7 +719,8 @@ int main(int argc, char** argv) {
       } else if (variant <= 5) {
         run_ring(d, variant == 4 ? 1 : 2, stream);
       } else {
-        run_ll(d, variant == 6 ? 1 : 2, ++epoch, stream);  // a new epoch: the last run's words never match
+        const int mode = variant == 6 ? 1 : variant == 7 ? 2 : variant == 8 ? 4 : 3;
+        run_ll(d, mode, ++epoch, stream);  // a new epoch: the last run's words never match
       }
       CHECK_CUDA(cudaEventRecord(e1, stream));
       CHECK_CUDA(cudaEventSynchronize(e1));
@@ -732,7 +743,7 @@ int main(int argc, char** argv) {
   }
   // After many steps the two summation orders' bf16 roundings have spread through every element, so the final
   // outputs are compared as vectors (|a - b| / |b|; ~2^-8 a step adds up to a few percent over 52 steps).
-  for (int variant : {1, 2, 4, 6}) {
+  for (int variant : {1, 2, 4, 6, 8}) {
     double diff = 0.0, norm = 0.0;
     for (size_t i = 0; i < finals[0].size(); ++i) {
       const double dv = static_cast<double>(finals[variant][i]) - finals[0][i];

@@ -8,6 +8,8 @@
 #      the shared expert's gate/up stream loses?
 #   3. the MoE cases and MoeDecodeLayerGpu.Timing under both settings.
 #   bench/gpu/next_ab13.sh OUTDIR
+# (Ran at f50016c; the DELTASERVE_MOE_GATE_UP_PDL switch was removed after it measured slower, so item 2 now runs the
+# default four times.)
 set -u
 out=${1:?usage: next_ab13.sh OUTDIR}
 mkdir -p "$out" build

@@ -50,7 +50,6 @@
 // rows in an order rotated by the CTA, against channel conflicts, streamed at less than half the rate.
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #include <cuda_bf16.h>
@@ -814,12 +813,11 @@ Status launch_pipeline_experts(const LayerArgs& a, cudaStream_t stream) {
   DS_RETURN_IF_ERROR(
       set_smem(reinterpret_cast<const void*>(pipeline_gate_up_kernel), gate_up.pipe.smem_bytes, who_gate_up));
   DS_RETURN_IF_ERROR(set_smem(reinterpret_cast<const void*>(pipeline_down_kernel), down.pipe.smem_bytes, who_down));
-  // DELTASERVE_MOE_GATE_UP_PDL=0 (a measurement switch, read per call): launch 2 starts only once launch 1 has
-  // ended, so the routing runs without launch 2's early streams beside it (launch 3 still starts early).
-  const char* gate_up_pdl = std::getenv("DELTASERVE_MOE_GATE_UP_PDL");
-  const bool gate_up_early = gate_up_pdl == nullptr || std::string(gate_up_pdl) != "0";
-  DS_RETURN_IF_ERROR(launch_kernel_ex(gate_up_early, pipeline_gate_up_kernel, dim3(gate_up_ctas),
-                                      dim3(kPipelineThreads), gate_up.pipe.smem_bytes, stream, who_gate_up, gate_up));
+  // Launch 2 starts early (programmatic dependent launch) although its streams slow launch 1's routing ~2x: started
+  // only after launch 1 had ended it was slower (the 48B step 2.547 against 2.536 ms at B = 1, the layer 54.5
+  // against 52.4 us; bench/results/engine_gpu_ab.jsonl at f50016c).
+  DS_RETURN_IF_ERROR(launch_with_pdl(pipeline_gate_up_kernel, gate_up_ctas, kPipelineThreads, gate_up.pipe.smem_bytes,
+                                     stream, who_gate_up, gate_up));
   return launch_with_pdl(pipeline_down_kernel, down_ctas, kPipelineThreads, down.pipe.smem_bytes, stream, who_down,
                          down);
 }

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# GPU machine only, from the repo root (about 2 minutes, nvcc alone): bench/gpu/gemv_chain_bench.cu with the LL
+# kernel's two added timings: polls 256 ns apart (does the L2 traffic of 1056 polling warps explain its 0.36 of
+# copy?) and x constant from L1 (the persistent streaming core alone: does it reach ~0.9 of copy?).
+#   bench/gpu/next_ab14.sh OUTDIR
+set -u
+out=${1:?usage: next_ab14.sh OUTDIR}
+mkdir -p "$out" build
+nvidia-smi --query-gpu=name,driver_version --format=csv >"$out/gpu.txt" 2>&1
+nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xcudafe=--diag_suppress=2810 -I. \
+  bench/gpu/gemv_chain_bench.cu kernels/cuda/small_batch_gemm.cu -o build/gemv_chain >"$out/gemv_build.log" 2>&1
+echo "gemv_chain build rc=$?"
+for steps in 52 128; do
+  timeout 150 build/gemv_chain --steps $steps >"$out/gemv_chain_$steps.jsonl" 2>"$out/gemv_chain_$steps.err"
+  echo "gemv_chain --steps $steps rc=$?"
+  cat "$out/gemv_chain_$steps.err"
+  python3 - "$out/gemv_chain_$steps.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(f"  {r['case'].split(',', 2)[-1]}: {r['value']:.1f} us, {r['per_step_us']:.2f} us a step, "
+          f"{r['ratio_to_limit']:.3f} of copy")
+PY
+done
