@@ -18,14 +18,5 @@ bash bench/gpu/mla_v3_trace.sh "$out/v3trace" - >"$out/v3trace.log" 2>&1
 echo "v3 trace rc=$? at $(($(date +%s) - start)) s"
 grep -vE "^ +[0-9]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ \|" "$out/v3trace.log" | head -60
 wait
-timeout 120 build/gemv_chain --steps 52 >"$out/gemv_chain.jsonl" 2>"$out/gemv_chain.err"
-echo "gemv_chain rc=$?"
-cat "$out/gemv_chain.err"
-python3 - "$out/gemv_chain.jsonl" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    print(f"{r['case'].split(',', 2)[-1]}: {r['value']:.1f} us, {r['per_step_us']:.2f} us a step, "
-          f"{r['ratio_to_limit']:.3f} of copy")
-PY
+bash bench/gpu/gemv_chain_run.sh "$out" 52
 echo "total $(($(date +%s) - start)) s"

@@ -23,18 +23,7 @@ nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xcudafe=--diag_suppre
   bench/gpu/gemv_chain_bench.cu kernels/cuda/small_batch_gemm.cu -o build/gemv_chain >"$out/gemv_build.log" 2>&1
 echo "gemv_chain build rc=$? at $(($(date +%s) - start)) s"
 wait
-for steps in 52 128; do
-  timeout 120 build/gemv_chain --steps $steps >"$out/gemv_chain_$steps.jsonl" 2>"$out/gemv_chain_$steps.err"
-  echo "gemv_chain --steps $steps rc=$?"
-  cat "$out/gemv_chain_$steps.err"
-  python3 - "$out/gemv_chain_$steps.jsonl" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    print(f"  {r['case'].split(',', 2)[-1]}: {r['value']:.1f} us, {r['per_step_us']:.2f} us a step, "
-          f"{r['ratio_to_limit']:.3f} of copy")
-PY
-done
+bash bench/gpu/gemv_chain_run.sh "$out" 52 128
 BATCHES=1,2,4 bash bench/gpu/decode_env_ab.sh "$out/ab" "-" "DELTASERVE_MOE_GATE_UP_PDL=0" "-" \
   "DELTASERVE_MOE_GATE_UP_PDL=0"
 for setting in 1 0; do

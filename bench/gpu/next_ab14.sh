@@ -10,15 +10,4 @@ nvidia-smi --query-gpu=name,driver_version --format=csv >"$out/gpu.txt" 2>&1
 nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xcudafe=--diag_suppress=2810 -I. \
   bench/gpu/gemv_chain_bench.cu kernels/cuda/small_batch_gemm.cu -o build/gemv_chain >"$out/gemv_build.log" 2>&1
 echo "gemv_chain build rc=$?"
-for steps in 52 128; do
-  timeout 150 build/gemv_chain --steps $steps >"$out/gemv_chain_$steps.jsonl" 2>"$out/gemv_chain_$steps.err"
-  echo "gemv_chain --steps $steps rc=$?"
-  cat "$out/gemv_chain_$steps.err"
-  python3 - "$out/gemv_chain_$steps.jsonl" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    print(f"  {r['case'].split(',', 2)[-1]}: {r['value']:.1f} us, {r['per_step_us']:.2f} us a step, "
-          f"{r['ratio_to_limit']:.3f} of copy")
-PY
-done
+bash bench/gpu/gemv_chain_run.sh "$out" 52 128
