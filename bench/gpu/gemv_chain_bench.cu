@@ -1,6 +1,6 @@
 // A chain of dependent batch-1 GEMVs (x_{s+1} = bf16(W_s x_s), the shapes of o_proj and a KDA projection
-// alternating: 2304 -> 4096 -> 2304 ...) run four ways, next to the device-to-device copy bandwidth measured in the
-// same run (the third and fourth, chain_ring_kernel and chain_ll_kernel, are described above them):
+// alternating: 2304 -> 4096 -> 2304 ...) run five ways, next to the device-to-device copy bandwidth measured in the
+// same run (the last three, chain_ring_kernel, chain_ll_kernel and chain_ll_cta_kernel, are described above them):
 //   * launches: one skinny_gemm launch per step (the engine's kernel and its programmatic dependent launch), the
 //     chain captured in a CUDA graph;
 //   * persistent: one launch, one CTA per SM, for the whole chain. A producer warp streams the CTA's weight rows of
@@ -11,10 +11,12 @@
 //   * persistent, cp.async ring per warp: every warp streams its own rows; the same counter between steps;
 //   * persistent, LL: the ring kernel's streaming, the dependency carried in the data (each output word holds its
 //     value and a tag of the step and launch, like NCCL's LL protocol): no counter, fence, atomic or CTA barrier; a
-//     warp waits only for the words of x it multiplies with, read straight into registers. Measured (f50016c) at
-//     0.36 of copy with the dependency, 0.69-0.77 without: every warp polling all of x floods L2 with the very
-//     lines being written. Two more timings of it: 256 ns between polls, and x constant from x0's buffer (L1-resident:
-//     the streaming core alone, with neither the dependency nor an L2 read of x per step).
+//     warp waits only for the words of x it multiplies with, read straight into registers. Measured (f50016c,
+//     a077b4d) at 0.36-0.38 of copy with the dependency (0.37 with 256 ns between polls), 0.69-0.77 without, and
+//     0.90-0.92 with x constant from x0's buffer (L1-resident): the streaming core is fast; every warp reading all
+//     of x from L2 at every step is what holds it back;
+//   * persistent, LL gathered once per CTA: the same, x read once per CTA into shared memory (8x less L2 traffic
+//     of x) behind one CTA barrier a step.
 // The question it answers: how much of a decode step's latency between dependent kernels does a producer that runs
 // ahead across a grid-wide dependency remove, on the simplest chain (bench/gpu/engine_notes.md, eighth session:
 // the case for fewer, longer-lived kernels). Correctness: every variant against a CPU reference of the first two
@@ -442,6 +444,93 @@ __global__ void __launch_bounds__(kRingThreads, 1)
   detail::cp_async_wait<0>();
 }
 
+// ---- persistent, LL words gathered once per CTA -------------------------------------------------------------------
+// chain_ll_kernel reads all of x from L2 in every warp (1056 warps, up to 16 KB of LL words each a step), which holds
+// it at 0.69-0.77 of copy even without the dependency, while its ring with x constant from L1 reaches 0.90-0.92
+// (a077b4d). Here x is read once per CTA: each of the 256 threads polls its 16-byte groups of the LL words (at most
+// four) until their tags match, writes the values into one of two shared-memory x buffers (by step parity), and
+// after one CTA barrier every warp multiplies its rows with x from shared memory, in chain_ring_kernel's order (the
+// same bits). The double buffer needs no second barrier: a thread writes buffer s & 1 only after the barrier of step
+// s - 1, which every thread reaches only after its reads of step s - 2.
+constexpr uint32_t kLLCtaSmemBytes = kRingXOffset + 2u * kMaxIn * 2u;  // the rings, then two x buffers
+constexpr int kLLCtaGroups = kMaxIn / 4 / kRingThreads;                // 16-byte groups a thread polls, at most
+
+// Step s's input (LL words at src, `groups` groups of four) into x_s as bf16, once every word carries `tag` (wait) or
+// as the words are (!wait).
+__device__ __forceinline__ void ll_cta_gather(const uint32_t* src, uint32_t tag, bool wait, int groups,
+                                              __nv_bfloat16* x_s) {
+  const int tid = threadIdx.x;
+  const uint32_t tag2 = tag | (tag << 16);
+  uint4 v[kLLCtaGroups];
+  uint32_t want = 0;  // bit j: group tid + 256 j still to load
+#pragma unroll
+  for (int j = 0; j < kLLCtaGroups; ++j) {
+    v[j] = make_uint4(0u, 0u, 0u, 0u);
+    if (tid + kRingThreads * j < groups) want |= 1u << j;
+  }
+  const uint32_t mine = want;
+  uint64_t start = 0;
+  while (want != 0) {
+#pragma unroll
+    for (int j = 0; j < kLLCtaGroups; ++j) ll_load<0>(v[j], src + 4 * (tid + kRingThreads * j), (want >> j) & 1u);
+    uint32_t missing = 0;
+#pragma unroll
+    for (int j = 0; j < kLLCtaGroups; ++j) {
+      if (((want >> j) & 1u) != 0 && !ll_tagged(v[j], tag2)) missing |= 1u << j;
+    }
+    if (!wait) break;
+    want = missing;
+    if (want == 0) break;
+    const uint64_t now = sm90::globaltimer_ns();
+    if (start == 0) {
+      start = now;
+    } else if (now - start > sm90::kMbarrierTimeoutNs) {
+      __trap();
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kLLCtaGroups; ++j) {
+    if (((mine >> j) & 1u) != 0) reinterpret_cast<uint2*>(x_s)[tid + kRingThreads * j] = ll_values(v[j]);
+  }
+}
+
+__global__ void __launch_bounds__(kRingThreads, 1)
+    chain_ll_cta_kernel(const __grid_constant__ Chain c, uint32_t* ll, unsigned epoch, int mode) {
+  // mode 1: the CTA waits for the words of its input; 2: nobody waits (timing only: wrong results). Buffers as
+  // chain_ll_kernel's.
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int warps = static_cast<int>(gridDim.x) * kRingWarps, g = static_cast<int>(blockIdx.x) * kRingWarps + warp;
+  WarpRing ring(smem + static_cast<uint32_t>(warp) * kRingRows * kRingRowBytes, g, warps, lane);
+  ring.start(c);
+  for (int s = 0; s < c.steps; ++s) {
+    const int chunks = c.in[s] / 8;
+    auto* x_s = reinterpret_cast<__nv_bfloat16*>(smem + kRingXOffset + static_cast<uint32_t>(s & 1) * kMaxIn * 2u);
+    if (s == 0) {
+      for (int i = tid; i < chunks; i += kRingThreads) {
+        reinterpret_cast<uint4*>(x_s)[i] = __ldg(reinterpret_cast<const uint4*>(c.x[0]) + i);
+      }
+    } else {
+      ll_cta_gather(ll + static_cast<int64_t>(s) * kMaxIn, ll_tag(epoch, s - 1), mode == 1, c.in[s] / 4, x_s);
+    }
+    __syncthreads();
+    const uint4* x4 = reinterpret_cast<const uint4*>(x_s);
+    uint32_t* out = ll + static_cast<int64_t>(s + 1) * kMaxIn;
+    const uint32_t tag = ll_tag(epoch, s) << 16;
+    const int rows = ring_rows(c, s, g, warps);
+    for (int i = 0; i < rows; ++i) {
+      const uint4* w = ring.wait_row();
+      float acc = 0.0f;
+      for (int k = lane; k < chunks; k += 32) acc = detail::dot8_bf16(w[k], x4[k], acc);
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+      if (lane == 0) ll_store(out + g + i * warps, tag | __bfloat16_as_ushort(__float2bfloat16_rn(acc)));
+      ring.release(c);
+    }
+  }
+  detail::cp_async_wait<0>();
+}
+
 // ---- host -------------------------------------------------------------------------------------------------------
 
 std::vector<__nv_bfloat16> random_bf16(size_t n, float scale, uint32_t seed) {
@@ -570,6 +659,16 @@ void run_ll(const Device& d, int mode, unsigned epoch, cudaStream_t stream) {
                                          args, kLLSmemBytes, stream));
 }
 
+// mode 1: the CTA waits for its input's words; 2: nobody waits (timing only). `epoch`: new on every launch.
+void run_ll_cta(const Device& d, int mode, unsigned epoch, cudaStream_t stream) {
+  int sms = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  uint32_t* ll = d.ll;
+  void* args[] = {const_cast<Chain*>(&d.c), &ll, &epoch, &mode};
+  CHECK_CUDA(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(chain_ll_cta_kernel), dim3(sms),
+                                         dim3(kRingThreads), args, kLLCtaSmemBytes, stream));
+}
+
 std::vector<float> download(const __nv_bfloat16* p, int n) {
   std::vector<__nv_bfloat16> h(n);
   CHECK_CUDA(cudaMemcpy(h.data(), p, n * 2, cudaMemcpyDeviceToHost));
@@ -645,6 +744,8 @@ int main(int argc, char** argv) {
                                   cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kRingSmemBytes)));
   CHECK_CUDA(cudaFuncSetAttribute(reinterpret_cast<const void*>(chain_ll_kernel),
                                   cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kLLSmemBytes)));
+  CHECK_CUDA(cudaFuncSetAttribute(reinterpret_cast<const void*>(chain_ll_cta_kernel),
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kLLCtaSmemBytes)));
   std::vector<std::vector<__nv_bfloat16>> w(steps);
   for (int s = 0; s < steps; ++s) {
     const int in = s % 2 == 0 ? 2304 : 4096, n = s % 2 == 0 ? 4096 : 2304;
@@ -661,20 +762,22 @@ int main(int argc, char** argv) {
   two.c.steps = 2;
   bool ok = true;
   unsigned epoch = 0;  // chain_ll_kernel's: one more for every launch
-  for (int variant = 0; variant < 5; ++variant) {
+  for (int variant = 0; variant < 6; ++variant) {
     CHECK_CUDA(cudaMemset(d.c.x[2], 0xff, kMaxIn * 2));
     if (variant == 0) run_launches(two, stream);
     if (variant == 1 || variant == 2) run_persistent(two, variant == 1 ? 1 : 0, stream);
     if (variant == 3) run_ring(two, 1, stream);
     if (variant == 4) run_ll(two, 1, ++epoch, stream);
+    if (variant == 5) run_ll_cta(two, 1, ++epoch, stream);
     CHECK_CUDA(cudaStreamSynchronize(stream));
     const double err = max_rel(
-        variant == 4 ? download_ll(d.ll + 2 * kMaxIn, 2304, ll_tag(epoch, 1)) : download(d.c.x[2], 2304), reference);
+        variant >= 4 ? download_ll(d.ll + 2 * kMaxIn, 2304, ll_tag(epoch, 1)) : download(d.c.x[2], 2304), reference);
     const char* name = variant == 0   ? "launches"
                        : variant == 1 ? "persistent"
                        : variant == 2 ? "persistent, no run-ahead"
                        : variant == 3 ? "persistent, cp.async ring per warp"
-                                      : "persistent, LL flags in the data";
+                       : variant == 4 ? "persistent, LL flags in the data"
+                                      : "persistent, LL words gathered once per CTA";
     std::fprintf(stderr, "gemv_chain: %s, two steps against the CPU: max relative error %.3g\n", name, err);
     if (!(err <= 0.02)) ok = false;
   }
@@ -704,8 +807,10 @@ int main(int argc, char** argv) {
                          "persistent, LL flags in the data (runs ahead)",
                          "persistent, LL flags in the data, without the dependency (timing only)",
                          "persistent, LL flags in the data, 256 ns between polls (runs ahead)",
-                         "persistent, LL flags in the data, x constant from L1 (timing only)"};
-  constexpr int kVariants = 10;
+                         "persistent, LL flags in the data, x constant from L1 (timing only)",
+                         "persistent, LL words gathered once per CTA (runs ahead)",
+                         "persistent, LL words gathered once per CTA, without the dependency (timing only)"};
+  constexpr int kVariants = 12;
   std::vector<float> finals[kVariants];
   for (int variant = 0; variant < kVariants; ++variant) {
     constexpr int kRuns = 20;
@@ -718,6 +823,8 @@ int main(int argc, char** argv) {
         run_persistent(d, variant == 1 ? 1 : variant == 2 ? 0 : 2, stream);
       } else if (variant <= 5) {
         run_ring(d, variant == 4 ? 1 : 2, stream);
+      } else if (variant >= 10) {
+        run_ll_cta(d, variant == 10 ? 1 : 2, ++epoch, stream);
       } else {
         const int mode = variant == 6 ? 1 : variant == 7 ? 2 : variant == 8 ? 4 : 3;
         run_ll(d, mode, ++epoch, stream);  // a new epoch: the last run's words never match
@@ -743,7 +850,7 @@ int main(int argc, char** argv) {
   }
   // After many steps the two summation orders' bf16 roundings have spread through every element, so the final
   // outputs are compared as vectors (|a - b| / |b|; ~2^-8 a step adds up to a few percent over 52 steps).
-  for (int variant : {1, 2, 4, 6, 8}) {
+  for (int variant : {1, 2, 4, 6, 8, 10}) {
     double diff = 0.0, norm = 0.0;
     for (size_t i = 0; i < finals[0].size(); ++i) {
       const double dv = static_cast<double>(finals[variant][i]) - finals[0][i];
