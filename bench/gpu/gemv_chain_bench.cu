@@ -337,6 +337,16 @@ __device__ __forceinline__ bool ll_tagged(const uint4& v, uint32_t tag2) {
   return __byte_perm(v.x, v.y, 0x7632) == tag2 && __byte_perm(v.z, v.w, 0x7632) == tag2;
 }
 
+// A poll loop's clock: the first call starts it, later ones trap once sm90::kMbarrierTimeoutNs have passed.
+__device__ __forceinline__ void poll_deadline(uint64_t& start) {
+  const uint64_t now = sm90::globaltimer_ns();
+  if (start == 0) {
+    start = now;
+  } else if (now - start > sm90::kMbarrierTimeoutNs) {
+    __trap();
+  }
+}
+
 // Groups a and b of every block j < kJ (1 KB apart) that `want` asks for (bits 2j, 2j + 1), all in flight at once.
 template <int... kBlocks>
 __device__ __forceinline__ void ll_load_blocks(const uint32_t* pa, const uint32_t* pb, uint32_t want, uint4* ra,
@@ -375,12 +385,7 @@ __device__ __forceinline__ void ll_gather(const uint32_t* src, uint32_t tag, boo
     if (!wait || !__any_sync(0xffffffffu, missing != 0)) break;
     want = missing;
     if (backoff) __nanosleep(256);  // fewer polls of lines still being written
-    const uint64_t now = sm90::globaltimer_ns();
-    if (start == 0) {
-      start = now;
-    } else if (now - start > sm90::kMbarrierTimeoutNs) {
-      __trap();
-    }
+    poll_deadline(start);
   }
 #pragma unroll
   for (int j = 0; j < kJ; ++j) {
@@ -481,12 +486,7 @@ __device__ __forceinline__ void ll_cta_gather(const uint32_t* src, uint32_t tag,
     if (!wait) break;
     want = missing;
     if (want == 0) break;
-    const uint64_t now = sm90::globaltimer_ns();
-    if (start == 0) {
-      start = now;
-    } else if (now - start > sm90::kMbarrierTimeoutNs) {
-      __trap();
-    }
+    poll_deadline(start);
   }
 #pragma unroll
   for (int j = 0; j < kLLCtaGroups; ++j) {
