@@ -11,12 +11,8 @@ out=${1:?usage: next_ab12.sh OUTDIR}
 mkdir -p "$out" build
 start=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version --format=csv >"$out/gpu.txt" 2>&1
-(nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xcudafe=--diag_suppress=2810 -I. \
-  bench/gpu/gemv_chain_bench.cu kernels/cuda/small_batch_gemm.cu -o build/gemv_chain >"$out/gemv_build.log" 2>&1
-  echo "gemv_chain build rc=$? at $(($(date +%s) - start)) s") &
 bash bench/gpu/mla_v3_trace.sh "$out/v3trace" - >"$out/v3trace.log" 2>&1
 echo "v3 trace rc=$? at $(($(date +%s) - start)) s"
 grep -vE "^ +[0-9]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ \|" "$out/v3trace.log" | head -60
-wait
 bash bench/gpu/gemv_chain_run.sh "$out" 52
 echo "total $(($(date +%s) - start)) s"

@@ -15,14 +15,10 @@ out=${1:?usage: next_ab13.sh OUTDIR}
 mkdir -p "$out" build
 start=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version --format=csv >"$out/gpu.txt" 2>&1
-(cmake -S . -B build/gpu -G Ninja -DDELTASERVE_ENGINE_ONLY=ON -DDELTASERVE_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
+cmake -S . -B build/gpu -G Ninja -DDELTASERVE_ENGINE_ONLY=ON -DDELTASERVE_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
   -DDELTASERVE_BENCH=OFF >"$out/build.log" 2>&1 &&
-  cmake --build build/gpu -j14 --target engine_gpu_bench kernels_cuda_test >>"$out/build.log" 2>&1
-  echo "cmake build rc=$? at $(($(date +%s) - start)) s") &
-nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xcudafe=--diag_suppress=2810 -I. \
-  bench/gpu/gemv_chain_bench.cu kernels/cuda/small_batch_gemm.cu -o build/gemv_chain >"$out/gemv_build.log" 2>&1
-echo "gemv_chain build rc=$? at $(($(date +%s) - start)) s"
-wait
+  cmake --build build/gpu -j16 --target engine_gpu_bench kernels_cuda_test >>"$out/build.log" 2>&1
+echo "cmake build rc=$? at $(($(date +%s) - start)) s"
 bash bench/gpu/gemv_chain_run.sh "$out" 52 128
 BATCHES=1,2,4 bash bench/gpu/decode_env_ab.sh "$out/ab" "-" "DELTASERVE_MOE_GATE_UP_PDL=0" "-" \
   "DELTASERVE_MOE_GATE_UP_PDL=0"

@@ -9,7 +9,4 @@ set -u
 out=${1:?usage: next_ab14.sh OUTDIR}
 mkdir -p "$out" build
 nvidia-smi --query-gpu=name,driver_version --format=csv >"$out/gpu.txt" 2>&1
-nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xcudafe=--diag_suppress=2810 -I. \
-  bench/gpu/gemv_chain_bench.cu kernels/cuda/small_batch_gemm.cu -o build/gemv_chain >"$out/gemv_build.log" 2>&1
-echo "gemv_chain build rc=$?"
 bash bench/gpu/gemv_chain_run.sh "$out" 52 128
