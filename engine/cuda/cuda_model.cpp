@@ -378,15 +378,11 @@ Status CudaBackend::Impl::forward_layers(const PassTables& t, const float** fina
                                            normed_f32, hidden, stream()));
       return run_moe(layer.moe, T);
     }
-    if (!layer.is_moe && Gemm::fuses_input_norm(T)) {  // the gate/up projection normalises x in its launch
+    if (!layer.is_moe) {  // the gate/up projection normalises x in its launch where it can, else rms_norm first
       profiler.mark(Phase::kDenseFfn, stream());
       return run_dense_ffn(layer.dense, GemmNormInput{x, hidden, layer.post_attention_norm, eps, normed}, T);
     }
     DS_RETURN_IF_ERROR(kc::rms_norm(x, hidden, layer.post_attention_norm, T, hidden, eps, normed, hidden, stream()));
-    if (!layer.is_moe) {
-      profiler.mark(Phase::kDenseFfn, stream());
-      return run_dense_ffn(layer.dense, normed, hidden, T);
-    }
     DS_RETURN_IF_ERROR(
         kc::rms_norm(x, hidden, layer.post_attention_norm, T, hidden, eps, normed_f32, hidden, stream()));
     return run_moe(layer.moe, T);
