@@ -81,6 +81,9 @@ using moe_small_batch_detail::kRouterGroup;
 using moe_small_batch_detail::kSharedLimit;
 using moe_small_batch_detail::kThreads;
 using moe_small_batch_detail::kWarps;
+using moe_small_batch_detail::kTriggerAfterLoads;
+using moe_small_batch_detail::kTriggerAfterRouting;
+using moe_small_batch_detail::kTriggerAfterWait;
 using moe_small_batch_detail::LayerArgs;
 using moe_small_batch_detail::load_router_group;
 using moe_small_batch_detail::router_group_dot;
@@ -164,6 +167,7 @@ __device__ void route_parallel(const LayerArgs& a, const RouterSmem& s) {
         }
       }
     }
+    if (a.router_trigger == kTriggerAfterLoads && t0 == 0) allow_dependent_grids();
     __syncthreads();
     for (int task = warp; task < tokens * chunks; task += kWarps) {
       const int tt = task / chunks, chunk = task - tt * chunks, e = chunk * 32 + lane;
@@ -256,6 +260,7 @@ __device__ void build_plan_warp(const LayerArgs& a, const int* ids_s) {
 __device__ void finish_route_v2(const LayerArgs& a, const RouterSmem& s) {
   if (a.route_pass_tokens > 0) {
     route_parallel(a, s);
+    if (a.router_trigger == kTriggerAfterRouting) allow_dependent_grids();
     if (a.warp_plan) {
       build_plan_warp(a, s.ids);
     } else {
@@ -288,6 +293,8 @@ __device__ void finish_route_v2(const LayerArgs& a, const RouterSmem& s) {
       rd::route_token(a.route, logits, a.bias != nullptr ? s.bias : nullptr, scratch, s.ids + t * k, a.weights + t * k);
     }
   }
+  // The warp routing loads and routes token by token: both later triggers fire once every token is routed.
+  if (a.router_trigger == kTriggerAfterLoads || a.router_trigger == kTriggerAfterRouting) allow_dependent_grids();
   __syncthreads();
   build_plan(a, s.ids, s.sorted, s.counts);
 }
@@ -315,7 +322,7 @@ __global__ void __launch_bounds__(kThreads, 2) small_batch_router_kernel(const _
     if (a.bias != nullptr) s.bias[i] = __ldg(a.bias + i);
   }
   grid_dependency_wait();
-  allow_dependent_grids();
+  if (a.router_trigger == kTriggerAfterWait) allow_dependent_grids();
   // The split down launch's arrival counts (launch 3 starts after this grid completes).
   if (a.down_arrivals != nullptr) {
     for (int i = static_cast<int>(blockIdx.x) * kThreads + tid; i < a.down_tiles; i += a.router_ctas * kThreads) {
@@ -446,6 +453,20 @@ int environment_down_min_stages() {
                                                                      : moe_small_batch_detail::kDownMinStagesDefault;
   }();
   return stages;
+}
+
+// DELTASERVE_MOE_ROUTER_TRIGGER=wait|loads|routing|exit (read once; unset or anything else: wait): when v2's launch 1
+// lets launch 2 start (RouterTrigger in moe_small_batch.cuh).
+int environment_router_trigger() {
+  static const int trigger = [] {
+    const char* value = std::getenv("DELTASERVE_MOE_ROUTER_TRIGGER");
+    const std::string name = value != nullptr ? value : "";
+    if (name == "loads") return static_cast<int>(kTriggerAfterLoads);
+    if (name == "routing") return static_cast<int>(kTriggerAfterRouting);
+    if (name == "exit") return static_cast<int>(moe_small_batch_detail::kTriggerAtExit);
+    return static_cast<int>(kTriggerAfterWait);
+  }();
+  return trigger;
 }
 
 // Tiles of v2's down launch and the bytes of the split's exchange area (plan-row outputs, then arrival counts).
@@ -620,6 +641,7 @@ LayerArgs make_args(const MoeSmallBatchParams& p, MoeSmallBatchKernel kernel) {
   a.down_tiles = down_tiles(p.hidden);
   a.lane_issue = environment_allows_lane_issue() ? 1 : 0;
   a.down_min_stages = environment_down_min_stages();
+  a.router_trigger = environment_router_trigger();
   a.down_ys = nullptr;
   a.down_arrivals = nullptr;
   if (split) {

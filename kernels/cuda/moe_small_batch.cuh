@@ -104,6 +104,18 @@ struct LayerArgs {
   // v2's launches 2 and 3: 1 when lane r of the producer warp issues weight row r of a stage (0: lane 0 issues all
   // 16), and the fewest stages of the down ring (2..kPipelineMaxStages).
   int lane_issue, down_min_stages;
+  // v2's launch 1: when it lets launch 2 become resident (RouterTrigger).
+  int router_trigger;
+};
+
+// When v2's launch 1 lets launch 2 (programmatic dependent launch) start. Launch 2's early CTAs stream the shared
+// expert's gate/up, and beside those streams the routing CTA's first L2 reads and its phases take about twice as
+// long (seventh session); the later triggers trade some of that early stream for a faster routing.
+enum RouterTrigger : int {
+  kTriggerAfterWait = 0,    // every CTA right after its grid-dependency wait
+  kTriggerAfterLoads = 1,   // the routing CTA once it has loaded the router's partial sums (the others at exit)
+  kTriggerAfterRouting = 2, // the routing CTA once the ids and weights are written, before the plan
+  kTriggerAtExit = 3,       // no explicit trigger: when every CTA has exited
 };
 
 // ---- launch 1: router partial sums and the plan (both generations) ----------------------------------------------
