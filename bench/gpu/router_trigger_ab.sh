@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# GPU machine only, from the repo root (about 7 minutes): when the MoE layer's launch 1 lets launch 2 start
+# GPU machine only, from the repo root: when the MoE layer's launch 1 lets launch 2 start
 # (DELTASERVE_MOE_ROUTER_TRIGGER=wait|loads|routing|exit, RouterTrigger in kernels/cuda/moe_small_batch.cuh).
+# Whole, it takes more than one 10-minute call (the MoeSmallBatch cases alone take ~100 s a trigger); STEP_ONLY=1
+# builds engine_gpu_bench only and runs step 3 alone (about 5 minutes).
 #   1. build; the MoeSmallBatch / MoeDecodeLayer cases under every trigger (the results must not change);
 #   2. MoeDecodeLayerGpu.Timing (the layer alone) under every trigger;
 #   3. the 48B decode step at B = 1 / 2 / 4 / 8, context 4k, every trigger, then wait and loads again (spread);
@@ -11,10 +13,19 @@ out=${1:?usage: router_trigger_ab.sh OUTDIR}
 mkdir -p "$out"
 start=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version --format=csv >"$out/gpu.txt" 2>&1
+step_only=${STEP_ONLY:-0}
+targets=(engine_gpu_bench)
+[[ "$step_only" == 1 ]] || targets+=(kernels_cuda_test engine_cuda_test)
 cmake -S . -B build/gpu -G Ninja -DDELTASERVE_ENGINE_ONLY=ON -DDELTASERVE_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
   -DDELTASERVE_BENCH=OFF >"$out/build.log" 2>&1 &&
-  cmake --build build/gpu -j16 --target engine_gpu_bench kernels_cuda_test engine_cuda_test >>"$out/build.log" 2>&1
+  cmake --build build/gpu -j16 --target "${targets[@]}" >>"$out/build.log" 2>&1
 echo "build rc=$? at $(($(date +%s) - start)) s"
+if [[ "$step_only" == 1 ]]; then
+  BATCHES=${BATCHES:-1,2,4} bash bench/gpu/decode_env_ab.sh "$out/step" "-" "DELTASERVE_MOE_ROUTER_TRIGGER=loads" \
+    "DELTASERVE_MOE_ROUTER_TRIGGER=routing" "-" "DELTASERVE_MOE_ROUTER_TRIGGER=loads"
+  echo "total $(($(date +%s) - start)) s"
+  exit 0
+fi
 tests=build/gpu/kernels/cuda/kernels_cuda_test
 for trigger in wait loads routing exit; do
   DELTASERVE_MOE_ROUTER_TRIGGER=$trigger timeout 120 $tests --gtest_filter='MoeSmallBatch*:MoeDecodeLayer*:-*Timing' \
