@@ -455,18 +455,29 @@ int environment_down_min_stages() {
   return stages;
 }
 
-// DELTASERVE_MOE_ROUTER_TRIGGER=wait|loads|routing|exit (read once; unset or anything else: wait): when v2's launch 1
-// lets launch 2 start (RouterTrigger in moe_small_batch.cuh).
+// DELTASERVE_MOE_ROUTER_TRIGGER=wait|loads|routing|exit (read once): when v2's launch 1 lets launch 2 start
+// (RouterTrigger in moe_small_batch.cuh). Unset or anything else: router_trigger_for.
 int environment_router_trigger() {
   static const int trigger = [] {
     const char* value = std::getenv("DELTASERVE_MOE_ROUTER_TRIGGER");
     const std::string name = value != nullptr ? value : "";
+    if (name == "wait") return static_cast<int>(kTriggerAfterWait);
     if (name == "loads") return static_cast<int>(kTriggerAfterLoads);
     if (name == "routing") return static_cast<int>(kTriggerAfterRouting);
     if (name == "exit") return static_cast<int>(moe_small_batch_detail::kTriggerAtExit);
-    return static_cast<int>(kTriggerAfterWait);
+    return -1;
   }();
   return trigger;
+}
+
+// The trigger by token count, as measured on the H200 (48B decode step at 4k, two runs each, 2026-12-02,
+// bench/results/engine_gpu_ab.jsonl): at one token the early trigger (B = 1 2.532 / 2.530 ms; after the routing 2.533
+// / 2.536, at exit 2.554); from two tokens after the routing (B = 2 3.514 / 3.524 against 3.530 / 3.529, B = 4 5.338 /
+// 5.340 against 5.400 / 5.401, B = 8 8.424 / 8.405 against 8.431 / 8.423). Why the two differ is not measured.
+int router_trigger_for(int tokens) {
+  const int environment = environment_router_trigger();
+  if (environment >= 0) return environment;
+  return tokens >= 2 ? kTriggerAfterRouting : kTriggerAfterWait;
 }
 
 // Tiles of v2's down launch and the bytes of the split's exchange area (plan-row outputs, then arrival counts).
@@ -641,7 +652,7 @@ LayerArgs make_args(const MoeSmallBatchParams& p, MoeSmallBatchKernel kernel) {
   a.down_tiles = down_tiles(p.hidden);
   a.lane_issue = environment_allows_lane_issue() ? 1 : 0;
   a.down_min_stages = environment_down_min_stages();
-  a.router_trigger = environment_router_trigger();
+  a.router_trigger = router_trigger_for(a.T);
   a.down_ys = nullptr;
   a.down_arrivals = nullptr;
   if (split) {

@@ -104,7 +104,7 @@ struct LayerArgs {
   // v2's launches 2 and 3: 1 when lane r of the producer warp issues weight row r of a stage (0: lane 0 issues all
   // 16), and the fewest stages of the down ring (2..kPipelineMaxStages).
   int lane_issue, down_min_stages;
-  // v2's launch 1: when it lets launch 2 become resident (RouterTrigger).
+  // v2's launch 1: when it lets launch 2 become resident (RouterTrigger; by token count unless the environment says).
   int router_trigger;
 };
 
