@@ -480,6 +480,16 @@ int router_trigger_for(int tokens) {
   return tokens >= 2 ? kTriggerAfterRouting : kTriggerAfterWait;
 }
 
+// DELTASERVE_MOE_GATE_UP_TRIGGER=issued (read once): v2's launch 2 lets launch 3 start once each CTA's producer has
+// issued its last item instead of right after its wait (LayerArgs::gate_up_trigger_late; not measured yet).
+bool environment_gate_up_trigger_late() {
+  static const bool late = [] {
+    const char* value = std::getenv("DELTASERVE_MOE_GATE_UP_TRIGGER");
+    return value != nullptr && std::strcmp(value, "issued") == 0;
+  }();
+  return late;
+}
+
 // Tiles of v2's down launch and the bytes of the split's exchange area (plan-row outputs, then arrival counts).
 int down_tiles(int64_t hidden) {
   return static_cast<int>((hidden + moe_small_batch_detail::kDownTileColumns - 1) /
@@ -653,6 +663,7 @@ LayerArgs make_args(const MoeSmallBatchParams& p, MoeSmallBatchKernel kernel) {
   a.lane_issue = environment_allows_lane_issue() ? 1 : 0;
   a.down_min_stages = environment_down_min_stages();
   a.router_trigger = router_trigger_for(a.T);
+  a.gate_up_trigger_late = environment_gate_up_trigger_late() ? 1 : 0;
   a.down_ys = nullptr;
   a.down_arrivals = nullptr;
   if (split) {
