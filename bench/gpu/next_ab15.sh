@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# GPU machine only, from the repo root (about 5 minutes after bench/gpu/gpu_tests.sh, whose build it reuses): the
-# MoE layer's launch 2 letting launch 3 start once each CTA's producer has issued its last item
-# (DELTASERVE_MOE_GATE_UP_TRIGGER=issued) against right after its wait (the default). The same kind of change as
-# the router trigger (launch 1 -> 2), which gained 1.1 % at B = 4 and nothing at B = 1 (thirteenth session).
-#   1. the 48B decode step at B = 1 / 2 / 4 / 8, context 4k, default / issued, twice;
-#   2. with issued: the MoeSmallBatch / MoeDecodeLayer cases and engine_cuda_test (the results must not change);
-#      MoeDecodeLayerGpu.Timing under both.
+# GPU machine only, from the repo root (about 6 minutes): two switches prepared in the thirteenth session, neither
+# run yet, against the defaults in one binary.
+#   * DELTASERVE_SKINNY_L2_PREFETCH_MB=N (SkinnyGemmParams::l2_prefetch_bytes): every skinny GEMM asks L2 for its
+#     first N MiB of weights before it waits for the previous kernel, so that HBM streams them while that kernel is
+#     latency-bound (o_proj behind the KDA decode step and the MLA combine; each adds ~2 us a layer past its bytes).
+#     DELTASERVE_SKINNY_L2_PREFETCH_SCOPE=accumulate: o_proj (and the dense down projection) only. An earlier L2
+#     prefetch of the next layer's projection during the MoE routing lost 15-53 us a step (engine_notes.md).
+#   * DELTASERVE_MOE_GATE_UP_TRIGGER=issued: the MoE layer's launch 2 lets launch 3 start once each CTA's producer
+#     has issued its last item (the router trigger, the same question one launch earlier, gained 1.1 % at B = 4).
+# Steps: build; SkinnyGemm* cases (L2PrefetchIsOnlyAHint among them); the 48B step at B = 1 / 2 / 4 / 8, context 4k,
+# under each setting; with the switches on: engine_cuda_test, and the MoE cases with `issued`.
 #   bench/gpu/next_ab15.sh OUTDIR
 set -u
 out=${1:?usage: next_ab15.sh OUTDIR}
@@ -15,18 +19,18 @@ cmake -S . -B build/gpu -G Ninja -DDELTASERVE_ENGINE_ONLY=ON -DDELTASERVE_CUDA=O
   -DDELTASERVE_BENCH=OFF >"$out/build.log" 2>&1 &&
   cmake --build build/gpu -j16 --target engine_gpu_bench kernels_cuda_test engine_cuda_test >>"$out/build.log" 2>&1
 echo "build rc=$? at $(($(date +%s) - start)) s"
-BATCHES=1,2,4,8 bash bench/gpu/decode_env_ab.sh "$out/step" "-" "DELTASERVE_MOE_GATE_UP_TRIGGER=issued" "-" \
-  "DELTASERVE_MOE_GATE_UP_TRIGGER=issued"
 tests=build/gpu/kernels/cuda/kernels_cuda_test
+timeout 120 $tests --gtest_filter='SkinnyGemm*:-*Timing:*Bandwidth*' >"$out/skinny_tests.log" 2>&1
+echo "SkinnyGemm*: rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$out/skinny_tests.log" | tr '\n' ' ')"
+p=DELTASERVE_SKINNY_L2_PREFETCH_MB
+BATCHES=1,2,4,8 bash bench/gpu/decode_env_ab.sh "$out/step" "-" "$p=24" "$p=24 DELTASERVE_SKINNY_L2_PREFETCH_SCOPE=accumulate" \
+  "$p=48" "$p=12 DELTASERVE_SKINNY_L2_PREFETCH_SCOPE=accumulate" "DELTASERVE_MOE_GATE_UP_TRIGGER=issued" "-" \
+  "$p=24 DELTASERVE_SKINNY_L2_PREFETCH_SCOPE=accumulate"
+echo "steps at $(($(date +%s) - start)) s"
+DELTASERVE_SKINNY_L2_PREFETCH_MB=24 DELTASERVE_MOE_GATE_UP_TRIGGER=issued timeout 150 \
+  build/gpu/engine/cuda/engine_cuda_test >"$out/engine_tests_switches.log" 2>&1
+echo "engine_cuda_test, prefetch 24 MiB + issued: rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$out/engine_tests_switches.log" | tr '\n' ' ')"
 DELTASERVE_MOE_GATE_UP_TRIGGER=issued timeout 150 $tests --gtest_filter='MoeSmallBatch*:MoeDecodeLayer*:-*Timing' \
   >"$out/moe_tests_issued.log" 2>&1
 echo "issued MoeSmallBatch*/MoeDecodeLayer*: rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$out/moe_tests_issued.log" | tr '\n' ' ')"
-DELTASERVE_MOE_GATE_UP_TRIGGER=issued timeout 150 build/gpu/engine/cuda/engine_cuda_test >"$out/engine_tests_issued.log" 2>&1
-echo "issued engine_cuda_test: rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$out/engine_tests_issued.log" | tr '\n' ' ')"
-for trigger in wait issued; do
-  DELTASERVE_MOE_GATE_UP_TRIGGER=$trigger timeout 100 $tests --gtest_filter='MoeDecodeLayerGpu.Timing' \
-    >"$out/layer_$trigger.log" 2>&1
-  echo "launch 2 trigger $trigger, MoeDecodeLayerGpu.Timing rc=$?"
-  grep -E "moe decode layer" "$out/layer_$trigger.log" | head -5 | cut -c1-110
-done
 echo "total $(($(date +%s) - start)) s"

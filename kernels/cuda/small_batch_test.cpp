@@ -42,6 +42,7 @@ struct Case {
   std::vector<int64_t> x_offsets;
   std::vector<bool> out_bf16;
   int split_k = 0;
+  int64_t l2_prefetch = 0;  // SkinnyGemmParams::l2_prefetch_bytes (v1 ignores it)
 };
 
 std::string describe(const Case& c) {
@@ -53,7 +54,7 @@ std::string describe(const Case& c) {
   for (int64_t offset : c.x_offsets) s << offset << " ";
   s << "] out_bf16 [";
   for (bool bf16 : c.out_bf16) s << bf16 << " ";
-  s << "] split_k " << c.split_k;
+  s << "] split_k " << c.split_k << " l2_prefetch " << c.l2_prefetch;
   return s.str();
 }
 
@@ -156,6 +157,7 @@ void run_case_with(const Case& c, SkinnyGemmKernel kernel) {
   p.num_outputs = static_cast<int>(c.outs.size());
   p.kernel = kernel;
   p.split_k = c.split_k;
+  p.l2_prefetch_bytes = c.l2_prefetch;
 
   std::vector<DeviceBuffer<float>> y32;
   std::vector<DeviceBuffer<__nv_bfloat16>> y16;
@@ -430,6 +432,33 @@ TEST(SkinnyGemmV2, SplitK) {
         c.seed = static_cast<uint32_t>(1000 + split * 40 + rows * 2 + accumulate);
         run_case(c);
       }
+    }
+  }
+}
+
+// The L2 prefetch before the wait is a hint: with none, a part of a row group per team (1 MiB over every team), every
+// group (1 GiB) the outputs are the same. Ragged outputs (the last group of each output is short: the prefetch must
+// stop at the output's last row), bf16 and fp32 weights, split-K.
+TEST(SkinnyGemmV2, L2PrefetchIsOnlyAHint) {
+  for (const int64_t prefetch : {int64_t{0}, int64_t{1} << 20, int64_t{1} << 30}) {
+    for (const int64_t rows : {1, 3, 16}) {
+      Case c;
+      c.rows = rows;
+      c.in = 2304;
+      c.outs = {2304 / 4 + 1, 7};
+      c.l2_prefetch = prefetch;
+      c.seed = static_cast<uint32_t>(1100 + rows);
+      run_case(c);
+      c.in = 4096;
+      c.accumulate = true;
+      c.split_k = 4;
+      run_case(c);
+      c.in = 256;
+      c.outs = {255};
+      c.accumulate = false;
+      c.split_k = 0;
+      c.fp32 = true;
+      run_case(c);
     }
   }
 }
