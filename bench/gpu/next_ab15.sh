@@ -9,7 +9,8 @@
 #   * DELTASERVE_MOE_GATE_UP_TRIGGER=issued: the MoE layer's launch 2 lets launch 3 start once each CTA's producer
 #     has issued its last item (the router trigger, the same question one launch earlier, gained 1.1 % at B = 4).
 # Steps: build; SkinnyGemm* cases (L2PrefetchIsOnlyAHint among them); the 48B step at B = 1 / 2 / 4 / 8, context 4k,
-# under each setting; with the switches on: engine_cuda_test, and the MoE cases with `issued`.
+# under each setting; with the switches on: engine_cuda_test, and the MoE cases with `issued`; the B = 1 step's
+# kernel timeline with and without the o_proj prefetch (what o_proj adds).
 #   bench/gpu/next_ab15.sh OUTDIR
 set -u
 out=${1:?usage: next_ab15.sh OUTDIR}
@@ -33,4 +34,12 @@ echo "engine_cuda_test, prefetch 24 MiB + issued: rc=$? $(grep -E '^\[  (PASSED|
 DELTASERVE_MOE_GATE_UP_TRIGGER=issued timeout 150 $tests --gtest_filter='MoeSmallBatch*:MoeDecodeLayer*:-*Timing' \
   >"$out/moe_tests_issued.log" 2>&1
 echo "issued MoeSmallBatch*/MoeDecodeLayer*: rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$out/moe_tests_issued.log" | tr '\n' ' ')"
+for setting in "-" "$p=24 DELTASERVE_SKINNY_L2_PREFETCH_SCOPE=accumulate"; do
+  assignments=()
+  [[ "$setting" == "-" ]] || read -r -a assignments <<<"$setting"
+  name=$([[ "$setting" == "-" ]] && echo default || echo prefetch)
+  env "${assignments[@]}" bash bench/gpu/decode_trace.sh "$out/trace_$name" 1 4096 >/dev/null 2>&1
+  echo "B = 1 step trace, $setting: $(grep -E '^span' "$out/trace_$name/trace.txt" | head -1)"
+  grep -A14 "^span" "$out/trace_$name/trace.txt" | grep -E "skinny|kda_decode|router" | cut -c1-140
+done
 echo "total $(($(date +%s) - start)) s"
