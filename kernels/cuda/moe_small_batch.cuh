@@ -115,10 +115,10 @@ struct LayerArgs {
 // expert's gate/up, and beside those streams the routing CTA's first L2 reads and its phases take about twice as
 // long (seventh session); the later triggers trade some of that early stream for a faster routing.
 enum RouterTrigger : int {
-  kTriggerAfterWait = 0,    // every CTA right after its grid-dependency wait
-  kTriggerAfterLoads = 1,   // the routing CTA once it has loaded the router's partial sums (the others at exit)
-  kTriggerAfterRouting = 2, // the routing CTA once the ids and weights are written, before the plan
-  kTriggerAtExit = 3,       // no explicit trigger: when every CTA has exited
+  kTriggerAfterWait = 0,     // every CTA right after its grid-dependency wait
+  kTriggerAfterLoads = 1,    // the routing CTA once it has loaded the router's partial sums (the others at exit)
+  kTriggerAfterRouting = 2,  // the routing CTA once the ids and weights are written, before the plan
+  kTriggerAtExit = 3,        // no explicit trigger: when every CTA has exited
 };
 
 // ---- launch 1: router partial sums and the plan (both generations) ----------------------------------------------
