@@ -16,10 +16,8 @@ set -u
 out=${1:?usage: next_ab15.sh OUTDIR}
 mkdir -p "$out"
 start=$(date +%s)
-cmake -S . -B build/gpu -G Ninja -DDELTASERVE_ENGINE_ONLY=ON -DDELTASERVE_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
-  -DDELTASERVE_BENCH=OFF >"$out/build.log" 2>&1 &&
-  cmake --build build/gpu -j16 --target engine_gpu_bench kernels_cuda_test engine_cuda_test >>"$out/build.log" 2>&1
-echo "build rc=$? at $(($(date +%s) - start)) s"
+nvidia-smi --query-gpu=name,driver_version --format=csv >"$out/gpu.txt" 2>&1
+bash bench/gpu/build_gpu.sh "$out/build.log" engine_gpu_bench kernels_cuda_test engine_cuda_test
 tests=build/gpu/kernels/cuda/kernels_cuda_test
 timeout 120 $tests --gtest_filter='SkinnyGemm*:-*Timing:*Bandwidth*' >"$out/skinny_tests.log" 2>&1
 echo "SkinnyGemm*: rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$out/skinny_tests.log" | tr '\n' ' ')"

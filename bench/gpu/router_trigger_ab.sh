@@ -16,10 +16,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv >"$out/gpu.txt" 2>&1
 step_only=${STEP_ONLY:-0}
 targets=(engine_gpu_bench)
 [[ "$step_only" == 1 ]] || targets+=(kernels_cuda_test engine_cuda_test)
-cmake -S . -B build/gpu -G Ninja -DDELTASERVE_ENGINE_ONLY=ON -DDELTASERVE_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
-  -DDELTASERVE_BENCH=OFF >"$out/build.log" 2>&1 &&
-  cmake --build build/gpu -j16 --target "${targets[@]}" >>"$out/build.log" 2>&1
-echo "build rc=$? at $(($(date +%s) - start)) s"
+bash bench/gpu/build_gpu.sh "$out/build.log" "${targets[@]}"
 if [[ "$step_only" == 1 ]]; then
   BATCHES=${BATCHES:-1,2,4} bash bench/gpu/decode_env_ab.sh "$out/step" "-" "DELTASERVE_MOE_ROUTER_TRIGGER=loads" \
     "DELTASERVE_MOE_ROUTER_TRIGGER=routing" "-" "DELTASERVE_MOE_ROUTER_TRIGGER=loads"
