@@ -438,8 +438,8 @@ TEST(SkinnyGemmV2, SplitK) {
 
 // The L2 prefetch before the wait is a hint: with none, with part of a row group a team (1 MiB over every team) and
 // with every group (1 GiB), each output matches the CPU reference within the usual bounds. Ragged outputs (the
-// last group of each output is short: the prefetch must stop at the output's last row, or it reads past the
-// weights), bf16 and fp32 weights, split-K.
+// last group of each output is short, where the prefetch stops at the output's last row; a prefetch past the
+// weights would show only if the device faulted on it), bf16 and fp32 weights, split-K.
 TEST(SkinnyGemmV2, L2PrefetchIsOnlyAHint) {
   for (const int64_t prefetch : {int64_t{0}, int64_t{1} << 20, int64_t{1} << 30}) {
     for (const int64_t rows : {1, 3, 16}) {
