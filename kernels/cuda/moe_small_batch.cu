@@ -83,6 +83,7 @@ using moe_small_batch_detail::kThreads;
 using moe_small_batch_detail::kTriggerAfterLoads;
 using moe_small_batch_detail::kTriggerAfterRouting;
 using moe_small_batch_detail::kTriggerAfterWait;
+using moe_small_batch_detail::kTriggerAtExit;
 using moe_small_batch_detail::kWarps;
 using moe_small_batch_detail::LayerArgs;
 using moe_small_batch_detail::load_router_group;
@@ -460,11 +461,11 @@ int environment_down_min_stages() {
 int environment_router_trigger() {
   static const int trigger = [] {
     const char* value = std::getenv("DELTASERVE_MOE_ROUTER_TRIGGER");
-    const std::string name = value != nullptr ? value : "";
-    if (name == "wait") return static_cast<int>(kTriggerAfterWait);
-    if (name == "loads") return static_cast<int>(kTriggerAfterLoads);
-    if (name == "routing") return static_cast<int>(kTriggerAfterRouting);
-    if (name == "exit") return static_cast<int>(moe_small_batch_detail::kTriggerAtExit);
+    if (value == nullptr) return -1;
+    if (std::strcmp(value, "wait") == 0) return static_cast<int>(kTriggerAfterWait);
+    if (std::strcmp(value, "loads") == 0) return static_cast<int>(kTriggerAfterLoads);
+    if (std::strcmp(value, "routing") == 0) return static_cast<int>(kTriggerAfterRouting);
+    if (std::strcmp(value, "exit") == 0) return static_cast<int>(kTriggerAtExit);
     return -1;
   }();
   return trigger;
