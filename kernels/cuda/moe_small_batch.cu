@@ -481,14 +481,29 @@ int router_trigger_for(int tokens) {
   return tokens >= 2 ? kTriggerAfterRouting : kTriggerAfterWait;
 }
 
-// DELTASERVE_MOE_GATE_UP_TRIGGER=issued (read once): v2's launch 2 lets launch 3 start once each CTA's producer has
-// issued its last item instead of right after its wait (LayerArgs::gate_up_trigger_late; not measured yet).
-bool environment_gate_up_trigger_late() {
-  static const bool late = [] {
+// DELTASERVE_MOE_GATE_UP_TRIGGER=wait|issued (read once): whether v2's launch 2 lets launch 3 start right after its
+// wait for launch 1 (wait) or once each CTA's producer has issued its last item (issued). -1: unset or anything else.
+int environment_gate_up_trigger_late() {
+  static const int late = [] {
     const char* value = std::getenv("DELTASERVE_MOE_GATE_UP_TRIGGER");
-    return value != nullptr && std::strcmp(value, "issued") == 0;
+    if (value == nullptr) return -1;
+    if (std::strcmp(value, "wait") == 0) return 0;
+    if (std::strcmp(value, "issued") == 0) return 1;
+    return -1;
   }();
   return late;
+}
+
+// Launch 2's trigger by token count (LayerArgs::gate_up_trigger_late), as measured on the H200 (48B decode step at
+// 4k, one binary, 2026-12-02, bench/results/engine_gpu_ab.jsonl): late from four tokens (B = 4 5.339 against 5.445 /
+// 5.447 ms), early below (B = 1 2.565 late against 2.523 / 2.526; B = 2 3.517 against 3.509 / 3.518; B = 8 8.360
+// against 8.358 / 8.352). Launch 3's early CTAs read the tables and fill their rings with down rows before they wait
+// for launch 2's activations; started late, they stream less beside launch 2's routed experts. Why that pays at four
+// tokens and not at one or eight is not measured.
+int gate_up_trigger_late_for(int tokens) {
+  const int environment = environment_gate_up_trigger_late();
+  if (environment >= 0) return environment;
+  return tokens >= 4 ? 1 : 0;
 }
 
 // Tiles of v2's down launch and the bytes of the split's exchange area (plan-row outputs, then arrival counts).
@@ -664,7 +679,7 @@ LayerArgs make_args(const MoeSmallBatchParams& p, MoeSmallBatchKernel kernel) {
   a.lane_issue = environment_allows_lane_issue() ? 1 : 0;
   a.down_min_stages = environment_down_min_stages();
   a.router_trigger = router_trigger_for(a.T);
-  a.gate_up_trigger_late = environment_gate_up_trigger_late() ? 1 : 0;
+  a.gate_up_trigger_late = gate_up_trigger_late_for(a.T);
   a.down_ys = nullptr;
   a.down_arrivals = nullptr;
   if (split) {
