@@ -65,12 +65,6 @@ struct SkinnyGemmParams {
   float norm_eps = 0.0f;
   SkinnyGemmKernel kernel = SkinnyGemmKernel::kDefault;
   int split_k = 0;  // v2: warps per row group, 1, 2, 4 or 8; 0 chooses from the row groups and resident warps
-  // v2: bytes of its weights the launch asks L2 to prefetch before it waits for the previous grid (each team of
-  // warps its own row groups in the order it streams them, an equal share each), so that HBM streams them while
-  // the previous kernel is latency-bound; a hint only (the results do not change). -1: the environment's choice,
-  // DELTASERVE_SKINNY_L2_PREFETCH_MB (read once; unset or 0: none), with DELTASERVE_SKINNY_L2_PREFETCH_SCOPE=accumulate
-  // for the accumulating launches only. v1 ignores it.
-  int64_t l2_prefetch_bytes = -1;
 };
 
 // The kernel kDefault resolves to for `rows` activation rows of width `in`: the environment's choice when it names

@@ -258,7 +258,6 @@ struct SkinnyGemmArgsV2 {
   int64_t x_cols;                      // columns of each staged x row: max over outputs of x_offset + in
   int split;                           // warps per row group (1, 2, 4 or 8; divides kWarps)
   bool y_bf16[kSkinnyGemmMaxOutputs];  // per output (params.y_bf16 || output.y_bf16)
-  int64_t prefetch_team_bytes;         // L2 prefetch per team before the wait (a multiple of 16; 0: none)
 };
 
 // Programmatic dependent launch (sm_90): wait for the grid before this one on the stream (complete, writes
@@ -295,22 +294,6 @@ __device__ __forceinline__ void load_chunk(uint4 (&w)[U][R], const TIn* weight, 
     for (int r = 0; r < R; ++r) {
       w[u][r] = k < in ? load_streaming(weight + min(row0 + r, n_last) * in + k) : make_uint4(0, 0, 0, 0);
     }
-  }
-}
-
-// Asks L2 for up to args.prefetch_team_bytes of the team's row groups, from `group` in steps of `step`, in the order
-// the team streams them (each group's rows are contiguous: R rows of `in`, fewer at an output's end).
-template <class TIn, int R>
-__device__ void prefetch_team_groups(const SkinnyGemmArgsV2& args, int64_t group, int64_t step, int64_t total) {
-  const SkinnyGemmParams& p = args.p;
-  int64_t budget = args.prefetch_team_bytes;
-  for (; group < total && budget > 0; group += step) {
-    const int o = output_of(args, group);
-    const int64_t row0 = (group - args.group_begin[o]) * R;
-    const int64_t rows = min(int64_t{R}, p.outputs[o].n - row0);
-    const int64_t bytes = min(budget, rows * p.in * static_cast<int64_t>(sizeof(TIn)));
-    detail::bulk_prefetch_l2(static_cast<const TIn*>(p.outputs[o].weight) + row0 * p.in, static_cast<uint32_t>(bytes));
-    budget -= bytes;
   }
 }
 
@@ -383,9 +366,6 @@ __global__ void __launch_bounds__(kThreads) skinny_gemm_v2_kernel(const __grid_c
     o = output_of(args, group);
     row0 = (group - args.group_begin[o]) * R;
     load_chunk<TIn, R, U>(w, static_cast<const TIn*>(p.outputs[o].weight), row0, p.outputs[o].n - 1, k_first, in);
-  }
-  if (args.prefetch_team_bytes > 0 && part == 0 && lane == 0) {
-    prefetch_team_groups<TIn, R>(args, group, group_step, total_groups);
   }
   wait_for_previous_grid();
   allow_next_grid();
@@ -507,23 +487,6 @@ int split_from_env() {
   return split;
 }
 
-// DELTASERVE_SKINNY_L2_PREFETCH_MB (read once): the L2 prefetch of every v2 launch whose params leave it to the
-// environment (SkinnyGemmParams::l2_prefetch_bytes -1), in MiB; unset, 0 or not a number: none. With
-// DELTASERVE_SKINNY_L2_PREFETCH_SCOPE=accumulate only the launches that add into their output (in the decode step:
-// o_proj, which follows the latency-bound attention kernels, and the dense layer's down projection) prefetch.
-int64_t l2_prefetch_from_env(const SkinnyGemmParams& p) {
-  static const int64_t bytes = [] {
-    const char* value = std::getenv("DELTASERVE_SKINNY_L2_PREFETCH_MB");
-    const int64_t mib = value != nullptr ? std::atoll(value) : 0;
-    return mib > 0 ? mib << 20 : int64_t{0};
-  }();
-  static const bool accumulate_only = [] {
-    const char* value = std::getenv("DELTASERVE_SKINNY_L2_PREFETCH_SCOPE");
-    return value != nullptr && std::strcmp(value, "accumulate") == 0;
-  }();
-  return accumulate_only && !p.accumulate ? 0 : bytes;
-}
-
 template <class TIn, int M, int R, int U, bool kNorm>
 Status launch_v2(SkinnyGemmArgsV2& args, bool programmatic, cudaStream_t stream) {
   constexpr int kChunk = 32 * (16 / static_cast<int>(sizeof(TIn))) * U;
@@ -537,8 +500,6 @@ Status launch_v2(SkinnyGemmArgsV2& args, bool programmatic, cudaStream_t stream)
   args.split = forced != 0 ? forced : choose_split(groups, resident * kWarps, (args.p.in + kChunk - 1) / kChunk);
   const int64_t teams = kWarps / args.split;
   const int64_t grid = std::min<int64_t>((groups + teams - 1) / teams, resident);
-  const int64_t prefetch = args.p.l2_prefetch_bytes >= 0 ? args.p.l2_prefetch_bytes : l2_prefetch_from_env(args.p);
-  args.prefetch_team_bytes = prefetch / (grid * teams) / 16 * 16;
   return launch_kernel_ex(programmatic, kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads), shared_bytes, stream,
                           "skinny_gemm", args);
 }

@@ -42,7 +42,6 @@ struct Case {
   std::vector<int64_t> x_offsets;
   std::vector<bool> out_bf16;
   int split_k = 0;
-  int64_t l2_prefetch = 0;  // SkinnyGemmParams::l2_prefetch_bytes (v1 ignores it)
 };
 
 std::string describe(const Case& c) {
@@ -54,7 +53,7 @@ std::string describe(const Case& c) {
   for (int64_t offset : c.x_offsets) s << offset << " ";
   s << "] out_bf16 [";
   for (bool bf16 : c.out_bf16) s << bf16 << " ";
-  s << "] split_k " << c.split_k << " l2_prefetch " << c.l2_prefetch;
+  s << "] split_k " << c.split_k;
   return s.str();
 }
 
@@ -157,7 +156,6 @@ void run_case_with(const Case& c, SkinnyGemmKernel kernel) {
   p.num_outputs = static_cast<int>(c.outs.size());
   p.kernel = kernel;
   p.split_k = c.split_k;
-  p.l2_prefetch_bytes = c.l2_prefetch;
 
   std::vector<DeviceBuffer<float>> y32;
   std::vector<DeviceBuffer<__nv_bfloat16>> y16;
@@ -432,34 +430,6 @@ TEST(SkinnyGemmV2, SplitK) {
         c.seed = static_cast<uint32_t>(1000 + split * 40 + rows * 2 + accumulate);
         run_case(c);
       }
-    }
-  }
-}
-
-// The L2 prefetch before the wait is a hint: with none, with part of a row group a team (1 MiB over every team) and
-// with every group (1 GiB), each output matches the CPU reference within the usual bounds. Ragged outputs (the
-// last group of each output is short, where the prefetch stops at the output's last row; a prefetch past the
-// weights would show only if the device faulted on it), bf16 and fp32 weights, split-K.
-TEST(SkinnyGemmV2, L2PrefetchIsOnlyAHint) {
-  for (const int64_t prefetch : {int64_t{0}, int64_t{1} << 20, int64_t{1} << 30}) {
-    for (const int64_t rows : {1, 3, 16}) {
-      Case c;
-      c.rows = rows;
-      c.in = 2304;
-      c.outs = {2304 / 4 + 1, 7};
-      c.l2_prefetch = prefetch;
-      c.seed = static_cast<uint32_t>(1100 + rows);
-      run_case(c);
-      c.in = 4096;
-      c.accumulate = true;
-      c.split_k = 4;
-      run_case(c);
-      c.in = 256;
-      c.outs = {255};
-      c.accumulate = false;
-      c.split_k = 0;
-      c.fp32 = true;
-      run_case(c);
     }
   }
 }
