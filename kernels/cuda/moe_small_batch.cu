@@ -481,29 +481,18 @@ int router_trigger_for(int tokens) {
   return tokens >= 2 ? kTriggerAfterRouting : kTriggerAfterWait;
 }
 
-// DELTASERVE_MOE_GATE_UP_TRIGGER=wait|issued (read once): whether v2's launch 2 lets launch 3 start right after its
-// wait for launch 1 (wait) or once each CTA's producer has issued its last item (issued). -1: unset or anything else.
-int environment_gate_up_trigger_late() {
-  static const int late = [] {
+// DELTASERVE_MOE_GATE_UP_TRIGGER=issued (read once): v2's launch 2 lets launch 3 start once each CTA's producer has
+// issued its last item instead of right after its wait (LayerArgs::gate_up_trigger_late). Measured on the H200 (48B
+// decode step at 4k, 2026-12-02, bench/results/engine_gpu_ab.jsonl): neutral, B = 1 / 2 / 3 / 4 2.536 / 3.517 / 4.646
+// / 5.343 and 2.531 / 3.514 / 4.646 / 5.347 ms with issued at four tokens against 2.527 / 3.519 / 4.641 / 5.346 and
+// 2.533 / 3.509 / 4.652 / 5.346 right after the wait. (At c328d40, whose skinny GEMM still had the L2 prefetch code,
+// issued had taken B = 4 from 5.445 to 5.339 ms on another machine.)
+bool environment_gate_up_trigger_late() {
+  static const bool late = [] {
     const char* value = std::getenv("DELTASERVE_MOE_GATE_UP_TRIGGER");
-    if (value == nullptr) return -1;
-    if (std::strcmp(value, "wait") == 0) return 0;
-    if (std::strcmp(value, "issued") == 0) return 1;
-    return -1;
+    return value != nullptr && std::strcmp(value, "issued") == 0;
   }();
   return late;
-}
-
-// Launch 2's trigger by token count (LayerArgs::gate_up_trigger_late), as measured on the H200 (48B decode step at
-// 4k, one binary, 2026-12-02, bench/results/engine_gpu_ab.jsonl): late from four tokens (B = 4 5.339 against 5.445 /
-// 5.447 ms), early below (B = 1 2.565 late against 2.523 / 2.526; B = 2 3.517 against 3.509 / 3.518; B = 8 8.360
-// against 8.358 / 8.352). Launch 3's early CTAs read the tables and fill their rings with down rows before they wait
-// for launch 2's activations; started late, they stream less beside launch 2's routed experts. Why that pays at four
-// tokens and not at one or eight is not measured.
-int gate_up_trigger_late_for(int tokens) {
-  const int environment = environment_gate_up_trigger_late();
-  if (environment >= 0) return environment;
-  return tokens >= 4 ? 1 : 0;
 }
 
 // Tiles of v2's down launch and the bytes of the split's exchange area (plan-row outputs, then arrival counts).
@@ -679,7 +668,7 @@ LayerArgs make_args(const MoeSmallBatchParams& p, MoeSmallBatchKernel kernel) {
   a.lane_issue = environment_allows_lane_issue() ? 1 : 0;
   a.down_min_stages = environment_down_min_stages();
   a.router_trigger = router_trigger_for(a.T);
-  a.gate_up_trigger_late = gate_up_trigger_late_for(a.T);
+  a.gate_up_trigger_late = environment_gate_up_trigger_late() ? 1 : 0;
   a.down_ys = nullptr;
   a.down_arrivals = nullptr;
   if (split) {
