@@ -483,7 +483,7 @@ int router_trigger_for(int tokens) {
 
 // DELTASERVE_MOE_GATE_UP_TRIGGER=issued (read once): v2's launch 2 lets launch 3 start once each CTA's producer has
 // issued its last item instead of right after its wait (LayerArgs::gate_up_trigger_late). Measured on the H200 (48B
-// decode step at 4k, 2026-12-02, bench/results/engine_gpu_ab.jsonl): neutral, B = 1 / 2 / 3 / 4 2.536 / 3.517 / 4.646
+// decode step at 4k, 2026-12-02, bench/results/engine_gpu_ab.jsonl): no faster, B = 1 / 2 / 3 / 4 2.536 / 3.517 / 4.646
 // / 5.343 and 2.531 / 3.514 / 4.646 / 5.347 ms with issued at four tokens against 2.527 / 3.519 / 4.641 / 5.346 and
 // 2.533 / 3.509 / 4.652 / 5.346 right after the wait; on a third machine issued at every token count was slower at
 // B = 1 (2.569-2.577 against 2.524-2.536) and equal at 2 and 4. (On a first machine issued had taken B = 4 from 5.445

@@ -107,7 +107,7 @@ struct LayerArgs {
   // v2's launch 1: when it lets launch 2 become resident (RouterTrigger; by token count unless the environment says).
   int router_trigger;
   // v2's launch 2: 0 when its producers let launch 3 become resident right after their wait for launch 1, 1 once a
-  // CTA's producer has issued its last item (DELTASERVE_MOE_GATE_UP_TRIGGER=issued; measured neutral).
+  // CTA's producer has issued its last item (DELTASERVE_MOE_GATE_UP_TRIGGER=issued; measured no faster).
   int gate_up_trigger_late;
 };
 
