@@ -21,7 +21,7 @@ constexpr int kKdaHeadDim = 128;  // d_k = d_v; the only head size these kernels
 constexpr int kKdaChunk = 64;     // tokens per chunk of the prefill kernel (WY/UT form)
 
 // ---- chunked prefill --------------------------------------------------------------------------------------
-enum class KdaStatePass { kAuto, kPerSlice, kPerHead };
+enum class KdaStatePass { kAuto, kPerSlice, kPerHead, kPerHeadOverlapped };
 
 struct KdaPrefillParams {
   int num_heads = 0;                // H >= 1
@@ -63,8 +63,12 @@ struct KdaPrefillParams {
   //   kPerSlice: a CTA per (64 value columns, head, sequence), two warpgroups splitting the keys;
   //   kPerHead:  a CTA per (head, sequence), a warpgroup per 64 value columns holding S^T in registers, one stage
   //              of factors for both (half the CTAs: one wave for H up to the SM count);
+  //   kPerHeadOverlapped: kPerHead launched first and the prep beside it (programmatic dependent launch), chunk by
+  //              chunk: each state CTA reads a chunk's factors once the prep flags them, so the chain runs while
+  //              the prep computes later chunks (one SM a CTA). Taken only when the (head, sequence) CTAs fill at
+  //              most half the SMs (every one of them then resident; the prep never waits for them); else as kAuto;
   //   kAuto:     kPerHead when 2 H CTAs would not fit on the GPU at once, else kPerSlice. The environment variable
-  //              DELTASERVE_KDA_STATE_PASS=slice|head overrides kAuto (for A/B measurements).
+  //              DELTASERVE_KDA_STATE_PASS=slice|head|overlap overrides kAuto (for A/B measurements).
   KdaStatePass state_pass = KdaStatePass::kAuto;
 };
 

@@ -106,6 +106,12 @@ struct PrepArgs {
   int num_heads;
   const ChunkEntry* chunks;
   uint8_t* data;
+  // The overlapped pass (KdaStatePass::kPerHeadOverlapped): a 1-D grid of (chunk, head) items in chunk-major order,
+  // flags[item] set (release) once the item's block is written, `done` counting the finished items; the last to
+  // finish waits for the state pass (its primary grid), so this grid completes after it. nullptr: the 2-D grid.
+  unsigned int* flags;
+  unsigned int* done;
+  unsigned int total_items;
 };
 
 struct StateArgs {
@@ -117,6 +123,7 @@ struct StateArgs {
   int checkpoint_interval;
   float* checkpoint_states;
   bf16* o;
+  const unsigned int* flags;  // the overlapped pass: a chunk's block is read once its flag is set; nullptr: at once
 };
 
 constexpr int kPrepThreads = 256;  // thread (pair, tile): key channels 2 pair, 2 pair + 1, tokens of one 16-tile
@@ -182,12 +189,13 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
   bf16* bk = kinv;
 
   const int H = p.num_heads;
-  const int h = blockIdx.y;
-  const ChunkEntry chunk = p.chunks[blockIdx.x];
+  const unsigned int item = p.flags != nullptr ? blockIdx.x : blockIdx.x * H + blockIdx.y;  // chunk index * H + h
+  const int h = static_cast<int>(item % H), chunk_index = static_cast<int>(item / H);
+  const ChunkEntry chunk = p.chunks[chunk_index];
   const int n = chunk.tokens;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int group = lane >> 2, quad = lane & 3;
-  uint8_t* out = p.data + (static_cast<size_t>(blockIdx.x) * H + h) * kChunkBytes;
+  uint8_t* out = p.data + static_cast<size_t>(item) * kChunkBytes;
   bf16* w_out = reinterpret_cast<bf16*>(out + kOffW);
   bf16* u_out = reinterpret_cast<bf16*>(out + kOffU);
   bf16* qg_out = reinterpret_cast<bf16*>(out + kOffQg);
@@ -533,6 +541,18 @@ __global__ void __launch_bounds__(kPrepThreads, 2) kda_chunk_prep_kernel(PrepArg
       *reinterpret_cast<uint4*>(u_dst + 16 * k * kLdU) = u_rows[k];
     }
   }
+  if (p.flags != nullptr) {
+    __threadfence();  // every thread's stores of the block, before the flag
+    __syncthreads();
+    if (tid == 0) {
+      asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(p.flags + item), "r"(1u) : "memory");
+      if (atomicAdd(p.done, 1u) + 1 == p.total_items) {
+        // The last item: the state pass needs nothing more, so this CTA can hold on until it completes (its grid is
+        // this one's primary). The next kernel in the stream then sees both grids done.
+        asm volatile("griddepcontrol.wait;\n" ::: "memory");
+      }
+    }
+  }
 }
 
 // D[64 x 64] (+)= A[64 x 16] · B[16 x 64], bf16 operands in shared memory (128-byte swizzled), fp32 accumulators.
@@ -855,7 +875,17 @@ __global__ void __launch_bounds__(kStateHeadThreads, 1) kda_chunk_state_head_ker
   auto stage_base = [&](int stage) { return smem + stage * kStateHeadStageStride; };
   auto load_stage = [&](int chunk_index) {  // thread 0
     const int stage = chunk_index % kStateHeadStages;
-    const uint8_t* src = p.data + (static_cast<size_t>(seq.first_chunk + chunk_index) * H + h) * kChunkBytes;
+    const size_t item = static_cast<size_t>(seq.first_chunk + chunk_index) * H + h;
+    const uint8_t* src = p.data + item * kChunkBytes;
+    if (p.flags != nullptr) {
+      unsigned int ready = 0;
+      for (;;) {
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(ready) : "l"(p.flags + item) : "memory");
+        if (ready != 0) break;
+        __nanosleep(64);
+      }
+      fence_proxy_async_global();  // the block was written with ordinary stores; the bulk copy reads it
+    }
     const uint32_t bar = smem_address(&full[stage]);
     const uint32_t dst = smem_address(stage_base(stage));
     sm90::mbarrier_arrive_expect_tx(bar, static_cast<uint32_t>(kChunkBytes));
@@ -903,6 +933,7 @@ __global__ void __launch_bounds__(kStateHeadThreads, 1) kda_chunk_state_head_ker
   };
   pack_state();
 
+  if (p.flags != nullptr) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the prep beside it
   if (tid == 0) {
     for (int stage = 0; stage < kStateHeadStages; ++stage) sm90::mbarrier_init(smem_address(&full[stage]), 1);
     sm90::mbarrier_init_fence();
@@ -1034,24 +1065,32 @@ int64_t chunk_count(const std::vector<int32_t>& cu) {
   return chunks;
 }
 
-// The state pass for `requested` (KdaPrefillParams::state_pass): kAuto takes DELTASERVE_KDA_STATE_PASS=slice|head
-// when set, else a CTA per head when the 2 H CTAs a sequence of the pass per slice would not all be resident at
-// once (one CTA an SM): measured on the H200 at H = 96 the pass per head takes 537 against 666 us (T = 16k), at
-// H = 32 463 against 306 (its 32 CTAs leave most SMs idle).
-KdaStatePass choose_state_pass(KdaStatePass requested, int num_heads) {
-  if (requested != KdaStatePass::kAuto) return requested;
+// The state pass for `requested` (KdaPrefillParams::state_pass): kAuto takes DELTASERVE_KDA_STATE_PASS=
+// slice|head|overlap when set; the overlapped pass falls back to kAuto's choice where its CTAs would not all be
+// resident beside the prep. Otherwise a CTA per head when the 2 H CTAs a sequence of the pass per slice would not all
+// be resident at once (one CTA an SM): measured on the H200 at H = 96 the pass per head takes 537 against 666 us (T =
+// 16k), at H = 32 463 against 306 (its 32 CTAs leave most SMs idle).
+KdaStatePass choose_state_pass(KdaStatePass requested, int num_heads, int64_t sequences, int64_t items) {
   static const KdaStatePass environment = [] {
     const char* value = std::getenv("DELTASERVE_KDA_STATE_PASS");
     if (value != nullptr && std::strcmp(value, "slice") == 0) return KdaStatePass::kPerSlice;
     if (value != nullptr && std::strcmp(value, "head") == 0) return KdaStatePass::kPerHead;
+    if (value != nullptr && std::strcmp(value, "overlap") == 0) return KdaStatePass::kPerHeadOverlapped;
     return KdaStatePass::kAuto;
   }();
-  if (environment != KdaStatePass::kAuto) return environment;
+  if (requested == KdaStatePass::kAuto) requested = environment;
+  if (requested == KdaStatePass::kPerSlice || requested == KdaStatePass::kPerHead) return requested;
   int device = 0, sms = 0;  // of the current device: a process may drive GPUs of different kinds
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
     (void)cudaGetLastError();
     return KdaStatePass::kPerSlice;
+  }
+  // The overlapped pass's state CTAs spin on the prep's flags, so every one of them must be resident beside the
+  // prep: at most half the SMs (one CTA an SM), the rest for the prep; its prep grid is 1-D.
+  if (requested == KdaStatePass::kPerHeadOverlapped && static_cast<int64_t>(num_heads) * sequences * 2 <= sms &&
+      items <= 0x7fffffff) {
+    return requested;
   }
   return 2 * num_heads > sms ? KdaStatePass::kPerHead : KdaStatePass::kPerSlice;
 }
@@ -1071,8 +1110,9 @@ size_t kda_prefill_workspace_bytes(const std::vector<int32_t>& cu_seqlens, int n
   if (!check_cu_seqlens(cu_seqlens).is_ok() || num_heads <= 0) return 0;
   const int64_t chunks = chunk_count(cu_seqlens);
   const size_t sequences = cu_seqlens.size() - 1;
+  const size_t items = static_cast<size_t>(chunks) * static_cast<size_t>(num_heads);
   return align256(static_cast<size_t>(chunks) * sizeof(ChunkEntry)) + align256(sequences * sizeof(SequenceEntry)) +
-         static_cast<size_t>(chunks) * static_cast<size_t>(num_heads) * kChunkBytes;
+         items * kChunkBytes + align256((items + 1) * sizeof(unsigned int));  // + the overlapped pass's flags
 }
 
 int64_t kda_prefill_checkpoint_count(const std::vector<int32_t>& cu_seqlens, int checkpoint_interval) {
@@ -1173,6 +1213,49 @@ Status kda_chunk_prefill(const KdaPrefillParams& p, cudaStream_t stream) {
   }();
   DS_RETURN_IF_ERROR(cuda_status(attributes, "kda_chunk_prefill: shared memory attributes"));
 
+  const size_t items = static_cast<size_t>(chunks) * static_cast<size_t>(p.num_heads);
+  const KdaStatePass pass = choose_state_pass(p.state_pass, p.num_heads, sequences, static_cast<int64_t>(items));
+  auto* flags = reinterpret_cast<unsigned int*>(data + items * kChunkBytes);  // [items] then the done counter
+  StateArgs state{p.num_heads,           sequence_device,     data, p.initial_state, p.final_state,
+                  p.checkpoint_interval, p.checkpoint_states, p.o,  nullptr};
+  const dim3 state_grid(kD / kStateBv, static_cast<unsigned>(p.num_heads), static_cast<unsigned>(sequences));
+  if (pass == KdaStatePass::kPerHeadOverlapped && chunks > 0) {
+    // State pass first (its CTAs let the prep start at once), then the prep as its programmatic dependent.
+    DS_RETURN_IF_ERROR(
+        cuda_status(cudaMemsetAsync(flags, 0, (items + 1) * sizeof(unsigned int), stream), "kda_chunk_prefill: flags"));
+    state.flags = flags;
+    kda_chunk_state_head_kernel<<<dim3(1, state_grid.y, state_grid.z), kStateHeadThreads, kStateHeadSmem, stream>>>(
+        state);
+    DS_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "kda_chunk_prefill: state launch"));
+    PrepArgs prep{p.q,
+                  p.k,
+                  p.v,
+                  p.g,
+                  p.beta,
+                  p.q_scale,
+                  !p.gate_raw ? kGatePrecomputed : (p.lower_bound ? kGateBounded : kGateSoftplus),
+                  p.a_log,
+                  p.dt_bias,
+                  p.lower_bound.value_or(0.0f),
+                  p.num_heads,
+                  chunk_device,
+                  data,
+                  flags,
+                  flags + items,
+                  static_cast<unsigned int>(items)};
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(static_cast<unsigned>(items));
+    config.blockDim = dim3(kPrepThreads);
+    config.dynamicSmemBytes = kPrepSmem;
+    config.stream = stream;
+    cudaLaunchAttribute attribute{};
+    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute.val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    return cuda_status(cudaLaunchKernelEx(&config, kda_chunk_prep_kernel, prep), "kda_chunk_prefill: prep launch");
+  }
+
   if (chunks > 0) {
     PrepArgs prep{p.q,
                   p.k,
@@ -1186,15 +1269,15 @@ Status kda_chunk_prefill(const KdaPrefillParams& p, cudaStream_t stream) {
                   p.lower_bound.value_or(0.0f),
                   p.num_heads,
                   chunk_device,
-                  data};
+                  data,
+                  nullptr,
+                  nullptr,
+                  0};
     kda_chunk_prep_kernel<<<dim3(static_cast<unsigned>(chunks), static_cast<unsigned>(p.num_heads)), kPrepThreads,
                             kPrepSmem, stream>>>(prep);
     DS_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "kda_chunk_prefill: prep launch"));
   }
-  StateArgs state{p.num_heads,           sequence_device,     data, p.initial_state, p.final_state,
-                  p.checkpoint_interval, p.checkpoint_states, p.o};
-  const dim3 state_grid(kD / kStateBv, static_cast<unsigned>(p.num_heads), static_cast<unsigned>(sequences));
-  if (choose_state_pass(p.state_pass, p.num_heads) == KdaStatePass::kPerHead) {
+  if (pass != KdaStatePass::kPerSlice) {
     kda_chunk_state_head_kernel<<<dim3(1, state_grid.y, state_grid.z), kStateHeadThreads, kStateHeadSmem, stream>>>(
         state);
   } else {

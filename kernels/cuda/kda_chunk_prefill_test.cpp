@@ -9,6 +9,7 @@
 #include "kernels/cpu/kda.hpp"
 #include "kernels/cuda/kda.hpp"
 #include "kernels/cuda/kda_test_util.hpp"
+#include "kernels/cuda/ops_test_util.hpp"
 
 namespace deltaserve::kernels::cuda::test {
 namespace {
@@ -130,9 +131,13 @@ void run_prefill_case(const PrefillCase& c) {
   ASSERT_GT(workspace_bytes, 0u);
   DeviceBuffer<uint8_t> workspace(workspace_bytes);
 
-  // Both state passes (a CTA a value slice, a CTA a head) against the same reference, each on fresh outputs.
-  for (const KdaStatePass pass : {KdaStatePass::kPerSlice, KdaStatePass::kPerHead}) {
-    const char* pass_name = pass == KdaStatePass::kPerSlice ? "slice" : "head";
+  // Every state pass (a CTA a value slice, a CTA a head, a CTA a head beside the prep) against the same reference,
+  // each on fresh outputs, on a stream of its own (the overlapped pass launches the prep as a programmatic
+  // dependent of the state pass; where its CTAs would not all fit beside the prep it runs the kAuto choice).
+  const Stream stream;
+  for (const KdaStatePass pass : {KdaStatePass::kPerSlice, KdaStatePass::kPerHead, KdaStatePass::kPerHeadOverlapped}) {
+    const char* pass_name =
+        pass == KdaStatePass::kPerSlice ? "slice" : (pass == KdaStatePass::kPerHead ? "head" : "head, overlapped");
     SCOPED_TRACE(std::string("state pass per ") + pass_name);
     o_d.upload(std::vector<__nv_bfloat16>(padded, bf16_nan()));
     initial_d.upload(initial);
@@ -162,7 +167,7 @@ void run_prefill_case(const PrefillCase& c) {
     p.o = o_d.get();
     p.workspace = workspace.get();
     p.workspace_bytes = workspace_bytes;
-    const Status status = kda_chunk_prefill(p, nullptr);
+    const Status status = kda_chunk_prefill(p, stream.get());
     ASSERT_TRUE(status.is_ok()) << status.to_string();
     DS_CUDA_OK(cudaDeviceSynchronize());
 
