@@ -66,7 +66,11 @@ struct KdaPrefillParams {
   //   kPerHeadOverlapped: kPerHead launched first and the prep beside it (programmatic dependent launch), chunk by
   //              chunk: each state CTA reads a chunk's factors once the prep flags them, so the chain runs while
   //              the prep computes later chunks (one SM a CTA). Taken only when the (head, sequence) CTAs fill at
-  //              most half the SMs (every one of them then resident; the prep never waits for them); else as kAuto;
+  //              most half the SMs (every one of them then resident; the prep never waits for them); else as kAuto.
+  //              Never chosen by kAuto yet: it relies on programmatic dependent launch starting the prep while the
+  //              state pass runs, and under anything that serialises kernels (a debugging tool) the state pass
+  //              would wait for the prep forever. Measured on the H200 at H = 32 (2026-12-02): T = 4k / 16k / 64k
+  //              0.188 / 0.621 / 2.368 ms against 0.216 / 0.767 / 2.953 with the default pass;
   //   kAuto:     kPerHead when 2 H CTAs would not fit on the GPU at once, else kPerSlice. The environment variable
   //              DELTASERVE_KDA_STATE_PASS=slice|head|overlap overrides kAuto (for A/B measurements).
   KdaStatePass state_pass = KdaStatePass::kAuto;
