@@ -1219,6 +1219,22 @@ Status kda_chunk_prefill(const KdaPrefillParams& p, cudaStream_t stream) {
   StateArgs state{p.num_heads,           sequence_device,     data, p.initial_state, p.final_state,
                   p.checkpoint_interval, p.checkpoint_states, p.o,  nullptr};
   const dim3 state_grid(kD / kStateBv, static_cast<unsigned>(p.num_heads), static_cast<unsigned>(sequences));
+  PrepArgs prep{p.q,
+                p.k,
+                p.v,
+                p.g,
+                p.beta,
+                p.q_scale,
+                !p.gate_raw ? kGatePrecomputed : (p.lower_bound ? kGateBounded : kGateSoftplus),
+                p.a_log,
+                p.dt_bias,
+                p.lower_bound.value_or(0.0f),
+                p.num_heads,
+                chunk_device,
+                data,
+                nullptr,
+                nullptr,
+                0};
   if (pass == KdaStatePass::kPerHeadOverlapped && chunks > 0) {
     // State pass first (its CTAs let the prep start at once), then the prep as its programmatic dependent.
     DS_RETURN_IF_ERROR(
@@ -1227,22 +1243,9 @@ Status kda_chunk_prefill(const KdaPrefillParams& p, cudaStream_t stream) {
     kda_chunk_state_head_kernel<<<dim3(1, state_grid.y, state_grid.z), kStateHeadThreads, kStateHeadSmem, stream>>>(
         state);
     DS_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "kda_chunk_prefill: state launch"));
-    PrepArgs prep{p.q,
-                  p.k,
-                  p.v,
-                  p.g,
-                  p.beta,
-                  p.q_scale,
-                  !p.gate_raw ? kGatePrecomputed : (p.lower_bound ? kGateBounded : kGateSoftplus),
-                  p.a_log,
-                  p.dt_bias,
-                  p.lower_bound.value_or(0.0f),
-                  p.num_heads,
-                  chunk_device,
-                  data,
-                  flags,
-                  flags + items,
-                  static_cast<unsigned int>(items)};
+    prep.flags = flags;
+    prep.done = flags + items;
+    prep.total_items = static_cast<unsigned int>(items);
     cudaLaunchConfig_t config{};
     config.gridDim = dim3(static_cast<unsigned>(items));
     config.blockDim = dim3(kPrepThreads);
@@ -1255,24 +1258,7 @@ Status kda_chunk_prefill(const KdaPrefillParams& p, cudaStream_t stream) {
     config.numAttrs = 1;
     return cuda_status(cudaLaunchKernelEx(&config, kda_chunk_prep_kernel, prep), "kda_chunk_prefill: prep launch");
   }
-
   if (chunks > 0) {
-    PrepArgs prep{p.q,
-                  p.k,
-                  p.v,
-                  p.g,
-                  p.beta,
-                  p.q_scale,
-                  !p.gate_raw ? kGatePrecomputed : (p.lower_bound ? kGateBounded : kGateSoftplus),
-                  p.a_log,
-                  p.dt_bias,
-                  p.lower_bound.value_or(0.0f),
-                  p.num_heads,
-                  chunk_device,
-                  data,
-                  nullptr,
-                  nullptr,
-                  0};
     kda_chunk_prep_kernel<<<dim3(static_cast<unsigned>(chunks), static_cast<unsigned>(p.num_heads)), kPrepThreads,
                             kPrepSmem, stream>>>(prep);
     DS_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "kda_chunk_prefill: prep launch"));
