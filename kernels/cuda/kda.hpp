@@ -67,13 +67,17 @@ struct KdaPrefillParams {
   //              chunk: each state CTA reads a chunk's factors once the prep flags them, so the chain runs while
   //              the prep computes later chunks (one SM a CTA). Taken only when the (head, sequence) CTAs fill at
   //              most half the SMs (every one of them then resident; the prep never waits for them); else as kAuto.
-  //              Never chosen by kAuto yet: it relies on programmatic dependent launch starting the prep while the
-  //              state pass runs, and under anything that serialises kernels (a debugging tool) the state pass
-  //              would wait for the prep forever. Measured on the H200 at H = 32 (2026-12-02): T = 4k / 16k / 64k
-  //              0.188 / 0.621 / 2.368 ms against 0.216 / 0.767 / 2.953 with the default pass;
+  //              A CTA whose first chunk is not flagged within overlap_wait_us (kernels serialised, so the prep
+  //              is not running beside it) leaves its work to a second launch of the pass after the prep. Never
+  //              chosen by kAuto yet. Measured on the H200 at H = 32 (2026-12-02, before that fallback): T = 4k /
+  //              16k / 64k 0.188 / 0.621 / 2.368 ms against 0.216 / 0.767 / 2.953 with the default pass;
   //   kAuto:     kPerHead when 2 H CTAs would not fit on the GPU at once, else kPerSlice. The environment variable
   //              DELTASERVE_KDA_STATE_PASS=slice|head|overlap overrides kAuto (for A/B measurements).
   KdaStatePass state_pass = KdaStatePass::kAuto;
+  // kPerHeadOverlapped: how long a state CTA waits for the prep's first chunk before it leaves its (head, sequence)
+  // to a second launch of the pass after the prep (so serialised kernels cost time, never a hang). >= 0; 0: always
+  // (the tests' way to run that path).
+  int overlap_wait_us = 2000;
 };
 
 // Device scratch the prefill needs (chunk tables and the per-chunk WY/UT factors, about 74 KiB per chunk

@@ -124,6 +124,12 @@ struct StateArgs {
   float* checkpoint_states;
   bf16* o;
   const unsigned int* flags;  // the overlapped pass: a chunk's block is read once its flag is set; nullptr: at once
+  // The overlapped pass: a CTA whose first chunk is not flagged within wait_ns (the prep is not running beside it:
+  // kernels serialised) sets fallback[sequence * H + h] and leaves; the same kernel launched after the prep with
+  // rerun set runs exactly those CTAs, without flags.
+  unsigned int* fallback;
+  unsigned long long wait_ns;
+  int rerun;
 };
 
 constexpr int kPrepThreads = 256;  // thread (pair, tile): key channels 2 pair, 2 pair + 1, tokens of one 16-tile
@@ -873,15 +879,21 @@ __global__ void __launch_bounds__(kStateHeadThreads, 1) kda_chunk_state_head_ker
   bf16* o_tiles = reinterpret_cast<bf16*>(smem + kStateHeadStages * kStateHeadStageStride) + wg * 2 * (kC * kLdO);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStateHeadStages * kStateHeadStageStride + 4 * kOTileBytes);
   auto stage_base = [&](int stage) { return smem + stage * kStateHeadStageStride; };
-  auto load_stage = [&](int chunk_index) {  // thread 0
+  const size_t cta = static_cast<size_t>(sequence) * H + h;
+  if (p.rerun != 0 && p.fallback[cta] == 0) return;  // the overlapped launch did this (head, sequence)
+  const unsigned int* flags = p.rerun != 0 ? nullptr : p.flags;
+  // Thread 0. False only when the first chunk's flag did not come within wait_ns (nothing issued).
+  auto load_stage = [&](int chunk_index) {
     const int stage = chunk_index % kStateHeadStages;
     const size_t item = static_cast<size_t>(seq.first_chunk + chunk_index) * H + h;
     const uint8_t* src = p.data + item * kChunkBytes;
-    if (p.flags != nullptr) {
+    if (flags != nullptr) {
+      const uint64_t deadline = chunk_index == 0 ? sm90::globaltimer_ns() + p.wait_ns : ~uint64_t{0};
       unsigned int ready = 0;
       for (;;) {
-        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(ready) : "l"(p.flags + item) : "memory");
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(ready) : "l"(flags + item) : "memory");
         if (ready != 0) break;
+        if (sm90::globaltimer_ns() >= deadline) return false;  // once one chunk came, the prep runs: the rest will
         __nanosleep(64);
       }
       fence_proxy_async_global();  // the block was written with ordinary stores; the bulk copy reads it
@@ -890,6 +902,7 @@ __global__ void __launch_bounds__(kStateHeadThreads, 1) kda_chunk_state_head_ker
     const uint32_t dst = smem_address(stage_base(stage));
     sm90::mbarrier_arrive_expect_tx(bar, static_cast<uint32_t>(kChunkBytes));
     bulk_copy_to_shared(dst, src, static_cast<uint32_t>(kChunkBytes), bar);  // the whole block, both u slices
+    return true;
   };
   const size_t u_offset = kOffU + slice * kUSliceBytes;
   // The staged output tile of the chunk starting at token `first`, its first `rows` rows, to global memory.
@@ -933,14 +946,21 @@ __global__ void __launch_bounds__(kStateHeadThreads, 1) kda_chunk_state_head_ker
   };
   pack_state();
 
-  if (p.flags != nullptr) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the prep beside it
+  if (flags != nullptr) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the prep beside it
+  __shared__ int gave_up;
   if (tid == 0) {
     for (int stage = 0; stage < kStateHeadStages; ++stage) sm90::mbarrier_init(smem_address(&full[stage]), 1);
     sm90::mbarrier_init_fence();
     fence_proxy_async_global();  // the workspace was written by the prep grid with ordinary stores
-    for (int c = 0; c < min(kStateHeadStages - 1, seq.num_chunks); ++c) load_stage(c);
+    bool issued = true;
+    for (int c = 0; c < min(kStateHeadStages - 1, seq.num_chunks); ++c) issued = issued && load_stage(c);
+    gave_up = issued ? 0 : 1;
   }
   __syncthreads();
+  if (gave_up != 0) {  // nothing read or written yet: the rerun after the prep does this (head, sequence)
+    if (tid == 0) p.fallback[cta] = 1;
+    return;
+  }
 
   for (int ci = 0; ci < seq.num_chunks; ++ci) {
     const int stage = ci % kStateHeadStages;
@@ -1112,7 +1132,8 @@ size_t kda_prefill_workspace_bytes(const std::vector<int32_t>& cu_seqlens, int n
   const size_t sequences = cu_seqlens.size() - 1;
   const size_t items = static_cast<size_t>(chunks) * static_cast<size_t>(num_heads);
   return align256(static_cast<size_t>(chunks) * sizeof(ChunkEntry)) + align256(sequences * sizeof(SequenceEntry)) +
-         items * kChunkBytes + align256((items + 1) * sizeof(unsigned int));  // + the overlapped pass's flags
+         items * kChunkBytes +
+         align256((items + 1 + sequences * static_cast<size_t>(num_heads)) * sizeof(unsigned int));  // flags
 }
 
 int64_t kda_prefill_checkpoint_count(const std::vector<int32_t>& cu_seqlens, int checkpoint_interval) {
@@ -1149,6 +1170,10 @@ Status kda_chunk_prefill(const KdaPrefillParams& p, cudaStream_t stream) {
     }
   } else if (p.lower_bound) {
     return invalid_argument("kda_chunk_prefill: lower_bound applies to the fused (raw) gate only");
+  }
+  if (p.overlap_wait_us < 0) {
+    return invalid_argument("kda_chunk_prefill: overlap_wait_us must be >= 0, got " +
+                            std::to_string(p.overlap_wait_us));
   }
   if (p.checkpoint_interval < 0 || p.checkpoint_interval % kC != 0) {
     return invalid_argument("kda_chunk_prefill: checkpoint_interval must be 0 or a positive multiple of 64, got " +
@@ -1215,9 +1240,21 @@ Status kda_chunk_prefill(const KdaPrefillParams& p, cudaStream_t stream) {
 
   const size_t items = static_cast<size_t>(chunks) * static_cast<size_t>(p.num_heads);
   const KdaStatePass pass = choose_state_pass(p.state_pass, p.num_heads, sequences, static_cast<int64_t>(items));
-  auto* flags = reinterpret_cast<unsigned int*>(data + items * kChunkBytes);  // [items] then the done counter
-  StateArgs state{p.num_heads,           sequence_device,     data, p.initial_state, p.final_state,
-                  p.checkpoint_interval, p.checkpoint_states, p.o,  nullptr};
+  // The overlapped pass's flags [items], done counter, fallback markers [sequences * H].
+  auto* flags = reinterpret_cast<unsigned int*>(data + items * kChunkBytes);
+  const size_t flag_words = items + 1 + static_cast<size_t>(sequences) * static_cast<size_t>(p.num_heads);
+  StateArgs state{p.num_heads,
+                  sequence_device,
+                  data,
+                  p.initial_state,
+                  p.final_state,
+                  p.checkpoint_interval,
+                  p.checkpoint_states,
+                  p.o,
+                  nullptr,
+                  nullptr,
+                  0,
+                  0};
   const dim3 state_grid(kD / kStateBv, static_cast<unsigned>(p.num_heads), static_cast<unsigned>(sequences));
   PrepArgs prep{p.q,
                 p.k,
@@ -1238,8 +1275,10 @@ Status kda_chunk_prefill(const KdaPrefillParams& p, cudaStream_t stream) {
   if (pass == KdaStatePass::kPerHeadOverlapped && chunks > 0) {
     // State pass first (its CTAs let the prep start at once), then the prep as its programmatic dependent.
     DS_RETURN_IF_ERROR(
-        cuda_status(cudaMemsetAsync(flags, 0, (items + 1) * sizeof(unsigned int), stream), "kda_chunk_prefill: flags"));
+        cuda_status(cudaMemsetAsync(flags, 0, flag_words * sizeof(unsigned int), stream), "kda_chunk_prefill: flags"));
     state.flags = flags;
+    state.fallback = flags + items + 1;
+    state.wait_ns = static_cast<unsigned long long>(p.overlap_wait_us) * 1000ull;
     kda_chunk_state_head_kernel<<<dim3(1, state_grid.y, state_grid.z), kStateHeadThreads, kStateHeadSmem, stream>>>(
         state);
     DS_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "kda_chunk_prefill: state launch"));
@@ -1256,7 +1295,13 @@ Status kda_chunk_prefill(const KdaPrefillParams& p, cudaStream_t stream) {
     attribute.val.programmaticStreamSerializationAllowed = 1;
     config.attrs = &attribute;
     config.numAttrs = 1;
-    return cuda_status(cudaLaunchKernelEx(&config, kda_chunk_prep_kernel, prep), "kda_chunk_prefill: prep launch");
+    DS_RETURN_IF_ERROR(
+        cuda_status(cudaLaunchKernelEx(&config, kda_chunk_prep_kernel, prep), "kda_chunk_prefill: prep launch"));
+    // After the prep: the (head, sequence) CTAs that gave up waiting, if any (the others return at once).
+    state.rerun = 1;
+    kda_chunk_state_head_kernel<<<dim3(1, state_grid.y, state_grid.z), kStateHeadThreads, kStateHeadSmem, stream>>>(
+        state);
+    return cuda_status(cudaGetLastError(), "kda_chunk_prefill: state rerun launch");
   }
   if (chunks > 0) {
     kda_chunk_prep_kernel<<<dim3(static_cast<unsigned>(chunks), static_cast<unsigned>(p.num_heads)), kPrepThreads,

@@ -134,11 +134,21 @@ void run_prefill_case(const PrefillCase& c) {
   // Every state pass (a CTA a value slice, a CTA a head, a CTA a head beside the prep) against the same reference,
   // each on fresh outputs, on a stream of its own (the overlapped pass launches the prep as a programmatic
   // dependent of the state pass; where its CTAs would not all fit beside the prep it runs the kAuto choice).
+  // The overlapped pass runs twice: as it is, and with no wait for the prep's first chunk, so that its CTAs leave
+  // their work to the second launch after the prep (the path for serialised kernels).
   const Stream stream;
-  for (const KdaStatePass pass : {KdaStatePass::kPerSlice, KdaStatePass::kPerHead, KdaStatePass::kPerHeadOverlapped}) {
-    const char* pass_name =
-        pass == KdaStatePass::kPerSlice ? "slice" : (pass == KdaStatePass::kPerHead ? "head" : "head, overlapped");
-    SCOPED_TRACE(std::string("state pass per ") + pass_name);
+  struct PassCase {
+    KdaStatePass pass;
+    int overlap_wait_us;
+    const char* name;
+  };
+  for (const PassCase& pass_case :
+       {PassCase{KdaStatePass::kPerSlice, 2000, "per slice"}, PassCase{KdaStatePass::kPerHead, 2000, "per head"},
+        PassCase{KdaStatePass::kPerHeadOverlapped, 2000, "overlapped"},
+        PassCase{KdaStatePass::kPerHeadOverlapped, 0, "overlapped, no wait (rerun)"}}) {
+    const KdaStatePass pass = pass_case.pass;
+    const char* pass_name = pass_case.name;
+    SCOPED_TRACE(std::string("state pass ") + pass_name);
     o_d.upload(std::vector<__nv_bfloat16>(padded, bf16_nan()));
     initial_d.upload(initial);
     final_d.upload(std::vector<float>(N * state_size, NAN));
@@ -146,6 +156,7 @@ void run_prefill_case(const PrefillCase& c) {
 
     KdaPrefillParams p;
     p.state_pass = pass;
+    p.overlap_wait_us = pass_case.overlap_wait_us;
     p.num_heads = H;
     p.cu_seqlens = cu;
     p.q = q_d.get();
@@ -285,6 +296,13 @@ TEST(KdaChunkPrefillGpu, ValidationRejectsBadInputs) {
     KdaPrefillParams bad = p;
     bad.checkpoint_interval = 100;
     EXPECT_EQ(kda_chunk_prefill(bad, nullptr).code(), StatusCode::kInvalidArgument);
+  }
+  {
+    KdaPrefillParams bad = p;
+    bad.overlap_wait_us = -1;
+    const Status status = kda_chunk_prefill(bad, nullptr);
+    EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(status.message().find("overlap_wait_us"), std::string::npos) << status.message();
   }
   {
     KdaPrefillParams bad = p;
