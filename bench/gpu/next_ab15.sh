@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (Ran at c328d40. Both switches were removed after it: the L2 prefetch in c49d7e7, the launch-2 trigger in the
+# fourteenth session's review; their code is at c328d40 and 2325baf.)
 # GPU machine only, from the repo root (about 6 minutes): two switches prepared in the thirteenth session, neither
 # run yet, against the defaults in one binary.
 #   * DELTASERVE_SKINNY_L2_PREFETCH_MB=N (SkinnyGemmParams::l2_prefetch_bytes): every skinny GEMM asks L2 for its

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (DELTASERVE_MOE_GATE_UP_TRIGGER was removed after this run; its code is at 2325baf.)
 # GPU machine only, from the repo root, with another tree staged in .devsrc/old (bench/gpu/stage_branch.sh REV old,
 # carry .devsrc): builds both, runs the 48B step at B = 1 / 2 / 4 (4k) of this tree and the old one alternately,
 # twice, each under the default and DELTASERVE_MOE_GATE_UP_TRIGGER=issued, then this tree's engine_cuda_test and

@@ -134,8 +134,9 @@ void run_prefill_case(const PrefillCase& c) {
   // Every state pass (a CTA a value slice, a CTA a head, a CTA a head beside the prep) against the same reference,
   // each on fresh outputs, on a stream of its own (the overlapped pass launches the prep as a programmatic
   // dependent of the state pass; where its CTAs would not all fit beside the prep it runs the kAuto choice).
-  // The overlapped pass runs twice: as it is, and with no wait for the prep's first chunk, so that its CTAs leave
-  // their work to the second launch after the prep (the path for serialised kernels).
+  // The overlapped pass runs twice: as it is, and with no wait for the prep's first chunk, so that a CTA whose first
+  // chunk is not flagged at its first look (nearly all of them) leaves its work to the second launch after the prep
+  // (the path for serialised kernels).
   const Stream stream;
   struct PassCase {
     KdaStatePass pass;

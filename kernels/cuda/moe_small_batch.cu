@@ -481,21 +481,6 @@ int router_trigger_for(int tokens) {
   return tokens >= 2 ? kTriggerAfterRouting : kTriggerAfterWait;
 }
 
-// DELTASERVE_MOE_GATE_UP_TRIGGER=issued (read once): v2's launch 2 lets launch 3 start once each CTA's producer has
-// issued its last item instead of right after its wait (LayerArgs::gate_up_trigger_late). Measured on the H200 (48B
-// decode step at 4k, 2026-12-02, bench/results/engine_gpu_ab.jsonl): no faster, B = 1 / 2 / 3 / 4 2.536 / 3.517 / 4.646
-// / 5.343 and 2.531 / 3.514 / 4.646 / 5.347 ms with issued at four tokens against 2.527 / 3.519 / 4.641 / 5.346 and
-// 2.533 / 3.509 / 4.652 / 5.346 right after the wait; on a third machine issued at every token count was slower at
-// B = 1 (2.569-2.577 against 2.524-2.536) and equal at 2 and 4. (On a first machine issued had taken B = 4 from 5.445
-// to 5.339; the third ran that tree, c328d40, at 5.343-5.352 with the default, so that was the machine.)
-bool environment_gate_up_trigger_late() {
-  static const bool late = [] {
-    const char* value = std::getenv("DELTASERVE_MOE_GATE_UP_TRIGGER");
-    return value != nullptr && std::strcmp(value, "issued") == 0;
-  }();
-  return late;
-}
-
 // Tiles of v2's down launch and the bytes of the split's exchange area (plan-row outputs, then arrival counts).
 int down_tiles(int64_t hidden) {
   return static_cast<int>((hidden + moe_small_batch_detail::kDownTileColumns - 1) /
@@ -669,7 +654,6 @@ LayerArgs make_args(const MoeSmallBatchParams& p, MoeSmallBatchKernel kernel) {
   a.lane_issue = environment_allows_lane_issue() ? 1 : 0;
   a.down_min_stages = environment_down_min_stages();
   a.router_trigger = router_trigger_for(a.T);
-  a.gate_up_trigger_late = environment_gate_up_trigger_late() ? 1 : 0;
   a.down_ys = nullptr;
   a.down_arrivals = nullptr;
   if (split) {

@@ -106,9 +106,6 @@ struct LayerArgs {
   int lane_issue, down_min_stages;
   // v2's launch 1: when it lets launch 2 become resident (RouterTrigger; by token count unless the environment says).
   int router_trigger;
-  // v2's launch 2: 0 when its producers let launch 3 become resident right after their wait for launch 1, 1 once a
-  // CTA's producer has issued its last item (DELTASERVE_MOE_GATE_UP_TRIGGER=issued; measured no faster).
-  int gate_up_trigger_late;
 };
 
 // When v2's launch 1 lets launch 2 (programmatic dependent launch) start. Launch 2's early CTAs stream the shared

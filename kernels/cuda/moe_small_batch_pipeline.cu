@@ -330,9 +330,9 @@ __device__ void gate_up_producer(const PipelineArgs& p, uint32_t base, const Tab
   if (lane == 0 && a.shared_down != nullptr) prefetch_shared_down(a);
   __syncwarp();
   grid_dependency_wait();  // launch 1: the routing
-  if (lane == 0 && !a.gate_up_trigger_late) allow_dependent_grids();
+  if (lane == 0) allow_dependent_grids();
   load_tables(a, t, true);
-  if (!issues) return;  // (the late trigger: this CTA counts when it exits)
+  if (!issues) return;
   if (lane == 0) sm90::mbarrier_arrive(tables_barrier(base));
   const int items = p.shared_items + *t.num_active * p.column_blocks;
   for (; item < items; item += ctas) {
@@ -341,7 +341,6 @@ __device__ void gate_up_producer(const PipelineArgs& p, uint32_t base, const Tab
     const __nv_bfloat16* w = a.gate_up + static_cast<int64_t>(t.expert[slot]) * 2 * a.inter * a.hidden;
     issue_gate_up_item(p, base, ring, w, a.inter, kColumnsPerItem * block, policy);
   }
-  if (lane == 0 && a.gate_up_trigger_late) allow_dependent_grids();
 }
 
 // One item: rows n < count are tokens token_of(n) of x (the zero row past the count); out: column j0 of the item's
