@@ -75,12 +75,16 @@ inline NodeOptions tiny_serve_options() {
   return o;
 }
 
-// A router (registry published on an ephemeral loopback port) that workers of other nodes join.
+// A router (registry published on an ephemeral loopback port) that workers of other nodes join. Its registry
+// expires a worker after ten of the router's heartbeat intervals: 10 s here, so a scheduling stall of a loaded
+// 2-core CI machine cannot expire a live worker (at 100 ms a 1 s stall did, once: every request of a test that
+// counts retries was prefilled twice). Workers leave on shutdown and go down when killed, which the tests see
+// at once; expiry itself is tested on the registry (protocol_test).
 inline NodeOptions remote_router_options() {
   NodeOptions o;
   o.role = NodeRole::kRouter;
   o.cluster_port = 0;
-  o.heartbeat_interval = std::chrono::milliseconds(100);
+  o.heartbeat_interval = std::chrono::seconds(1);
   return o;
 }
 
