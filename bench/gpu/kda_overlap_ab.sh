@@ -22,11 +22,9 @@ grep -E '^\[  FAILED' "$out/tests.log" | head -5
 for round in 1 2; do
   for mode in default overlap; do
     for t in 4096 16384 65536; do
-      if [[ $mode == overlap ]]; then
-        DELTASERVE_KDA_STATE_PASS=overlap timeout 30 /tmp/kda_gpu_bench "h=32,t=$t" >>"$out/$mode.jsonl" 2>>"$out/$mode.err"
-      else
-        timeout 30 /tmp/kda_gpu_bench "h=32,t=$t" >>"$out/$mode.jsonl" 2>>"$out/$mode.err"
-      fi
+      pass=""  # empty: the default choice (kAuto)
+      [[ $mode == overlap ]] && pass=overlap
+      DELTASERVE_KDA_STATE_PASS=$pass timeout 30 /tmp/kda_gpu_bench "h=32,t=$t" >>"$out/$mode.jsonl" 2>>"$out/$mode.err"
       echo "round $round $mode T=$t rc=$? $(tail -1 "$out/$mode.jsonl" | grep -o '"ms": [0-9.]*')"
     done
   done

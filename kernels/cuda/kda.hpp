@@ -80,8 +80,9 @@ struct KdaPrefillParams {
   int overlap_wait_us = 2000;
 };
 
-// Device scratch the prefill needs (chunk tables and the per-chunk WY/UT factors, about 74 KiB per chunk
-// and head). 0 when cu_seqlens is malformed (the launcher then reports why).
+// Device scratch the prefill needs (chunk tables, the per-chunk WY/UT factors, about 74 KiB per chunk and head,
+// and the overlapped pass's flags, 4 bytes per chunk and head). 0 when cu_seqlens is malformed (the launcher then
+// reports why).
 size_t kda_prefill_workspace_bytes(const std::vector<int32_t>& cu_seqlens, int num_heads);
 
 // Number of checkpoint entries the prefill writes for these sequences (0 when interval == 0).

@@ -143,10 +143,11 @@ void run_prefill_case(const PrefillCase& c) {
     int overlap_wait_us;
     const char* name;
   };
-  for (const PassCase& pass_case :
-       {PassCase{KdaStatePass::kPerSlice, 2000, "per slice"}, PassCase{KdaStatePass::kPerHead, 2000, "per head"},
-        PassCase{KdaStatePass::kPerHeadOverlapped, 2000, "overlapped"},
-        PassCase{KdaStatePass::kPerHeadOverlapped, 0, "overlapped, no wait (rerun)"}}) {
+  const int default_wait_us = KdaPrefillParams{}.overlap_wait_us;
+  for (const PassCase& pass_case : {PassCase{KdaStatePass::kPerSlice, default_wait_us, "per slice"},
+                                    PassCase{KdaStatePass::kPerHead, default_wait_us, "per head"},
+                                    PassCase{KdaStatePass::kPerHeadOverlapped, default_wait_us, "overlapped"},
+                                    PassCase{KdaStatePass::kPerHeadOverlapped, 0, "overlapped, no wait (rerun)"}}) {
     const KdaStatePass pass = pass_case.pass;
     const char* pass_name = pass_case.name;
     SCOPED_TRACE(std::string("state pass ") + pass_name);
