@@ -15,7 +15,7 @@
 // come back (the CUDA backend: engine/cuda/cuda_backend.hpp); the CPU backend samples on the host with the same
 // rule. Host sampling (the constructor's switch, or DELTASERVE_HOST_SAMPLING=1) copies the logits back and applies
 // the rule there with the same draws: identical results on the CPU; on a GPU, the kernel's one documented difference
-// (kernels/cuda/sampling.hpp: top_p < 1 over more than 64 top-k candidates may pick another token of the same
+// (kernels/cuda/ops/sampling.hpp: top_p < 1 over more than 64 top-k candidates may pick another token of the same
 // nucleus for the same draw).
 //
 // Determinism: a request's tokens depend only on its own state, tokens and params (seed included),

@@ -17,9 +17,9 @@
 #include <cuda_runtime.h>
 
 #include "bench/gpu/cuda_check.hpp"
-#include "kernels/cuda/bf16_stream.cuh"
-#include "kernels/cuda/mma_sm80.cuh"
-#include "kernels/cuda/sm90_ptx.cuh"
+#include "kernels/cuda/common/detail/bf16_stream.cuh"
+#include "kernels/cuda/common/detail/mma_sm80.cuh"
+#include "kernels/cuda/common/detail/sm90_ptx.cuh"
 
 namespace {
 

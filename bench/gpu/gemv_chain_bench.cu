@@ -22,7 +22,7 @@
 // the case for fewer, longer-lived kernels). Correctness: every variant against a CPU reference of the first two
 // steps (double sums, bf16 rounding between steps, 2^-7 relative), then the variants' final outputs against each other.
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xcudafe=--diag_suppress=2810 -I. \
-//       bench/gpu/gemv_chain_bench.cu kernels/cuda/small_batch_gemm.cu -o /tmp/gemv_chain
+//       bench/gpu/gemv_chain_bench.cu kernels/cuda/gemm/small_batch_gemm.cu -o /tmp/gemv_chain
 //   /tmp/gemv_chain [--steps N]      (JSON lines on stdout, one per variant)
 #include <algorithm>
 #include <cmath>
@@ -39,10 +39,10 @@
 #include <cuda_runtime.h>
 
 #include "bench/gpu/cuda_check.hpp"
-#include "kernels/cuda/bf16_stream.cuh"
-#include "kernels/cuda/mma_sm80.cuh"
-#include "kernels/cuda/sm90_ptx.cuh"
-#include "kernels/cuda/small_batch.hpp"
+#include "kernels/cuda/common/detail/bf16_stream.cuh"
+#include "kernels/cuda/common/detail/mma_sm80.cuh"
+#include "kernels/cuda/common/detail/sm90_ptx.cuh"
+#include "kernels/cuda/gemm/small_batch.hpp"
 
 namespace {
 

@@ -6,7 +6,7 @@ set -u
 out=${1:?usage: gemv_chain_run.sh OUTDIR STEPS...}
 shift
 mkdir -p "$out" build
-sources=(bench/gpu/gemv_chain_bench.cu kernels/cuda/small_batch_gemm.cu)
+sources=(bench/gpu/gemv_chain_bench.cu kernels/cuda/gemm/small_batch_gemm.cu)
 stale=0
 for source in "${sources[@]}"; do [[ build/gemv_chain -nt "$source" ]] || stale=1; done
 if [[ $stale == 1 ]]; then

@@ -25,8 +25,8 @@ builds=()
 for pair in "$@"; do
   name=${pair%%=*} dir=${pair#*=}
   names+=("$name")
-  (cd "$dir" && nvcc "${flags[@]}" -I. bench/gpu/kda_gpu_bench.cu kernels/cuda/kda_chunk_prefill.cu \
-    kernels/cuda/kda_decode.cu -o "$out/bench_$name" >"$out/build_$name.log" 2>&1 ||
+  (cd "$dir" && nvcc "${flags[@]}" -I. bench/gpu/kda_gpu_bench.cu kernels/cuda/kda/chunk_prefill.cu \
+    kernels/cuda/kda/decode.cu -o "$out/bench_$name" >"$out/build_$name.log" 2>&1 ||
     echo "build of $name failed: $(tail -3 "$out/build_$name.log")") &
   builds+=($!)
 done

@@ -1,4 +1,4 @@
-// Times deltaserve's CUDA KDA kernels (kernels/cuda/kda.hpp) on the shapes of bench/gpu/kda.sh and prints one
+// Times deltaserve's CUDA KDA kernels (kernels/cuda/kda/kda.hpp) on the shapes of bench/gpu/kda.sh and prints one
 // JSON object per case (median of timed runs after warm-up, CUDA events; decode as graph replays of 20 layers).
 // bench/gpu/kda_report.py joins these with the peer (fla) timings and the ceilings of the same run.
 //   kda_gpu_bench [all | prefill | decode | prefill16k | decode64 | h=H[,t=T]]
@@ -13,7 +13,7 @@
 #include <cuda_runtime.h>
 
 #include "bench/gpu/cuda_check.hpp"
-#include "kernels/cuda/kda.hpp"
+#include "kernels/cuda/kda/kda.hpp"
 
 using deltaserve::Status;
 using namespace deltaserve::kernels::cuda;  // NOLINT(google-build-using-namespace)

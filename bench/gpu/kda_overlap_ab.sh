@@ -11,7 +11,7 @@ mkdir -p "$out"
 start=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version --format=csv >"$out/gpu.txt" 2>&1
 (nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I. -Xcudafe=--diag_suppress=2810 \
-  bench/gpu/kda_gpu_bench.cu kernels/cuda/kda_chunk_prefill.cu kernels/cuda/kda_decode.cu \
+  bench/gpu/kda_gpu_bench.cu kernels/cuda/kda/chunk_prefill.cu kernels/cuda/kda/decode.cu \
   -o /tmp/kda_gpu_bench >"$out/bench_build.log" 2>&1; echo "bench build rc=$?") &
 bash bench/gpu/build_gpu.sh "$out/build.log" kernels_cuda_test
 wait

@@ -9,7 +9,7 @@ cmake -S . -B build/gpu -G Ninja -DDELTASERVE_ENGINE_ONLY=ON -DDELTASERVE_CUDA=O
   -DDELTASERVE_BENCH=OFF >"$out/build.log" 2>&1
 cmake --build build/gpu -j16 --target kernels_cuda_test >>"$out/build.log" 2>&1 || tail -40 "$out/build.log"
 nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a -I. -Xcudafe=--diag_suppress=2810 \
-  bench/gpu/kda_gpu_bench.cu kernels/cuda/kda_chunk_prefill.cu kernels/cuda/kda_decode.cu \
+  bench/gpu/kda_gpu_bench.cu kernels/cuda/kda/chunk_prefill.cu kernels/cuda/kda/decode.cu \
   -o build/gpu/kda_gpu_bench >>"$out/build.log" 2>&1 || tail -20 "$out/build.log"
 timeout 120 ctest --test-dir build/gpu -L gpu --output-on-failure -V >"$out/tests.log" 2>&1
 echo "ctest rc=$?"

@@ -17,7 +17,7 @@ flags=(-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xcudafe=--diag_supp
   -DDELTASERVE_BENCH=OFF >"$out/tests_build.log" 2>&1 &&
   cmake --build build/gpu -j12 --target kernels_cuda_test >>"$out/tests_build.log" 2>&1 ||
   echo "kernels_cuda_test build failed: $(tail -5 "$out/tests_build.log")") &
-(nvcc "${flags[@]}" bench/gpu/kda_gpu_bench.cu kernels/cuda/kda_chunk_prefill.cu kernels/cuda/kda_decode.cu \
+(nvcc "${flags[@]}" bench/gpu/kda_gpu_bench.cu kernels/cuda/kda/chunk_prefill.cu kernels/cuda/kda/decode.cu \
   -o build/kda_bench >"$out/bench_build.log" 2>&1 || echo "kda_gpu_bench build failed: $(tail -3 "$out/bench_build.log")") &
 if [[ "${FLA:-0}" == 1 ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \

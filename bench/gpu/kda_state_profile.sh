@@ -9,7 +9,7 @@ out=${1:?usage: kda_state_profile.sh OUTDIR}
 mkdir -p "$out" build
 start=$(date +%s)
 nvcc -std=c++17 -O3 -lineinfo -gencode=arch=compute_90a,code=sm_90a -I. -Xcudafe=--diag_suppress=2810 \
-  bench/gpu/kda_gpu_bench.cu kernels/cuda/kda_chunk_prefill.cu kernels/cuda/kda_decode.cu \
+  bench/gpu/kda_gpu_bench.cu kernels/cuda/kda/chunk_prefill.cu kernels/cuda/kda/decode.cu \
   -o build/kda_bench_lineinfo >"$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 1; }
 echo "built at $(($(date +%s) - start)) s"
 sections="--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats"

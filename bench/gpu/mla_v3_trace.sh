@@ -9,8 +9,8 @@ set -uo pipefail
 out=${1:?usage: mla_v3_trace.sh OUTDIR}
 mkdir -p "$out"
 nvcc -std=c++20 -O3 -DDELTASERVE_MLA_V3_TRACE -gencode=arch=compute_90a,code=sm_90a -Xcudafe=--diag_suppress=2810 -I. \
-  bench/gpu/mla_v3_trace_bench.cu kernels/cuda/mla_decode.cu kernels/cuda/mla_decode_wgmma.cu \
-  kernels/cuda/mla_decode_reference.cu -o "$out/mla_v3_trace_bench" >"$out/build.log" 2>&1 ||
+  bench/gpu/mla_v3_trace_bench.cu kernels/cuda/mla/decode.cu kernels/cuda/mla/decode_wgmma.cu \
+  kernels/cuda/mla/decode_reference.cu -o "$out/mla_v3_trace_bench" >"$out/build.log" 2>&1 ||
   { grep -E "error" "$out/build.log" | head; exit 1; }
 out_dir=$out
 shift

@@ -1,5 +1,5 @@
 // Where the v3 MLA decode attention spends its time at small batches: mla_decode (absorb -> v3 attention -> combine)
-// at Kimi-48B dims, batch 1 and 2, contexts 4096 and 32768, with kernels/cuda/mla_decode_wgmma.cu compiled with
+// at Kimi-48B dims, batch 1 and 2, contexts 4096 and 32768, with kernels/cuda/mla/decode_wgmma.cu compiled with
 // -DDELTASERVE_MLA_V3_TRACE so that every attention CTA stamps %globaltimer at its events (see the .cu). Prints, per
 // shape, medians over the CTAs (us from the earliest CTA start): the CTA start, the absorb wait, q̃ ready, and per
 // tile the copies issued, the data in (warpgroup 0 past the full barrier), P handed over and warpgroup 1 done; then
@@ -16,7 +16,7 @@
 #include <cuda_runtime.h>
 
 #include "bench/gpu/cuda_check.hpp"
-#include "kernels/cuda/mla.hpp"
+#include "kernels/cuda/mla/mla.hpp"
 
 namespace deltaserve::kernels::cuda::detail {
 std::vector<unsigned long long> mla_v3_trace_take();

@@ -42,11 +42,11 @@ __device__ __forceinline__ void down_trace_stamp(unsigned long long* trace, int 
 '''
 
 PATCHES = {
-    "kernels/cuda/moe_small_batch.cuh": [
+    "kernels/cuda/moe/detail/small_batch.cuh": [
         ("  int lane_issue, down_min_stages;\n", "  int lane_issue, down_min_stages;\n  unsigned long long* down_trace;\n"),
         ("// ---- launch 1: router partial sums and the plan", HELPERS + "\n// ---- launch 1: router partial sums and the plan"),
     ],
-    "kernels/cuda/moe_small_batch.cu": [
+    "kernels/cuda/moe/small_batch.cu": [
         ("namespace deltaserve::kernels::cuda {\nnamespace {\n",
          "namespace deltaserve::kernels::cuda {\nstatic unsigned long long* g_down_trace = nullptr;\n"
          "void moe_down_trace_set(unsigned long long* p) { g_down_trace = p; }\nnamespace {\n"),
@@ -54,7 +54,7 @@ PATCHES = {
          "LayerArgs make_args(const MoeSmallBatchParams& p, MoeSmallBatchKernel kernel) {\n  LayerArgs a{};\n"
          "  a.down_trace = g_down_trace;\n"),
     ],
-    "kernels/cuda/moe_small_batch_pipeline.cu": [
+    "kernels/cuda/moe/small_batch_pipeline.cu": [
         # the down kernel's start
         ("  if (threadIdx.x == 0) init_pipeline_barriers(base, p.pipe.stages);\n  zero_shared(smem, p.pipe.zero_row",
          "  if (threadIdx.x == 0) down_trace_stamp(p.a.down_trace, 0, 28);\n"

@@ -51,14 +51,14 @@ NAMES = [
 FIRST_SLOTS = (0, 6, 8, 10)  # slots 22-28 (not named): clock64 of the last router CTA: known, planned, fenced, A, B, C, routed
 
 PATCHES = {
-    "kernels/cuda/moe_small_batch.cuh": [
+    "kernels/cuda/moe/detail/small_batch.cuh": [
         ("  int lane_issue, down_min_stages;\n};", "  int lane_issue, down_min_stages;\n  unsigned long long* trace;\n};\n" + HELPERS),
         ("  __syncthreads();\n  for (int e = tid; e < E; e += kThreads) counts_s[e] |=",
          "  __syncthreads();\n  if (tid == 0) DS_TRACE_LAST(a, 17);\n  for (int e = tid; e < E; e += kThreads) counts_s[e] |="),
         ("  const int total = block_exclusive_scan(counts_s, E, warp_totals);\n",
          "  const int total = block_exclusive_scan(counts_s, E, warp_totals);\n  if (tid == 0) DS_TRACE_LAST(a, 18);\n"),
     ],
-    "kernels/cuda/moe_small_batch.cu": [
+    "kernels/cuda/moe/small_batch.cu": [
         ("namespace deltaserve::kernels::cuda {\nnamespace {\n",
          "namespace deltaserve::kernels::cuda {\nstatic unsigned long long* g_moe_trace = nullptr;\n"
          "void moe_trace_set(unsigned long long* p) { g_moe_trace = p; }\nnamespace {\n"),
@@ -92,7 +92,7 @@ PATCHES = {
         ("    __syncthreads();\n    for (int tt = warp; tt < tokens;",
          "    __syncthreads();\n    if (tid == 0) { DS_TRACE_LAST(a, 16); DS_TRACE_CYCLES(a, 27); }\n    for (int tt = warp; tt < tokens;"),
     ],
-    "kernels/cuda/moe_small_batch_pipeline.cu": [
+    "kernels/cuda/moe/small_batch_pipeline.cu": [
         ("  if (threadIdx.x == 0) init_pipeline_barriers(base, p.pipe.stages);\n  zero_shared(smem, p.pipe.extra",
          "  if (threadIdx.x == 0) DS_TRACE_FIRST(p.a, 6);\n"
          "  if (threadIdx.x == 0) init_pipeline_barriers(base, p.pipe.stages);\n  zero_shared(smem, p.pipe.extra"),

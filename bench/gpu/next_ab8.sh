@@ -13,7 +13,7 @@ mkdir -p "$out" build
 start=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version --format=csv >"$out/gpu.txt" 2>&1
 (nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xcudafe=--diag_suppress=2810 -I. \
-  bench/gpu/gemv_chain_bench.cu kernels/cuda/small_batch_gemm.cu -o build/gemv_chain >"$out/gemv_build.log" 2>&1
+  bench/gpu/gemv_chain_bench.cu kernels/cuda/gemm/small_batch_gemm.cu -o build/gemv_chain >"$out/gemv_build.log" 2>&1
   echo "gemv_chain build rc=$? at $(($(date +%s) - start)) s") &
 (python3 bench/gpu/moe_down_trace.py . /tmp/down-trace >"$out/trace_build.log" 2>&1 &&
   cmake -S /tmp/down-trace -B /tmp/down-trace/build -G Ninja -DDELTASERVE_ENGINE_ONLY=ON -DDELTASERVE_CUDA=ON \

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU machine only, from the repo root: when the MoE layer's launch 1 lets launch 2 start
-# (DELTASERVE_MOE_ROUTER_TRIGGER=wait|loads|routing|exit, RouterTrigger in kernels/cuda/moe_small_batch.cuh).
+# (DELTASERVE_MOE_ROUTER_TRIGGER=wait|loads|routing|exit, RouterTrigger in kernels/cuda/moe/detail/small_batch.cuh).
 # Whole, it takes more than one 10-minute call (the MoeSmallBatch cases alone take ~100 s a trigger); STEP_ONLY=1
 # builds engine_gpu_bench only and runs step 3 alone (about 5 minutes).
 #   1. build; the MoeSmallBatch / MoeDecodeLayer cases under every trigger (the results must not change);

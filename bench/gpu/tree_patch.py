@@ -15,7 +15,7 @@ def require(text, anchor, where, tool):
 
 def copy_and_patch(argv, patches, patch_test, doc, tool):
     """argv: [SRC, DST]. Copies SRC's tracked files to DST, applies patches {path: [(anchor, replacement)]}, then
-    patch_test(text) to kernels/cuda/moe_small_batch_test.cpp."""
+    patch_test(text) to kernels/cuda/tests/moe_small_batch_test.cpp."""
     if len(argv) != 2:
         sys.exit(doc)
     src, dst = Path(argv[0]).resolve(), Path(argv[1])
@@ -32,7 +32,7 @@ def copy_and_patch(argv, patches, patch_test, doc, tool):
         for anchor, replacement in file_patches:
             text = require(text, anchor, name, tool).replace(anchor, replacement)
         path.write_text(text)
-    test = dst / "kernels/cuda/moe_small_batch_test.cpp"
+    test = dst / "kernels/cuda/tests/moe_small_batch_test.cpp"
     test.write_text(patch_test(test.read_text()))
     print(f"{tool}: patched tree in {dst}")
 

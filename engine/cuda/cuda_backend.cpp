@@ -9,10 +9,10 @@
 
 #include "engine/cuda/cuda_model.hpp"
 #include "engine/device_memory_plan.hpp"
-#include "kernels/cuda/kda.hpp"
-#include "kernels/cuda/mla.hpp"
-#include "kernels/cuda/moe.hpp"
-#include "kernels/cuda/sampling.hpp"
+#include "kernels/cuda/kda/kda.hpp"
+#include "kernels/cuda/mla/mla.hpp"
+#include "kernels/cuda/moe/moe.hpp"
+#include "kernels/cuda/ops/sampling.hpp"
 
 namespace deltaserve::engine::cuda {
 
@@ -35,7 +35,7 @@ Status check_supported(const ModelConfig& c, const CudaBackendOptions& o) {
     }
     if (m.kv_lora_rank > kc::kMlaMaxKvLora || m.qk_rope_head_dim > kc::kMlaMaxRope ||
         m.qk_nope_head_dim > kc::kMlaMaxNope || m.v_head_dim > kc::kMlaMaxVHead || m.num_heads > kc::kMlaMaxHeads) {
-      return unsupported("MLA dimensions beyond the kernels' limits (kernels/cuda/mla.hpp)");
+      return unsupported("MLA dimensions beyond the kernels' limits (kernels/cuda/mla/mla.hpp)");
     }
   }
   if (c.moe.num_experts > 0) {

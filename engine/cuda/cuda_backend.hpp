@@ -27,7 +27,7 @@
 // replay for graph passes), from per-row temperature / top-p / top-k / draw / top_logprobs arrays uploaded with the
 // pass's tables; only the tokens, their logprobs and the alternatives asked for come back (8 + 8 x top_logprobs
 // bytes per row instead of 4 x vocab). Choices are SamplingRule's (engine/sampler.hpp) up to the kernel's one
-// documented difference (kernels/cuda/sampling.hpp: top_p < 1 over more than 64 top-k candidates). The workspace
+// documented difference (kernels/cuda/ops/sampling.hpp: top_p < 1 over more than 64 top-k candidates). The workspace
 // shares the layer arena.
 //
 // Profiling: DELTASERVE_CUDA_PROFILE=1 (read at construction) times the phases of eager passes with cudaEvents

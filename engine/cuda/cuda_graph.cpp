@@ -33,7 +33,7 @@
 #include <string>
 
 #include "engine/cuda/cuda_model.hpp"
-#include "kernels/cuda/mla.hpp"
+#include "kernels/cuda/mla/mla.hpp"
 
 namespace deltaserve::engine::cuda {
 

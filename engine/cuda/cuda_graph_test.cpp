@@ -386,7 +386,7 @@ bool logprob_close(double got, double expected) {
 }
 
 // A row kind: its params, whether it reports logprobs, and whether the GPU must pick the CPU's very token (everything
-// but top_p < 1 over more than 64 top-k candidates, where only the nucleus is the same: kernels/cuda/sampling.hpp).
+// but top_p < 1 over more than 64 top-k candidates, where only the nucleus is the same: kernels/cuda/ops/sampling.hpp).
 struct SampleKind {
   SamplingParams params;
   bool logprobs;

@@ -9,12 +9,12 @@
 #include <vector>
 
 #include "engine/cuda/cuda_model.hpp"
-#include "kernels/cuda/kda.hpp"
-#include "kernels/cuda/kda_generic.hpp"
-#include "kernels/cuda/mla.hpp"
-#include "kernels/cuda/moe.hpp"
-#include "kernels/cuda/ops.hpp"
-#include "kernels/cuda/small_batch.hpp"
+#include "kernels/cuda/kda/kda.hpp"
+#include "kernels/cuda/kda/kda_generic.hpp"
+#include "kernels/cuda/mla/mla.hpp"
+#include "kernels/cuda/moe/moe.hpp"
+#include "kernels/cuda/ops/ops.hpp"
+#include "kernels/cuda/gemm/small_batch.hpp"
 
 namespace deltaserve::engine::cuda {
 
@@ -449,7 +449,7 @@ Status CudaBackend::Impl::run_moe(const DeviceMoe& moe, int64_t T, const float* 
   const int64_t shared_I = moe.shared.gate_up != nullptr ? moe.shared.intermediate : 0;
 
   // Decode batches (<= kSmallBatchMoeTokens tokens, no LatentMoE): the whole layer in three launches
-  // (kernels/cuda/moe.hpp, moe_small_batch_*). The kernels take up to 16 tokens. On the H200 at Kimi-48B dims
+  // (kernels/cuda/moe/moe.hpp, moe_small_batch_*). The kernels take up to 16 tokens. On the H200 at Kimi-48B dims
   // (MoeDecodeLayerGpu.Timing, 2026-12-01, v2) the layer alone beats the chain below up to 8 tokens: 63.1 vs 87.0 us
   // at T=1, 99.0 vs 120.1 at 2, 146.7 vs 160.5 at 4, 243.6 vs 263.3 at 8, 525 vs 419 at 16; but with 8 tokens the
   // 48B engine's decode step was slower through it (8.86 against 8.54 ms at batch 8, ctx 4k), so it stops at 4. Its

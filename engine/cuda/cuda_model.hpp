@@ -25,7 +25,7 @@
 #include "engine/cuda/gemm.hpp"
 #include "engine/cuda/profile.hpp"
 #include "engine/model.hpp"
-#include "kernels/cuda/moe.hpp"
+#include "kernels/cuda/moe/moe.hpp"
 
 namespace deltaserve::engine::cuda {
 

@@ -4,7 +4,7 @@
 #include <algorithm>
 
 #include "engine/cuda/cuda_model.hpp"
-#include "kernels/cuda/sampling.hpp"
+#include "kernels/cuda/ops/sampling.hpp"
 
 namespace deltaserve::engine::cuda {
 

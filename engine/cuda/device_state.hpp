@@ -7,7 +7,7 @@
 //   KDA conv tails:       one block [kda_layers, num_slots, 3, C, K-1] bf16 (q, k, v tails, oldest first, as
 //                         KdaLayerState::conv_q/k/v and the kernels' pool layout; the tails are bf16 projection
 //                         outputs, so bf16 holds them exactly); absent when K = 1. The host copy stays fp32.
-//   MLA pages:            kernels/cuda/mla.hpp MlaPagePool, bf16, all MLA layers in each page, row_stride = width
+//   MLA pages:            kernels/cuda/mla/mla.hpp MlaPagePool, bf16, all MLA layers in each page, row_stride = width
 //                         rounded up to 8 values.
 // A request holds one slot (the same index in every KDA layer) and pages covering its tokens (token t in page
 // pages[t / page_tokens]). Slots and pages are handed out and returned under DevicePools::mutex, which also
@@ -28,7 +28,7 @@
 #include "engine/cuda/cuda_util.hpp"
 #include "engine/model_config.hpp"
 #include "engine/request_state.hpp"
-#include "kernels/cuda/mla.hpp"
+#include "kernels/cuda/mla/mla.hpp"
 
 namespace deltaserve::engine::cuda {
 

@@ -5,7 +5,7 @@
 #include <utility>
 
 #include "engine/cuda/device_init.hpp"
-#include "kernels/cuda/ops.hpp"
+#include "kernels/cuda/ops/ops.hpp"
 
 namespace deltaserve::engine::cuda {
 namespace {

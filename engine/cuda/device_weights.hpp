@@ -5,7 +5,7 @@
 //   KDA  fg_a     [2·r or r, hidden] = f_a_proj ; g_a_proj (g_a only with the low-rank output gate)
 //   MLA  qa_kva   [q_lora + width, hidden] = q_a_proj ; kv_a_proj_with_mqa   (q_lora set; else kv_a alone)
 //   FFN  gate_up  [2·I, width]       = gate (w1) ; up (w3)      (dense FFN, shared experts, every routed expert)
-// Routed experts are contiguous: gate_up [E, 2I, width], down [E, width, I] (kernels/cuda/moe.hpp layout).
+// Routed experts are contiguous: gate_up [E, 2I, width], down [E, width, I] (kernels/cuda/moe/moe.hpp layout).
 #pragma once
 
 #include <cstdint>

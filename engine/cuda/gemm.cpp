@@ -4,8 +4,8 @@
 #include <string>
 
 #include "engine/cuda/cuda_util.hpp"
-#include "kernels/cuda/ops.hpp"
-#include "kernels/cuda/small_batch.hpp"
+#include "kernels/cuda/ops/ops.hpp"
+#include "kernels/cuda/gemm/small_batch.hpp"
 
 namespace deltaserve::engine::cuda {
 

@@ -2,7 +2,7 @@
 //   y[rows, out] (row stride y_stride) = x[rows, in] (row stride x_stride) · w[out, in]^T   (+= when accumulate)
 // bf16 x bf16 with fp32 compute and fp32 or bf16 output; fp32 x fp32 with fp32 compute (no TF32) for the router.
 // GEMMs (bf16, and the fp32 router) of at most kernels::cuda::kSkinnyGemmMaxRows rows run the skinny GEMM
-// (kernels/cuda/small_batch.hpp) instead of cuBLAS when its shape rules hold; DELTASERVE_SKINNY_GEMM=off keeps cuBLAS
+// (kernels/cuda/gemm/small_batch.hpp) instead of cuBLAS when its shape rules hold; DELTASERVE_SKINNY_GEMM=off keeps cuBLAS
 // for every batch size, DELTASERVE_SKINNY_GEMM=bf16 for the router only; DELTASERVE_SKINNY_GEMM_KERNEL=v1 runs the
 // original skinny kernel (no fused norm, offsets or mixed output types: run_shared_input then falls back).
 #pragma once

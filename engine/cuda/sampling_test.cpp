@@ -1,11 +1,11 @@
-// GPU sampling (kernels/cuda/sampling.hpp) vs engine::Sampler (the CPU reference) driven with the same uniform
+// GPU sampling (kernels/cuda/ops/sampling.hpp) vs engine::Sampler (the CPU reference) driven with the same uniform
 // draw, ctest label gpu. Here rather than beside the kernel because its reference lives in engine/.
 // Checked: greedy = argmax with ties to the lowest id; NaN = -inf, +inf = FLT_MAX, all-masked rows uniform;
 // logprobs vs a float64 log-softmax (|err| <= 2e-6 + 1e-6 |ref|); top_logprobs ids exactly, values as logprobs;
 // non-greedy choices equal the CPU sampler's on distinct logits (where the CPU inverts its CDF over a sorted
 // order: no top-p, or top-p with top-k <= 64); with top-p over more candidates the token lies in the nucleus;
 // rows with their own top_logprobs counts.
-#include "kernels/cuda/sampling.hpp"
+#include "kernels/cuda/ops/sampling.hpp"
 
 #include <algorithm>
 #include <cfloat>
@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "engine/sampler.hpp"
-#include "kernels/cuda/ops_test_util.hpp"
+#include "kernels/cuda/tests/ops_test_util.hpp"
 
 namespace deltaserve::kernels::cuda::test {
 namespace {
