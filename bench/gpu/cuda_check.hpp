@@ -1,5 +1,5 @@
-// Error checks of the standalone GPU benchmarks (bench/gpu/*_bench.cu, built by nvcc with -I. from the repo root):
-// a failed CUDA call or a failed Status prints where and why and ends the process with status 1.
+// Error checks of the standalone GPU benchmarks (bench/gpu/*_bench.cu): a failed CUDA call or a failed Status prints
+// where and why and ends the process with status 1.
 #pragma once
 
 #include <cstdio>

@@ -113,7 +113,7 @@ def main():
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
     emit({"kind": "peer", "name": "fla chunk_kda / fused_recurrent_kda " + getattr(fla, "__version__", "?")})
     varlen = [300, 1000, 2500, 4096, 8192, 16000]
-    # "all", or a subset when one device call cannot hold every case with Triton's first compilations:
+    # "all", or a subset where a time limit cannot hold every case with Triton's first compilations:
     # "h32" / "h96" (prefill at H=32 / 96), "h96+decode" (prefill at H=96, then decode).
     subsets = {"all": (32, 96), "h32": (32,), "h96": (96,), "h96+decode": (96,)}
     if what not in subsets:

@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# GPU machine only, from the repo root: the cluster built on Debian 12 (carried with its run-time libraries, see
-# shared stack notes and scripts/bundle.sh) serving the built-in tiny model with --device cuda, checked by the
-# integration suite's streaming correctness and greedy tests (openai SDK as the client) in the topologies `serve`
-# (every role in one process), `multi` and `multi_ucx` (router, prefill and decode processes, request states over
-# CAF or UCX), and its prefix-cache tests (cached continuations equal cold ones, tenants isolated).
+# GPU machine only, from the repo root: the cluster built on Debian 12 (carried with its run-time libraries) serving
+# the built-in tiny model with --device cuda, checked by the integration suite's streaming correctness and greedy
+# tests (openai SDK as the client) in the topologies `serve` (every role in one process), `multi` and `multi_ucx`
+# (router, prefill and decode processes, request states over CAF or UCX), and its prefix-cache tests (cached
+# continuations equal cold ones, tenants isolated).
 #   tests/gpu/cluster_on_gpu.sh OUTDIR
 # Expects (carried, git-ignored): .devcarry/bin/deltaserve, .devcarry/lib/*.so*, .whl/*.whl (openai and its deps).
 set -uo pipefail
 out=${1:-/tmp/cluster-gpu}
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+site=$(mktemp -d)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
   >"$out/pip.log" 2>&1 || tail -5 "$out/pip.log"
-export PYTHONPATH=/tmp/site
+export PYTHONPATH=$site
 export LD_LIBRARY_PATH=$PWD/.devcarry/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export DELTASERVE_BINARY=$PWD/.devcarry/bin/deltaserve
 export DELTASERVE_HOME=$(mktemp -d)
