@@ -59,6 +59,11 @@ std::string apply_config_file(CLI::App* app, const std::string& path) {
   return "";
 }
 
+constexpr const char kCudaGraphsHelp[] =
+    "Replay pure-decode GPU passes from CUDA graphs (false: every pass runs eagerly, e.g. to debug a graph)";
+constexpr const char kCudaProfileHelp[] =
+    "Time the phases of eager GPU passes with CUDA events and print the table to stderr when the model is closed";
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -91,6 +96,12 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   generate->add_option("--gpu-memory-fraction", gen.device.gpu_memory_fraction, "Share of the GPU's memory to use")
       ->envname("DELTASERVE_GPU_MEMORY_FRACTION")
+      ->capture_default_str();
+  generate->add_option("--cuda-graphs", gen.device.cuda_graphs, kCudaGraphsHelp)
+      ->envname("DELTASERVE_CUDA_GRAPHS")
+      ->capture_default_str();
+  generate->add_option("--cuda-profile", gen.device.cuda_profile, kCudaProfileHelp)
+      ->envname("DELTASERVE_CUDA_PROFILE")
       ->capture_default_str();
 
   TokenizeOptions tok;
@@ -167,6 +178,8 @@ int main(int argc, char** argv) {
         ->check(CLI::PositiveNumber);
     role_option(sub, "random-weights", d.random_weights,
                 "Benchmarks only: draw the weights on the GPU from config.json (the checkpoint is not read)");
+    role_option(sub, "cuda-graphs", d.cuda_graphs, kCudaGraphsHelp);
+    role_option(sub, "cuda-profile", d.cuda_profile, kCudaProfileHelp);
   };
 
   // Handoff transport flags (serve, prefill, decode).

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cassert>
-#include <cstdlib>
 #include <utility>
 
 namespace deltaserve::engine {
@@ -40,15 +39,10 @@ Status check_state_shapes(const ModelConfig& config, const RequestState& state) 
   return Status::ok();
 }
 
-bool host_sampling_forced() {
-  const char* value = std::getenv("DELTASERVE_HOST_SAMPLING");
-  return value != nullptr && std::string(value) == "1";
-}
-
 }  // namespace
 
 DecodeBatcher::DecodeBatcher(const Model& model, int64_t max_batch, bool host_sampling)
-    : model_(model), max_batch_(max_batch), host_sampling_(host_sampling || host_sampling_forced()) {
+    : model_(model), max_batch_(max_batch), host_sampling_(host_sampling) {
   assert(max_batch >= 1);
 }
 

@@ -13,10 +13,9 @@
 // Sampling: the step's pass is Model::forward_sample, given each request's params and the next draw of its
 // Sampler, so a device backend samples where the logits are and only the tokens (and the logprobs asked for)
 // come back (the CUDA backend: engine/cuda/cuda_backend.hpp); the CPU backend samples on the host with the same
-// rule. Host sampling (the constructor's switch, or DELTASERVE_HOST_SAMPLING=1) copies the logits back and applies
-// the rule there with the same draws: identical results on the CPU; on a GPU, the kernel's one documented difference
-// (kernels/cuda/ops/sampling.hpp: top_p < 1 over more than 64 top-k candidates may pick another token of the same
-// nucleus for the same draw).
+// rule. Host sampling (the constructor's `host_sampling`) copies the logits back and applies the rule there with the
+// same draws: identical results on the CPU; on a GPU, up to the kernel's one documented difference (top_p < 1 over
+// more than 64 top-k candidates may pick another token of the same nucleus: kernels/cuda/ops/sampling.hpp).
 //
 // Determinism: a request's tokens depend only on its own state, tokens and params (seed included),
 // not on which other requests share its steps: the forward pass treats sequences independently and
@@ -57,8 +56,7 @@ struct DecodeStepOutput {
 class DecodeBatcher {
  public:
   // `max_batch` (>= 1): requests decoding at once (state slots); `model` must outlive the batcher.
-  // `host_sampling`: sample on the host from logits copied back (see the top); DELTASERVE_HOST_SAMPLING=1 at
-  // construction forces it (a bypass for a device sampling problem).
+  // `host_sampling`: sample on the host from logits copied back (see the top) instead of in the pass.
   DecodeBatcher(const Model& model, int64_t max_batch, bool host_sampling = false);
 
   // Adds a request whose state holds prompt[0, N−1); `next_token` = prompt[N−1] is fed by the next step.

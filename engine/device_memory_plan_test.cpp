@@ -26,8 +26,8 @@ TEST(DeviceMemoryPlan, AloneTheMeasuredDropCounts) {
 }
 
 TEST(DeviceMemoryPlan, OtherProcessesAllocationsAreNotCountedAsOurs) {
-  // The H200 case: a tiny-model decode worker (1194176 bytes of weights, ~188 MB of scratch) started with three
-  // other workers, one of which allocated its ~14 GB of pools in between; the budget is a tenth of the GPU.
+  // Workers sharing one GPU: a tiny-model decode worker (1194176 bytes of weights, ~188 MB of scratch) started with
+  // three other workers, one of which allocated its ~14 GB of pools in between; the budget is a tenth of the GPU.
   const int64_t own = 1'194'176 + 188 * kMiB;
   DeviceMemoryPlanInput in{.budget = 14 * kGiB,
                            .device_drop = own + 14 * kGiB,

@@ -50,6 +50,8 @@ Result<std::unique_ptr<Model>> open_model(const std::filesystem::path& directory
   backend_options.memory_fraction = options.gpu_memory_fraction;
   backend_options.max_batch_tokens = options.gpu_max_batch_tokens;
   backend_options.max_requests = options.gpu_max_requests;
+  backend_options.cuda_graphs = options.cuda_graphs;
+  backend_options.profile = options.cuda_profile;
   std::shared_ptr<Backend> backend;
   if (options.random_weights) {
     DS_ASSIGN_OR_RETURN_CTX(backend, cuda::make_cuda_backend_random(config, options.random_seed, backend_options),

@@ -19,6 +19,8 @@ struct DeviceOptions {
   double gpu_memory_fraction = 0.90;    // of the GPU's memory for weights, request states, MLA pages and scratch
   int64_t gpu_max_batch_tokens = 8192;  // rows of one GPU forward pass (prefill chunk + decode tokens)
   int64_t gpu_max_requests = 1024;      // GPU request-state slots at most
+  bool cuda_graphs = true;      // replay pure-decode GPU passes from CUDA graphs (false: every pass eager, to debug)
+  bool cuda_profile = false;    // time the phases of eager GPU passes; the table goes to stderr when the model closes
   bool random_weights = false;  // weights drawn on the device from config.json alone (benchmarks of shapes whose
                                 // checkpoints are not here); the checkpoint files are not read
   uint64_t random_seed = 0;

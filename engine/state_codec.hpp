@@ -23,9 +23,8 @@
 // safe to decode: no crash, no read out of bounds, and memory is allocated only for the returned state
 // after every check passed.
 //
-// Speed (measured once, release build, one core of a shared AMD EPYC host, Kimi-Linear-48B shapes with
-// 4096 tokens of MLA cache = 106 MiB): encode ≈ 0.7 GB/s, decode ≈ 0.6 GB/s; the byte-at-a-time
-// FNV-1a checksum alone takes ~70% of encode. A faster checksum would need a new version.
+// Speed: the byte-at-a-time FNV-1a checksum takes most of the encode time; a faster checksum would need a new
+// version.
 //
 // Round trip: decode_state(config, encode_state(config, s)) is bitwise equal to s
 // (RequestState::same_contents) for every state the model produced for `config`.

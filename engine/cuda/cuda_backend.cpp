@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 
 #include "engine/cuda/cuda_model.hpp"
 #include "engine/device_memory_plan.hpp"
@@ -142,13 +141,7 @@ Result<std::shared_ptr<Backend>> make_backend(const ModelConfig& config, const W
   impl->options = options;
   impl->shape = StateShape::of(config);
   impl->max_rows = options.max_batch_tokens;
-  if (const char* profile = std::getenv("DELTASERVE_CUDA_PROFILE");
-      profile != nullptr && std::string(profile) != "0" && *profile != '\0') {
-    impl->profiler.enable(true);
-  }
-  if (const char* graphs = std::getenv("DELTASERVE_CUDA_GRAPHS"); graphs != nullptr && std::string(graphs) == "0") {
-    impl->options.cuda_graphs = false;  // the bypass for a graph problem found on a GPU: every pass eager
-  }
+  impl->profiler.enable(options.profile);
 
   DS_CUDA_RETURN(cudaSetDevice(options.device));
   DS_CUDA_RETURN(cudaFree(nullptr));  // creates the context, so cudaMemGetInfo sees its cost
@@ -177,9 +170,7 @@ Result<std::shared_ptr<Backend>> make_backend(const ModelConfig& config, const W
   size_t free_after_scratch = 0;
   DS_CUDA_RETURN(cudaMemGetInfo(&free_after_scratch, &total_bytes));
   // Slots and pages from what is left (engine/device_memory_plan.hpp). The backend's own allocations bound what the
-  // drop in free memory may count as its own: seen on the H200 (tests/gpu/cluster_on_gpu.sh, topology multi), a
-  // decode worker counted the ~14 GB of state pools another worker allocated meanwhile as its own and found
-  // -187 MB left.
+  // drop in free memory may count as its own: another worker on the same device may allocate its pools meanwhile.
   const StateShape& s = impl->shape;
   DeviceMemoryPlanInput plan_input;
   plan_input.budget = budget;

@@ -13,14 +13,14 @@
 // Paths: KDA head size 128 runs kda_decode_step for pure-decode batches and kda_prep + kda_chunk_prefill (states
 // gathered from the slot pool in groups, or used in place for one sequence) + kda_gated_output_norm otherwise;
 // other head sizes run kda_prep_f32 + kda_gate + kda_recurrent_varlen. MLA uses mla_decode for pure-decode batches
-// and mla_prefill otherwise. MoE experts use moe_expert_ffn_decode while (tokens × top_k) <= 4 × experts, cuBLAS
-// per expert (moe_expert_ffn_prefill) beyond.
+// and mla_prefill otherwise. MoE layers of up to 4 tokens (no LatentMoE, shapes permitting) run the small-batch MoE
+// layer (moe_small_batch_*); other batches run moe_expert_ffn_decode (the bandwidth kernel while tokens × top_k <= 4 ×
+// experts, the grouped tensor-core GEMM beyond), without a host sync. Projections: engine/cuda/gemm.hpp.
 //
 // CUDA graphs (options.cuda_graphs, set_cuda_graphs): a pure-decode pass (one token per sequence) of a batch
 // size seen before is replayed from a graph captured for (exact batch size, power-of-two context bound); the
-// per-pass tables go to fixed device buffers first. Batches whose MoE would take the cuBLAS expert path, or whose
-// logits need more than one LM-head piece, run eagerly, as does every other pass (policy: cuda_graph.cpp).
-// DELTASERVE_CUDA_GRAPHS=0 (read at construction) turns them off whatever the options say.
+// per-pass tables go to fixed device buffers first. Batches whose logits need more than one LM-head piece run
+// eagerly, as does every other pass (policy: cuda_graph.cpp).
 //
 // Sampling (forward_sample, Model::forward_sample, used by the decode batcher): the pass keeps the logits on the
 // device and kernels::cuda::sample picks every row's token there (one launch per LM-head piece, after the graph
@@ -30,9 +30,8 @@
 // documented difference (kernels/cuda/ops/sampling.hpp: top_p < 1 over more than 64 top-k candidates). The workspace
 // shares the layer arena.
 //
-// Profiling: DELTASERVE_CUDA_PROFILE=1 (read at construction) times the phases of eager passes with cudaEvents
-// (profile.hpp; a replayed graph counts as one phase) and prints the table to stderr when the backend is
-// destroyed. Off: no events.
+// Profiling (options.profile, enable_profile): times the phases of eager passes with cudaEvents (profile.hpp; a
+// replayed graph counts as one phase) and prints the table to stderr when the backend is destroyed. Off: no events.
 #pragma once
 
 #include <cstdint>
@@ -61,6 +60,7 @@ struct CudaBackendOptions {
   int64_t state_slots = 0;          // 0 = from the memory plan (min(max_requests, what fits))
   int64_t cache_pages = 0;          // 0 = from the memory plan (the rest of the budget)
   bool cuda_graphs = true;          // replay pure-decode passes from CUDA graphs (false: every pass eager)
+  bool profile = false;             // per-phase GPU time of eager passes from the first pass (see the top)
 };
 
 class CudaBackend final : public Backend {
@@ -108,7 +108,7 @@ class CudaBackend final : public Backend {
   };
   GraphStats graph_stats() const;
 
-  // The per-phase GPU time of eager passes (DELTASERVE_CUDA_PROFILE=1 at construction, or enable_profile(true)):
+  // The per-phase GPU time of eager passes (options.profile, or enable_profile(true) from the next pass on):
   // totals since the last reset, in milliseconds; profile_table() as text (empty when nothing was timed).
   void enable_profile(bool on);
   std::vector<std::pair<std::string, double>> profile() const;

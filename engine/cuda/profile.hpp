@@ -1,4 +1,4 @@
-// Per-phase GPU time of CudaBackend's eager passes (DELTASERVE_CUDA_PROFILE=1): cudaEvents at phase boundaries on
+// Per-phase GPU time of CudaBackend's eager passes (CudaBackendOptions::profile): cudaEvents at phase boundaries on
 // the backend's stream, elapsed times summed per phase after each pass. Off (the default): no events, no
 // synchronisation; every call below returns at its first test.
 #pragma once

@@ -1,6 +1,6 @@
 // The driver's cuTensorMapEncodeTiled, reached through the runtime's driver entry point so that the kernels library
 // does not link libcuda, and the check for a compute capability 9.x device. Shared by the TMA kernels
-// (mla_prefill_wgmma.cu, mla_decode_wgmma.cu, moe_ffn_wgmma.cu).
+// (mla/prefill_wgmma.cu, mla/decode_wgmma.cu, moe/ffn_wgmma.cu).
 #pragma once
 
 #include <cuda.h>

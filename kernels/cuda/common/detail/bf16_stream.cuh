@@ -1,6 +1,6 @@
-// Device helpers of the CUDA-core small-batch GEMVs (moe_small_batch.cu, small_batch_gemm.cu): streaming 16-byte
-// weight loads and fp32 dot products of packed bf16 pairs; bulk copies of weight rows into shared memory and L2
-// prefetches (moe_small_batch_pipeline.cu).
+// Device helpers of the CUDA-core small-batch GEMVs (moe/small_batch.cu, gemm/small_batch_gemm.cu): streaming
+// 16-byte weight loads and fp32 dot products of packed bf16 pairs; bulk copies of weight rows into shared memory and
+// L2 prefetches (moe/small_batch_pipeline.cu).
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-// The reduction order of rms_norm_dual (small_batch_norm.cu), for every kernel that must reproduce its results
+// The reduction order of rms_norm_dual (gemm/small_batch_norm.cu), for every kernel that must reproduce its results
 // bitwise (the skinny GEMM's fused input norm, the small-batch MoE's fused input norm): 256 threads, thread i sums
 // the squares of columns i, i + 256, ... in increasing order (the same contracted multiply-add), a warp xor-shuffle
 // reduction, lane 0 stores the warp's sum; after a barrier of the 256 threads, the 8 warp sums are added in warp
