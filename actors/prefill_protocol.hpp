@@ -9,9 +9,10 @@
 //                         job's router. A 1-token prompt hands over the fresh state. An engine error
 //                         (bad token id, context limit) fails the request to its sink.
 //                         With a prefix cache: when the job starts, its prompt's block hashes (rooted in the
-//                         request's cache namespace) are looked up; the deepest boundary with both pages and
-//                         a KDA checkpoint is restored and only the rest is computed. Checkpoints are taken
-//                         at policy boundaries on the way; at the handoff the prompt's full blocks are
+//                         request's prefix_cache_namespace()) are looked up; the deepest boundary with both
+//                         pages and a KDA checkpoint is restored and only the rest is computed. Chunks end on
+//                         block boundaries and checkpoints are taken at the policy's boundaries on the way
+//                         (kvstore/cache/prefill_plan.hpp); at the handoff the prompt's full blocks are
 //                         registered and the events go to the registry (cache(CacheEventBatch)).
 //   cancel(request_id)    drops a queued or running job; the sink gets the final "abort" chunk. Unknown ids
 //                         (already handed off) are ignored: the router cancels at the decode worker too.
@@ -33,11 +34,23 @@ struct PrefillJob {
   caf::actor sink;           // sink_actor: receives chunks (errors from here, tokens from the decode worker)
   caf::actor router;         // router_actor: receives prefilled(); may be null (tests)
   int64_t attempt = 0;       // the router's dispatch attempt of this request (echoed in every reply)
+  // The block hashes of prompt[0, N−1) the router computed for its index lookup, so the worker does not hash the
+  // prompt again; empty when the router did not look up (no index, load-only policy, no full block).
+  // Contract: `prompt_hashes.blocks` are the full blocks of prompt[0, N−1) of `request`, chained from
+  // `prompt_hashes.root` = BlockHasher::root(request.prefix_cache_namespace(), model id) under the router's key
+  // and block size. The worker takes them only when that root equals the one it computes from its own key,
+  // model id and block size, and there is one hash per full block of its own; otherwise (another key, another
+  // model, another block size, a router without an index) it hashes the prompt itself. The chain's tokens are
+  // not checked again: the router hashed this very request's prompt, so a chain the worker takes names exactly
+  // the prefixes it would have named and its cache lookups are the same (a stale or foreign index entry still
+  // costs a miss, never a wrong hit).
+  kvstore::PromptHashes prompt_hashes;
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, PrefillJob& x) {
-  return f(caf::meta::type_name("PrefillJob"), x.request, x.decode_worker, x.sink, x.router, x.attempt);
+  return f(caf::meta::type_name("PrefillJob"), x.request, x.decode_worker, x.sink, x.router, x.attempt,
+           x.prompt_hashes);
 }
 
 using prefill_actor =

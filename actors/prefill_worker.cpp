@@ -9,6 +9,7 @@
 
 #include "engine/prefix_state.hpp"
 #include "engine/state_codec.hpp"
+#include "kvstore/cache/prefill_plan.hpp"
 #include "kvstore/cache/slot_pool.hpp"
 
 namespace deltaserve::actors {
@@ -19,11 +20,12 @@ using Clock = std::chrono::steady_clock;
 struct Job {
   PrefillJob job;
   bool started = false;
-  std::optional<kvstore::SlotId> slot;  // the request state, from the fixed pool, while the job runs
-  int64_t position = 0;                 // prompt tokens consumed so far; the job is done at N−1
+  std::optional<kvstore::SlotId> slot;       // the request state, from the fixed pool, while the job runs
+  int64_t position = 0;                      // prompt tokens consumed so far; the job is done at plan.target() = N−1
+  std::optional<kvstore::PrefillPlan> plan;  // where chunks end and which boundaries they reach; set at the start
   // Prefix cache (when enabled):
   bool caching = false;                    // rows go into `pages`; boundaries are registered at the end
-  std::vector<kvstore::BlockHash> hashes;  // of the prompt's full blocks
+  std::vector<kvstore::BlockHash> hashes;  // of the full blocks of prompt[0, N−1)
   kvstore::PageTable pages;                // this request's MLA rows (shared prefix + its own)
   int64_t cached_tokens = 0;               // prompt tokens restored from the cache
 };
@@ -109,10 +111,6 @@ void fail_front(PrefillPointer self, Status status) {
   s.jobs.pop_front();
 }
 
-std::string_view cache_namespace(const router::GenerationRequest& request) {
-  return request.cache_namespace.empty() ? std::string_view(request.tenant) : std::string_view(request.cache_namespace);
-}
-
 // Takes a state slot and, with a prefix cache, restores the deepest usable cached prefix.
 Status start_job(PrefillPointer self, Job& job) {
   auto& s = self->state;
@@ -121,17 +119,20 @@ Status start_job(PrefillPointer self, Job& job) {
   engine::RequestState& state = s.slots->at(*job.slot);
   state.reset();
   job.started = true;
+  const auto& prompt = job.job.request.prompt;
+  job.plan.emplace(static_cast<int64_t>(prompt.size()), s.config.chunk_tokens, s.cache ? s.cache->block_tokens() : 0);
   if (!s.cache) return Status::ok();
 
-  const auto& prompt = job.job.request.prompt;
-  const int64_t block = s.cache->block_tokens();
+  // The router's hashes when they are this worker's chain (PrefillJob::prompt_hashes), else hashed here.
+  const kvstore::BlockHash root =
+      s.hasher->root(job.job.request.prefix_cache_namespace(), s.config.prefix_cache.model_id);
   job.hashes =
-      s.hasher->hash_prompt(s.hasher->root(cache_namespace(job.job.request), s.config.prefix_cache.model_id), prompt);
+      s.hasher->hash_prompt(root, std::span<const int32_t>(prompt).first(static_cast<size_t>(job.plan->target())),
+                            std::move(job.job.prompt_hashes));
   job.caching = true;
-  const int64_t usable_blocks = (static_cast<int64_t>(prompt.size()) - 1) / block;  // the decode worker feeds the last
-  kvstore::PrefixCache::Hit hit = s.cache->lookup(job.hashes, usable_blocks);
+  kvstore::PrefixCache::Hit hit = s.cache->lookup(job.hashes, job.plan->full_blocks());
   if (hit.blocks == 0) return Status::ok();
-  const int64_t tokens = hit.blocks * block;
+  const int64_t tokens = hit.blocks * s.cache->block_tokens();
   Status resumed =
       engine::resume_from_prefix(s.model->config(), *hit.checkpoint, hit.pages, s.cache->pool(), tokens, state);
   if (!resumed.is_ok()) {  // never a wrong hit: compute everything
@@ -152,15 +153,12 @@ Status start_job(PrefillPointer self, Job& job) {
 }
 
 // Runs the next chunk of the front job; with a cache, keeps its rows and takes checkpoints at boundaries.
-Status prefill_chunk(PrefillPointer self, Job& job, int64_t target) {
+Status prefill_chunk(PrefillPointer self, Job& job) {
   auto& s = self->state;
   engine::RequestState& state = s.slots->at(*job.slot);
   const auto& prompt = job.job.request.prompt;
-  int64_t end = std::min(job.position + s.config.chunk_tokens, target);
-  if (s.cache) {  // chunks that cross a block boundary end on it, where a checkpoint may be taken
-    const int64_t block = s.cache->block_tokens();
-    if (end / block > job.position / block && end % block != 0) end = end / block * block;
-  }
+  const kvstore::PrefillPlan& plan = *job.plan;
+  const int64_t end = plan.chunk_end(job.position);  // with a cache, on the boundary a crossing chunk reaches
   const int64_t n = end - job.position;
   std::vector<std::vector<float>> logits;
   engine::SequenceInput input{
@@ -172,10 +170,11 @@ Status prefill_chunk(PrefillPointer self, Job& job, int64_t target) {
   job.position = end;
   // A device backend keeps the caches on the GPU: the handoff encoding reads the whole host copy; the prefix cache
   // only this chunk's MLA rows, and the KDA part at block boundaries (where a checkpoint may be taken).
-  if (job.position >= target) {
+  const int64_t boundary = plan.boundary_at(job.position);  // k >= 1: the chunk ended after block k
+  if (job.position >= plan.target()) {
     DS_RETURN_IF_ERROR(state.sync_host());
   } else if (job.caching) {
-    DS_RETURN_IF_ERROR(state.sync_host_part(job.position % s.cache->block_tokens() == 0, job.position));
+    DS_RETURN_IF_ERROR(state.sync_host_part(boundary > 0, job.position));
   }
   if (!job.caching) return Status::ok();
 
@@ -186,11 +185,9 @@ Status prefill_chunk(PrefillPointer self, Job& job, int64_t target) {
     job.pages.release(s.cache->pool());
     return Status::ok();
   }
-  const int64_t block = s.cache->block_tokens();
-  if (job.position % block == 0) {
-    const int64_t k = job.position / block, full_blocks = (static_cast<int64_t>(prompt.size()) - 1) / block;
-    const kvstore::BlockHash& hash = job.hashes[static_cast<size_t>(k - 1)];
-    if (s.cache->should_checkpoint(k, full_blocks, hash)) {
+  if (boundary > 0) {
+    const kvstore::BlockHash& hash = job.hashes[static_cast<size_t>(boundary - 1)];
+    if (s.cache->should_checkpoint(boundary, plan.full_blocks(), hash)) {
       Status put = s.cache->put_checkpoint(hash, engine::encode_kda_checkpoint(config, state));
       if (!put.is_ok() && debug_enabled()) std::cerr << "debug: checkpoint not kept: " << put.to_string() << "\n";
     }
@@ -205,11 +202,7 @@ void hand_off(PrefillPointer self) {
   const auto start = Clock::now();
   const auto& prompt = job.job.request.prompt;
   const std::vector<std::byte> encoded = engine::encode_state(s.model->config(), s.slots->at(*job.slot));
-  if (job.caching) {
-    const int64_t full_blocks = (static_cast<int64_t>(prompt.size()) - 1) / s.cache->block_tokens();
-    s.cache->insert(std::span(job.hashes).first(static_cast<size_t>(full_blocks)), job.pages,
-                    cache_namespace(job.job.request));
-  }
+  if (job.caching) s.cache->insert(job.hashes, job.pages, job.job.request.prefix_cache_namespace());
   s.stats.prompt_tokens += static_cast<int64_t>(prompt.size());
   s.stats.cached_tokens += job.cached_tokens;
   std::vector<uint8_t> bytes(encoded.size());
@@ -332,9 +325,9 @@ prefill_actor::behavior_type prefill_impl(PrefillPointer self, std::shared_ptr<c
             return;
           }
         }
-        const int64_t target = static_cast<int64_t>(job.job.request.prompt.size()) - 1;  // N−1
+        const int64_t target = job.plan->target();  // N−1
         if (job.position < target) {
-          if (Status status = prefill_chunk(self, job, target); !status.is_ok()) {
+          if (Status status = prefill_chunk(self, job); !status.is_ok()) {
             fail_front(self, status.with_context("prefill"));
           }
         }

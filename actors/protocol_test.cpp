@@ -5,6 +5,8 @@
 #include <memory>
 #include <vector>
 
+#include <caf/binary_deserializer.hpp>
+#include <caf/binary_serializer.hpp>
 #include <caf/test/dsl.hpp>
 #include <caf/test/unit_test_impl.hpp>
 
@@ -14,6 +16,7 @@
 #include "actors/router_actor.hpp"
 #include "actors/test_model.hpp"
 #include "engine/state_codec.hpp"
+#include "kvstore/index/prefix_index.hpp"
 
 using namespace deltaserve;
 using namespace deltaserve::actors;
@@ -83,6 +86,26 @@ class FaultyTransport final : public Transport {
  private:
   int corrupt_;
   std::shared_ptr<Transport> inner_ = make_caf_transport();
+};
+
+// A prefix index in memory that answers every lookup with `matches` and records the hashes it was asked.
+class FakeIndex final : public kvstore::PrefixIndex {
+ public:
+  std::vector<kvstore::WorkerPrefixMatch> matches;
+  mutable std::vector<std::vector<kvstore::BlockHash>> lookups;
+
+  Status apply(const kvstore::CacheEventBatch&) override { return Status::ok(); }
+  Result<std::vector<kvstore::WorkerPrefixMatch>> lookup(std::span<const kvstore::BlockHash> hashes,
+                                                         std::string_view) const override {
+    lookups.emplace_back(hashes.begin(), hashes.end());
+    return matches;
+  }
+  Status drop_worker(std::string_view) override { return Status::ok(); }
+  Result<int64_t> reconcile(std::span<const std::pair<std::string, uint64_t>>) override { return int64_t{0}; }
+  Result<std::vector<std::pair<std::string, uint64_t>>> workers() const override {
+    return std::vector<std::pair<std::string, uint64_t>>{};
+  }
+  kvstore::PrefixIndexStats stats() const override { return {}; }
 };
 
 std::vector<int32_t> streamed_tokens(const Chunks& chunks) {
@@ -178,6 +201,92 @@ CAF_TEST(router_admission_queue_bound) {
   auto stats = request<RouterStats>(router, stats_atom::value);
   CAF_CHECK_EQUAL(stats.rejected, 2);
   CAF_CHECK_EQUAL(stats.running, 1);
+}
+
+// The router hashes a prompt once, for its index lookup, and the hashes travel in the prefill job (rooted in the
+// request's namespace and the prefill workers' model id, under the router's key and block size); a router
+// without an index sends none. The placement follows the index's live-epoch match.
+CAF_TEST(router_sends_its_prompt_hashes_with_the_job) {
+  kvstore::SipKey key{};
+  key[0] = 7;
+  auto index = std::make_shared<FakeIndex>();
+  index->matches = {{"prefill-b", 3, 2, 2}, {"prefill-a", 1, 2, 2}};  // prefill-a's entry is of an older epoch
+  RouterConfig config;
+  config.index = index;
+  config.hash_key = key;
+  config.block_tokens = 4;
+  auto router = spawn_router(sys, config, registry_actor{}, nullptr);
+  auto plain = spawn_router(sys, RouterConfig{}, registry_actor{}, nullptr);
+  auto jobs = std::make_shared<std::vector<PrefillJob>>();
+  auto cancels = std::make_shared<std::vector<std::string>>();
+  auto prefill_a = sys.spawn(fake_prefill, jobs, cancels);
+  auto prefill_b = sys.spawn(fake_prefill, jobs, cancels);
+  auto decode = sys.spawn(idle_worker, 0);
+  auto out = std::make_shared<Chunks>();
+  auto sink = sys.spawn(recording_sink, out);
+  auto sink_plain = sys.spawn(recording_sink, out);
+  for (const caf::actor& a : {caf::actor_cast<caf::actor>(router), caf::actor_cast<caf::actor>(plain), prefill_a,
+                              prefill_b, decode, sink, sink_plain}) {
+    kill_at_end(a);
+  }
+  const std::vector<WorkerInfo> workers{{"decode-0", kDecodeRole, decode, 4, {}, 0, ""},
+                                        {"prefill-a", kPrefillRole, prefill_a, 4, {}, 2, "model-x"},
+                                        {"prefill-b", kPrefillRole, prefill_b, 4, {}, 3, "model-x"}};
+  self->send(router, workers_atom::value, workers);
+  self->send(plain, workers_atom::value, workers);
+  auto req = testing::greedy_request("r", {1, 2, 3, 4, 5, 6, 7, 8, 9, 10}, 4);  // prompt[0, 9): 2 full blocks
+  req.tenant = "acme";
+  self->send(router, submit_atom::value, req, sink);
+  run();
+  CAF_REQUIRE_EQUAL(jobs->size(), 1u);
+  const kvstore::BlockHasher hasher(key, 4);
+  const kvstore::BlockHash root = hasher.root("acme", "model-x");
+  const auto expected = hasher.hash_prompt(root, std::span<const int32_t>(req.prompt).first(8));
+  CAF_REQUIRE_EQUAL(expected.size(), 2u);
+  CAF_CHECK(jobs->at(0).prompt_hashes.root == root);
+  CAF_CHECK(jobs->at(0).prompt_hashes.blocks == expected);
+  CAF_REQUIRE_EQUAL(index->lookups.size(), 1u);
+  CAF_CHECK(index->lookups[0] == expected);
+  const auto stats = request<RouterStats>(router, stats_atom::value);
+  CAF_CHECK_EQUAL(stats.routed_to_hit, 1);  // prefill-b: its 2 blocks (8 tokens) are cached
+  CAF_CHECK_EQUAL(stats.expected_cached_tokens, 8);
+
+  req.request_id = "r-plain";
+  self->send(plain, submit_atom::value, req, sink_plain);
+  run();
+  CAF_REQUIRE_EQUAL(jobs->size(), 2u);
+  CAF_CHECK(jobs->at(1).prompt_hashes.blocks.empty());
+}
+
+// PrefillJob's prompt hashes (and a CacheEvent's hash, which travels the same way) survive CAF serialization.
+CAF_TEST(prompt_hashes_travel_on_the_wire) {
+  kvstore::PromptHashes hashes;
+  for (uint8_t i = 0; i < 16; ++i) hashes.root.bytes[i] = static_cast<uint8_t>(i * 17 + 1);
+  for (uint8_t b = 0; b < 3; ++b) {
+    kvstore::BlockHash h;
+    for (uint8_t i = 0; i < 16; ++i) h.bytes[i] = static_cast<uint8_t>(255 - i - 40 * b);
+    hashes.blocks.push_back(h);
+  }
+  PrefillJob job;
+  job.request = testing::greedy_request("w", {1, 2, 3}, 2);
+  job.attempt = 2;
+  job.prompt_hashes = hashes;
+  kvstore::CacheEvent event;
+  event.hash = hashes.blocks[1];
+  event.block_index = 2;
+  std::vector<char> buffer;
+  caf::binary_serializer sink(sys, buffer);
+  CAF_REQUIRE(!sink(job, event));
+  PrefillJob loaded;
+  kvstore::CacheEvent loaded_event;
+  caf::binary_deserializer source(sys, buffer);
+  CAF_REQUIRE(!source(loaded, loaded_event));
+  CAF_CHECK(loaded.prompt_hashes.root == hashes.root);
+  CAF_CHECK(loaded.prompt_hashes.blocks == hashes.blocks);
+  CAF_CHECK_EQUAL(loaded.attempt, 2);
+  CAF_CHECK_EQUAL(loaded.request.request_id, "w");
+  CAF_CHECK(loaded_event.hash == hashes.blocks[1]);
+  CAF_CHECK_EQUAL(loaded_event.block_index, 2);
 }
 
 CAF_TEST(registry_join_leave_down) {

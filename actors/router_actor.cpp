@@ -5,8 +5,11 @@
 #include <deque>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <set>
+#include <span>
 #include <unordered_map>
+#include <vector>
 
 #include "actors/decode_protocol.hpp"
 #include "actors/prefill_protocol.hpp"
@@ -33,7 +36,7 @@ struct RouterState {
   std::map<std::string, WorkerInfo> prefill_workers, decode_workers;  // by name: ties break by name
   std::map<std::string, int64_t> prefill_outstanding;                 // jobs this router sent and not yet prefilled
   std::map<std::string, int64_t> prefill_tokens;                      // their expected prompt tokens to compute
-  std::unique_ptr<kvstore::BlockHasher> hasher;                       // with an index: hashes prompts like workers
+  std::unique_ptr<kvstore::BlockHasher> hasher;                       // only with an index: hashes prompts like workers
   std::set<std::pair<std::string, uint64_t>> cache_workers;           // (name, epoch) the index was reconciled to
   std::map<std::string, int64_t> decode_assigned;                     // requests this router placed and not finished
   std::unordered_map<std::string, Entry> requests;
@@ -69,83 +72,65 @@ bool debug_enabled() {
   return enabled;
 }
 
-struct PrefillChoice {
+// The prefill placement of one dispatch, and what travels with the job.
+struct PrefillPick {
   const WorkerInfo* worker = nullptr;
-  int64_t hit_tokens = 0;  // what the index says the worker's cache serves (the worker verifies)
-  bool looked_up = false;  // the index was asked
-  std::string reason;      // for the debug log
+  router::PrefillChoice choice;  // why (router/placement.hpp); its names view prefill_workers' keys
+  bool looked_up = false;        // the index was asked
+  kvstore::PromptHashes hashes;  // the prompt's usable block hashes when the index was asked (see PrefillJob)
 };
 
-// Prefill placement: least expected work = tokens still to prefill there for this router + this prompt's
-// tokens the worker would compute (all of them, minus its cached prefix under the cache-aware policy).
-// Ties: fewer jobs, shorter reported queue, then the name.
-PrefillChoice pick_prefill(RouterPointer self, const Entry* entry) {
-  auto& s = self->state;
-  std::map<std::string, int64_t> hits;
-  bool looked_up = false;
-  const int64_t prompt = entry ? static_cast<int64_t>(entry->request.prompt.size()) : 0;
-  const int64_t usable_blocks = prompt > 0 ? (prompt - 1) / s.config.block_tokens : 0;
-  if (entry && s.config.index && s.config.policy == RoutingPolicy::kCacheAware && usable_blocks > 0 &&
-      !s.prefill_workers.empty()) {
-    const router::GenerationRequest& r = entry->request;
-    const std::string& ns = r.cache_namespace.empty() ? r.tenant : r.cache_namespace;
+// Hashes the prompt and asks the index when the policy wants it, then applies router/placement.hpp.
+PrefillPick pick_prefill(RouterState& s, const router::GenerationRequest& r) {
+  PrefillPick pick;
+  const router::PlacementOptions options{s.config.policy, s.config.block_tokens};
+  const auto prompt = static_cast<int64_t>(r.prompt.size());
+  const int64_t lookup_blocks = router::index_lookup_blocks(options, prompt);
+  std::vector<kvstore::WorkerPrefixMatch> found;
+  if (s.config.index && lookup_blocks > 0 && !s.prefill_workers.empty()) {
+    const std::string& ns = r.prefix_cache_namespace();
     const std::string& model_id = s.prefill_workers.begin()->second.model_id;
-    auto hashes = s.hasher->hash_prompt(s.hasher->root(ns, model_id), r.prompt);
-    hashes.resize(static_cast<size_t>(usable_blocks));
-    auto matches = s.config.index->lookup(hashes, ns);
-    looked_up = true;
-    if (!matches.is_ok()) {
-      ++s.totals.index_errors;
+    pick.hashes.root = s.hasher->root(ns, model_id);
+    pick.hashes.blocks = s.hasher->hash_prompt(
+        pick.hashes.root,
+        std::span<const int32_t>(r.prompt).first(static_cast<size_t>(lookup_blocks * s.config.block_tokens)));
+    auto matches = s.config.index->lookup(pick.hashes.blocks, ns);
+    pick.looked_up = true;
+    if (matches.is_ok()) {
+      found = std::move(*matches);
     } else {
-      for (const auto& m : *matches) {
-        auto w = s.prefill_workers.find(m.worker);
-        if (w == s.prefill_workers.end() || w->second.cache_epoch != m.worker_epoch) continue;
-        hits[m.worker] = std::min(m.checkpoint_blocks, usable_blocks) * s.config.block_tokens;
-      }
+      ++s.totals.index_errors;
     }
   }
-  PrefillChoice best;
-  best.looked_up = looked_up;
-  int64_t best_cost = 0, best_jobs = 0, least_loaded_cost = -1;
-  std::string least_loaded;
+  std::vector<router::IndexMatch> matches;
+  matches.reserve(found.size());
+  for (const kvstore::WorkerPrefixMatch& m : found) matches.push_back({m.worker, m.worker_epoch, m.checkpoint_blocks});
+  std::vector<router::PrefillCandidate> candidates;
+  std::vector<const WorkerInfo*> infos;
+  candidates.reserve(s.prefill_workers.size());
+  infos.reserve(s.prefill_workers.size());
   for (const auto& [name, info] : s.prefill_workers) {
-    const int64_t queued = s.prefill_tokens[name], jobs = s.prefill_outstanding[name];
-    const int64_t hit = hits.count(name) ? hits[name] : 0;
-    const int64_t cost = queued + std::max<int64_t>(prompt - 1 - hit, 0);
-    if (least_loaded_cost < 0 || queued < least_loaded_cost) {
-      least_loaded_cost = queued;
-      least_loaded = name;
-    }
-    const bool better =
-        !best.worker || cost < best_cost || (cost == best_cost && jobs < best_jobs) ||
-        (cost == best_cost && jobs == best_jobs && info.load.queue_length < best.worker->load.queue_length);
-    if (better) {
-      best.worker = &info;
-      best.hit_tokens = hit;
-      best_cost = cost;
-      best_jobs = jobs;
-    }
+    candidates.push_back(
+        {name, info.cache_epoch, s.prefill_tokens[name], s.prefill_outstanding[name], info.load.queue_length});
+    infos.push_back(&info);
   }
-  if (best.worker && debug_enabled()) {
-    best.reason = "prefill " + best.worker->name + ": expected work " + std::to_string(best_cost) + " tokens (cached " +
-                  std::to_string(best.hit_tokens) + ", queued " + std::to_string(s.prefill_tokens[best.worker->name]) +
-                  "); least loaded " + least_loaded + "; " + std::to_string(hits.size()) + " workers with a hit";
-  }
-  return best;
+  pick.choice = router::choose_prefill(options, prompt, candidates, matches);
+  if (pick.choice.worker) pick.worker = infos[*pick.choice.worker];
+  return pick;
 }
 
-// Decode: most free slots (capacity minus what this router placed there), ties by name; none when full.
+// Decode placement (router/placement.hpp); null when every decode worker is full.
 const WorkerInfo* pick_decode(RouterState& s) {
-  const WorkerInfo* best = nullptr;
-  int64_t best_free = 0;
+  std::vector<router::DecodeCandidate> candidates;
+  std::vector<const WorkerInfo*> infos;
+  candidates.reserve(s.decode_workers.size());
+  infos.reserve(s.decode_workers.size());
   for (const auto& [name, info] : s.decode_workers) {
-    const int64_t free = info.capacity - s.decode_assigned[name];
-    if (free > best_free) {
-      best = &info;
-      best_free = free;
-    }
+    candidates.push_back({name, info.capacity, s.decode_assigned[name]});
+    infos.push_back(&info);
   }
-  return best;
+  const std::optional<size_t> chosen = router::choose_decode(candidates);
+  return chosen ? infos[*chosen] : nullptr;
 }
 
 bool try_dispatch_one(RouterPointer self, Entry& entry) {
@@ -153,19 +138,19 @@ bool try_dispatch_one(RouterPointer self, Entry& entry) {
   if (s.prefill_workers.empty()) return false;
   const WorkerInfo* decode = pick_decode(s);
   if (!decode) return false;
-  const PrefillChoice choice = pick_prefill(self, &entry);
-  const WorkerInfo* prefill = choice.worker;
+  PrefillPick pick = pick_prefill(s, entry.request);
+  const WorkerInfo* prefill = pick.worker;
+  const int64_t hit_tokens = pick.choice.hit_tokens;
   entry.stage = Stage::kPrefill;
   entry.prefill_worker = prefill->name;
   entry.decode_worker = decode->name;
-  entry.prefill_tokens =
-      std::max<int64_t>(static_cast<int64_t>(entry.request.prompt.size()) - 1 - choice.hit_tokens, 0);
+  entry.prefill_tokens = std::max<int64_t>(static_cast<int64_t>(entry.request.prompt.size()) - 1 - hit_tokens, 0);
   ++s.prefill_outstanding[prefill->name];
   s.prefill_tokens[prefill->name] += entry.prefill_tokens;
   ++s.decode_assigned[decode->name];
-  if (choice.hit_tokens > 0) {
+  if (hit_tokens > 0) {
     ++s.totals.routed_to_hit;
-    s.totals.expected_cached_tokens += choice.hit_tokens;
+    s.totals.expected_cached_tokens += hit_tokens;
   }
   if (s.config.observer) {
     const router::GenerationRequest& r = entry.request;
@@ -175,14 +160,16 @@ bool try_dispatch_one(RouterPointer self, Entry& entry) {
               .count();
       s.config.observer->queue_time(static_cast<double>(std::max<int64_t>(now - r.arrival_ns, 0)) * 1e-9);
     }
-    if (choice.looked_up) {
-      s.config.observer->prefix_lookup(r.cache_namespace.empty() ? r.tenant : r.cache_namespace,
-                                       static_cast<int64_t>(r.prompt.size()), choice.hit_tokens);
+    if (pick.looked_up) {
+      s.config.observer->prefix_lookup(r.prefix_cache_namespace(), static_cast<int64_t>(r.prompt.size()), hit_tokens);
     }
   }
-  if (!choice.reason.empty()) std::cerr << "debug: route " << entry.request.request_id << ": " << choice.reason << "\n";
+  if (debug_enabled()) {
+    std::cerr << "debug: route " << entry.request.request_id << ": " << pick.choice.describe() << "\n";
+  }
   ++entry.attempt;
   PrefillJob job{entry.request, decode->handle, entry.sink, caf::actor_cast<caf::actor>(self), entry.attempt};
+  job.prompt_hashes = std::move(pick.hashes);
   self->send(caf::actor_cast<prefill_actor>(prefill->handle), prefill_atom::value, std::move(job));
   return true;
 }
@@ -279,7 +266,7 @@ void reconcile_index(RouterPointer self) {
 router_actor::behavior_type router_impl(RouterPointer self, RouterConfig config, registry_actor registry,
                                         std::shared_ptr<RouterGauges> gauges) {
   self->state.config = config;
-  self->state.hasher = std::make_unique<kvstore::BlockHasher>(config.hash_key, config.block_tokens);
+  if (config.index) self->state.hasher = std::make_unique<kvstore::BlockHasher>(config.hash_key, config.block_tokens);
   self->state.gauges = std::move(gauges);
   if (registry) {
     self->send(registry, subscribe_atom::value, caf::actor_cast<caf::actor>(self));

@@ -9,19 +9,20 @@
 #include "actors/router_protocol.hpp"
 #include "kvstore/cache/block_hasher.hpp"
 #include "kvstore/index/prefix_index.hpp"
+#include "router/placement.hpp"
 
 namespace deltaserve::actors {
 
-// How the router picks a prefill worker. Both policies weigh the prompt tokens each worker still has to
-// prefill for this router; cache-aware also subtracts, per worker, the tokens its prefix cache would serve
-// (the deepest boundary where the index says it holds pages and a KDA checkpoint).
-enum class RoutingPolicy { kCacheAware, kLoadOnly };
+// How the router picks a prefill worker (router/placement.hpp, where the policies are written).
+using RoutingPolicy = router::RoutingPolicy;
 
 struct RouterConfig {
   int64_t max_queue = 256;  // requests waiting for a worker at most; beyond → kResourceExhausted
   RoutingPolicy policy = RoutingPolicy::kCacheAware;
   std::shared_ptr<kvstore::PrefixIndex> index;  // null: no index (placement by load only)
-  kvstore::SipKey hash_key{};                   // must equal the workers' key for the index to match
+  // The workers' key (--cache-key): with another key the index never matches and the workers hash every prompt
+  // again instead of reusing the router's hashes (PrefillJob::prompt_hashes).
+  kvstore::SipKey hash_key{};
   int64_t block_tokens = kvstore::kDefaultBlockTokens;
   std::shared_ptr<RouterObserver> observer;  // metrics; null = none
   int64_t max_attempts = 3;  // prefills of one request at most (a failed/lost handoff is prefilled again)

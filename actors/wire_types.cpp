@@ -30,6 +30,9 @@ void register_wire_types(caf::actor_system_config& config) {
   config.add_message_type<kvstore::CacheEvent>("ds::CacheEvent");
   config.add_message_type<std::vector<kvstore::CacheEvent>>("ds::CacheEventList");
   config.add_message_type<kvstore::CacheEventBatch>("ds::CacheEventBatch");
+  config.add_message_type<kvstore::BlockHash>("ds::BlockHash");
+  config.add_message_type<std::vector<kvstore::BlockHash>>("ds::BlockHashList");
+  config.add_message_type<kvstore::PromptHashes>("ds::PromptHashes");
 }
 
 }  // namespace deltaserve::actors

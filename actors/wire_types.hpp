@@ -12,7 +12,7 @@
 #include <caf/all.hpp>
 
 #include "common/status.hpp"
-#include "engine/sampler.hpp"
+#include "engine/request_types.hpp"
 #include "kvstore/cache/cache_event.hpp"
 #include "router/inference_service.hpp"
 
@@ -32,20 +32,46 @@ typename Inspector::result_type inspect(Inspector& f, TokenLogprob& x) {
 
 namespace deltaserve::kvstore {
 
-// BlockHash travels as two u64 halves, the event kind as its u8 value (checked after loading).
+// A BlockHash travels as two u64 halves: bytes [0, 8) and [8, 16), little-endian.
+inline void split_block_hash(const BlockHash& hash, uint64_t& lo, uint64_t& hi) {
+  lo = hi = 0;
+  for (int i = 7; i >= 0; --i) {
+    lo = (lo << 8) | hash.bytes[static_cast<size_t>(i)];
+    hi = (hi << 8) | hash.bytes[static_cast<size_t>(i + 8)];
+  }
+}
+
+inline void join_block_hash(uint64_t lo, uint64_t hi, BlockHash& hash) {
+  for (size_t i = 0; i < 8; ++i) {
+    hash.bytes[i] = static_cast<uint8_t>(lo >> (8 * i));
+    hash.bytes[i + 8] = static_cast<uint8_t>(hi >> (8 * i));
+  }
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, BlockHash& x) {
+  uint64_t lo = 0, hi = 0;
+  split_block_hash(x, lo, hi);
+  auto rebuild = caf::meta::load_callback([&]() -> caf::error {
+    join_block_hash(lo, hi, x);
+    return caf::none;
+  });
+  return f(caf::meta::type_name("BlockHash"), lo, hi, rebuild);
+}
+
+template <class Inspector>
+typename Inspector::result_type inspect(Inspector& f, PromptHashes& x) {
+  return f(caf::meta::type_name("PromptHashes"), x.root, x.blocks);
+}
+
+// The hash travels as two u64 halves (as a BlockHash), the event kind as its u8 value (checked after loading).
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, CacheEvent& x) {
   uint64_t lo = 0, hi = 0;
-  for (int i = 7; i >= 0; --i) {
-    lo = (lo << 8) | x.hash.bytes[static_cast<size_t>(i)];
-    hi = (hi << 8) | x.hash.bytes[static_cast<size_t>(i + 8)];
-  }
+  split_block_hash(x.hash, lo, hi);
   auto kind = static_cast<uint8_t>(x.kind);
   auto rebuild = caf::meta::load_callback([&]() -> caf::error {
-    for (size_t i = 0; i < 8; ++i) {
-      x.hash.bytes[i] = static_cast<uint8_t>(lo >> (8 * i));
-      x.hash.bytes[i + 8] = static_cast<uint8_t>(hi >> (8 * i));
-    }
+    join_block_hash(lo, hi, x.hash);
     if (kind > static_cast<uint8_t>(CacheEvent::Kind::kCheckpointEvicted)) return caf::sec::invalid_argument;
     x.kind = static_cast<CacheEvent::Kind>(kind);
     return caf::none;

@@ -9,21 +9,9 @@
 #include <vector>
 
 #include "common/status.hpp"
+#include "engine/request_types.hpp"
 
 namespace deltaserve::engine {
-
-struct SamplingParams {
-  float temperature = 1.0f;  // [0, 2]; 0 = greedy
-  float top_p = 1.0f;        // (0, 1]; 1 = off
-  int32_t top_k = 0;         // >= 0; 0 = off; larger than the vocabulary = off
-  uint64_t seed = 0;         // used as is; the API layer picks one when the request has none
-  int32_t top_logprobs = 0;  // alternatives to report, [0, 20]
-};
-
-struct TokenLogprob {
-  int32_t token;
-  float logprob;  // natural log
-};
 
 struct SampledToken {
   int32_t token;

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "common/status.hpp"
-#include "engine/sampler.hpp"
+#include "engine/request_types.hpp"
 
 namespace deltaserve::router {
 
@@ -27,6 +27,10 @@ struct GenerationRequest {
   bool ignore_eos = false;              // do not stop at the model's end-of-sequence tokens
   std::vector<int32_t> stop_token_ids;  // end-of-sequence ids from the HTTP layer; empty = the service's own
   int64_t arrival_ns = 0;               // steady-clock time the HTTP request was accepted (for queue/TTFT metrics)
+
+  // The namespace the prefix cache roots this request's block hashes in (and the index files them under):
+  // cache_namespace, or the tenant when it is empty. The router and the prefill worker both use this one rule.
+  const std::string& prefix_cache_namespace() const { return cache_namespace.empty() ? tenant : cache_namespace; }
 };
 
 struct TokenLogprobs {

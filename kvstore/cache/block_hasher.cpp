@@ -2,6 +2,7 @@
 
 #include <cassert>
 #include <cstring>
+#include <utility>
 
 namespace deltaserve::kvstore {
 namespace {
@@ -72,6 +73,13 @@ std::vector<BlockHash> BlockHasher::hash_prompt(const BlockHash& root, std::span
     out.push_back(previous);
   }
   return out;
+}
+
+std::vector<BlockHash> BlockHasher::hash_prompt(const BlockHash& root, std::span<const int32_t> tokens,
+                                                PromptHashes sent) const {
+  const size_t blocks = tokens.size() / static_cast<size_t>(block_tokens_);
+  if (sent.root == root && sent.blocks.size() == blocks) return std::move(sent.blocks);
+  return hash_prompt(root, tokens);
 }
 
 Result<SipKey> parse_secret_hex(std::string_view hex) {

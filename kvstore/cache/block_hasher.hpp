@@ -30,6 +30,14 @@ struct BlockHash {
   std::string hex() const;  // 32 lowercase hex digits
 };
 
+// A prompt's block hashes as one party made them, passed on so that another need not hash the prompt again (the
+// router hashes for its index lookup; the prefill worker it picks reuses the chain). `root` commits to everything
+// the chain depends on besides the tokens: the deployment key, the namespace, the model id and the block size.
+struct PromptHashes {
+  BlockHash root;                 // BlockHasher::root() of the chain
+  std::vector<BlockHash> blocks;  // the first blocks.size() full blocks' hashes, chained from root; empty: none
+};
+
 class BlockHasher {
  public:
   // `secret`: the per-deployment key (keep it out of logs and configs checked into git).
@@ -44,6 +52,11 @@ class BlockHasher {
 
   // Hashes of every full block of `tokens`, in order, chained from `root`.
   std::vector<BlockHash> hash_prompt(const BlockHash& root, std::span<const int32_t> tokens) const;
+
+  // hash_prompt(root, tokens), or `sent.blocks` when they are that chain already: sent.root == root and one hash
+  // per full block of `tokens`. The caller vouches that `sent` was made from these tokens (the same request's
+  // prompt); a chain made with another key, namespace, model id or block size has another root and is recomputed.
+  std::vector<BlockHash> hash_prompt(const BlockHash& root, std::span<const int32_t> tokens, PromptHashes sent) const;
 
  private:
   SipKey secret_;

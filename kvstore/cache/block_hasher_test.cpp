@@ -97,6 +97,38 @@ TEST(BlockHasher, NoCollisionsAcrossManyBlocks) {
   }
 }
 
+TEST(BlockHasher, ASentChainIsReusedOnlyWhenItsRootAndLengthMatch) {
+  const BlockHasher hasher(test_key(1), 4);
+  const auto tokens = random_tokens(4 * 3 + 2, 7);  // 3 full blocks
+  const auto root = hasher.root("acme", "kimi");
+  const auto expected = hasher.hash_prompt(root, tokens);
+  ASSERT_EQ(expected.size(), 3u);
+
+  // The same chain, made by another party with the same settings: taken as is (not hashed again).
+  EXPECT_EQ(hasher.hash_prompt(root, tokens, PromptHashes{root, expected}), expected);
+  PromptHashes marked{root, expected};
+  marked.blocks[2].bytes[0] ^= 1;  // only to show which was returned: the caller vouches for what it sends
+  EXPECT_EQ(hasher.hash_prompt(root, tokens, marked), marked.blocks);
+
+  // Nothing sent, too few or too many hashes: computed here.
+  EXPECT_EQ(hasher.hash_prompt(root, tokens, PromptHashes{}), expected);
+  EXPECT_EQ(hasher.hash_prompt(root, tokens, PromptHashes{root, {expected[0], expected[1]}}), expected);
+  PromptHashes longer{root, expected};
+  longer.blocks.push_back(expected[0]);
+  EXPECT_EQ(hasher.hash_prompt(root, tokens, longer), expected);
+
+  // A chain rooted elsewhere (another key, namespace, model id or block size): computed here.
+  const BlockHasher other_key(test_key(2), 4), other_block(test_key(1), 2);
+  const std::vector<BlockHash> roots{other_key.root("acme", "kimi"), hasher.root("other", "kimi"),
+                                     hasher.root("acme", "other"), other_block.root("acme", "kimi")};
+  for (const BlockHash& other : roots) {
+    ASSERT_NE(other, root);
+    PromptHashes foreign{other, expected};
+    foreign.blocks[0].bytes[0] ^= 1;
+    EXPECT_EQ(hasher.hash_prompt(root, tokens, foreign), expected);
+  }
+}
+
 TEST(BlockHasher, SecretParsing) {
   auto key = parse_secret_hex("000102030405060708090a0b0c0d0E0F");
   ASSERT_TRUE(key.is_ok());

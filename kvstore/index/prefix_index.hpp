@@ -4,7 +4,7 @@
 // earlier incarnation of a worker, are dropped).
 //
 // The index is advisory: a lost or stale entry may cost a cache miss, never a wrong hit, because the
-// worker recomputes the block hashes and checks its own cache when the request arrives.
+// worker looks the prompt's block hashes up in its own cache when the request arrives.
 //
 // Thread-safety: every method may be called from any thread (RocksDB is thread-safe); apply() calls are
 // serialized internally so batches land in the order they were applied.
