@@ -277,7 +277,13 @@ TEST(TransferEngine, SenderThatNeverFinishesHitsTheDeadline) {
   ASSERT_TRUE(pair.send_all(/*finish=*/false).is_ok());
   auto [r, s] = pair.run();
   EXPECT_EQ(r.code(), StatusCode::kDeadlineExceeded) << r.to_string();
-  EXPECT_NE(r.message().find("6/6 pieces verified"), std::string::npos) << r.to_string();
+  // Both ends run under the descriptor's one deadline, so the receiver ends on whichever expiry it sees first: its
+  // own (every piece verified, no finish) or the sender's abort (every piece sent). A stall of the test thread
+  // between the two engines' progress calls decides which; both are this test's outcome.
+  const bool own_expiry = r.message().find("6/6 pieces verified") != std::string::npos;
+  const bool sender_expiry = r.message().find("sender aborted") != std::string::npos &&
+                             r.message().find("6/6 pieces sent") != std::string::npos;
+  EXPECT_TRUE(own_expiry || sender_expiry) << r.to_string();
   EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded);
   expect_released(*pair.receiver, 1);
   expect_released(*pair.sender, 1);
