@@ -1,8 +1,15 @@
-// Times deltaserve's CUDA KDA kernels (kernels/cuda/kda/kda.hpp) on the shapes of bench/gpu/kda.sh and prints one
-// JSON object per case (median of timed runs after warm-up, CUDA events; decode as graph replays of 20 layers).
-// bench/gpu/kda_report.py joins these with the peer (fla) timings and the ceilings of the same run.
+// kda_gpu_bench: deltaserve's CUDA KDA kernels (kernels/cuda/kda/kda.hpp) alone, on the shapes of bench/gpu/kda.sh.
+//
+// Measures: the chunked prefill (H = 32 and 96; T = 4k, 16k, 64k and a varlen batch; log-decays in (-5, 0), plus one
+// case in (-20, 0) that takes the exact diagonal path) and the decode step per layer (H = 32, B = 1 to 256, 20 layers
+// replayed as one CUDA graph). Medians of timed runs after warm-up, CUDA events.
+// Limit (kda_report.py, with the ceilings kda_fla_peer.py measures in the same run): prefill max(fewest bytes / device
+// copy bandwidth, FLOPs / bf16 GEMM rate); decode fewest bytes / copy bandwidth.
+// Peer: fla-core's chunk_kda (prefill) and fused_recurrent_kda (decode), kda_fla_peer.py, same shapes and run.
+//
 //   kda_gpu_bench [all | prefill | decode | prefill16k | decode64 | h=H[,t=T]]
-// (h=H: one prefill at H heads, T = 16384 unless given: how the two kernels scale with the grid under ncu.)
+// (h=H: one prefill at H heads, T = 16384 unless given.) Prints one JSON object per case; kda_report.py joins them
+// with the peer and the ceilings into bench/results records.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -143,15 +150,10 @@ void bench_prefill(const std::string& name, int H, const std::vector<int32_t>& l
   }
 }
 
-// kernel: which decode kernel (kDefault: what kda_decode_step picks on its own; its case keeps the plain name that
-// kda_report.py pairs with fla, the others get ",kernel=NAME,early=0|1"). early: KdaDecodeParams::early_state_loads
-// (valid here: each layer's predecessor in the graph is another layer's step).
-void bench_decode(int H, int B, int layers, KdaDecodeKernel kernel = KdaDecodeKernel::kDefault, bool early = false) {
-  const std::string name =
-      "H=" + std::to_string(H) + ",d=128,B=" + std::to_string(B) +
-      (kernel == KdaDecodeKernel::kDefault
-           ? std::string()
-           : std::string(",kernel=") + kda_decode_kernel_name(kernel) + ",early=" + (early ? "1" : "0"));
+// early: KdaDecodeParams::early_state_loads (valid here: each layer's predecessor in the graph is another layer's
+// step). Without it the case keeps the plain name that kda_report.py pairs with fla; with it the name gets ",early=1".
+void bench_decode(int H, int B, int layers, bool early = false) {
+  const std::string name = "H=" + std::to_string(H) + ",d=128,B=" + std::to_string(B) + (early ? ",early=1" : "");
   const int64_t C = int64_t{H} * 128;
   const int K = 4;
   std::vector<void*> owned;
@@ -198,7 +200,6 @@ void bench_decode(int H, int B, int layers, KdaDecodeKernel kernel = KdaDecodeKe
     p.conv_state = conv;
     p.state = state;
     p.out = out;
-    p.kernel = kernel;
     p.early_state_loads = early;
   }
   CHECK_CUDA(cudaGetLastError());
@@ -232,10 +233,9 @@ void bench_decode(int H, int B, int layers, KdaDecodeKernel kernel = KdaDecodeKe
   // Ratios to a nominal 4.26 TB/s copy (kda_report.py redoes them with the copy bandwidth measured in the run).
   const double state_bytes = 2.0 * B * H * 128 * 128 * 4;
   std::printf(
-      "{\"kind\": \"decode\", \"case\": \"%s\", \"kernel\": \"%s\", \"early\": %d, \"H\": %d, \"B\": %d, "
+      "{\"kind\": \"decode\", \"case\": \"%s\", \"early\": %d, \"H\": %d, \"B\": %d, "
       "\"us\": %.3f, \"bytes\": %.6e, \"ratio_4.26\": %.4f, \"state_ratio_4.26\": %.4f}\n",
-      name.c_str(), kda_decode_kernel_name(kernel), early ? 1 : 0, H, B, us, bytes, bytes / (us * 1e-6) / 4.26e12,
-      state_bytes / (us * 1e-6) / 4.26e12);
+      name.c_str(), early ? 1 : 0, H, B, us, bytes, bytes / (us * 1e-6) / 4.26e12, state_bytes / (us * 1e-6) / 4.26e12);
   std::fflush(stdout);
   CHECK_CUDA(cudaGraphExecDestroy(exec));
   CHECK_CUDA(cudaGraphDestroy(graph));
@@ -266,11 +266,9 @@ int main(int argc, char** argv) {
   }
   if (what == "decode64") bench_decode(32, 64, 20);
   if (what == "all" || what == "decode") {
-    // What kda_decode_step picks by default, then both kernels side by side (KdaDecodeKernel).
+    // Without and with early state loads.
     for (int B : {1, 8, 64, 256}) {
-      bench_decode(32, B, 20);
-      bench_decode(32, B, 20, KdaDecodeKernel::kV1);
-      for (const bool early : {false, true}) bench_decode(32, B, 20, KdaDecodeKernel::kCols1, early);
+      for (const bool early : {false, true}) bench_decode(32, B, 20, early);
     }
   }
   return 0;

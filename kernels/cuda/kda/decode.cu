@@ -1,103 +1,24 @@
-// Fused KDA decode step for sm_90a (contract in kda.hpp). Two kernels, picked by KdaDecodeParams::kernel:
-//
-// cols1 (the default): one CTA of 512 threads per (batch row, head); thread (rg, cgi) holds value columns
-// 4 cgi .. 4 cgi + 3 of state rows 8 rg .. 8 rg + 7 in registers (64 KiB of state per CTA, each byte read once and
-// written once). The L2 norms are scalars folded into u and o, the q/k sums of squares are reduced by the conv
-// warps themselves and column sums over the 16 row groups run on 4 threads per column, which leaves five
-// barriers instead of v1's seven. Launched with programmatic dependent launch, so a layer's CTAs become resident
-// while the previous kernel drains; with early_state_loads the state's loads are issued before waiting for it.
-//
-// v1 (DELTASERVE_KDA_DECODE=v1): the same CTA shape with plain launch, the norms applied to q and k in shared
-// memory, and seven barriers. Kept as the fallback that needs no programmatic dependent launch.
-//
-// Measured on the H200 (KdaDecodeGpu.VariantsTiming, H = 32, 8-layer graphs, us per layer; 2026-12-01,
-// integration build of branches mla/moe/kda/wgmoe/wgmla on 2026-12-01):
-//   B      v1      cols1   cols1 + early state loads
-//   1      5.03    4.67    4.11
-//   8      12.26   11.39   10.88
-//   64     84.02   80.73   78.94   (state bytes: 0.75 / 0.78 / 0.80 of 4.26 TB/s copy)
-//   256    327.64  315.40  311.88  (0.77 / 0.80 / 0.81)
-// Splitting a head's columns over 2 or 4 CTAs (clusters exchanging the output norm's sums) was slower at every
-// batch (B = 64: 85.20 / 98.80 us): more prologue per state byte and the cluster barriers (bench/gpu/NOTES.md).
-#include <algorithm>
-#include <cmath>
-#include <cstdlib>
-#include <cstring>
-#include <iterator>
+// Fused KDA decode step for sm_90a (contract in kda.hpp): one CTA of 512 threads per (batch row, head); thread
+// (rg, cgi) holds value columns 4 cgi .. 4 cgi + 3 of state rows 8 rg .. 8 rg + 7 in registers (64 KiB of state per
+// CTA, each byte read once and written once). The L2 norms are scalars folded into u and o, the q/k sums of squares
+// are reduced by the conv warps themselves and column sums over the 16 row groups run on 4 threads per column,
+// which leaves five barriers. Launched with programmatic dependent launch, so a layer's CTAs become resident while
+// the previous kernel drains; with early_state_loads the state's loads are issued before waiting for it.
+// A head's columns stay in one CTA: split over 2 or 4 CTAs (clusters exchanging the output norm's sums) the step
+// was slower at every batch size (more prologue per state byte, and the cluster barriers).
 #include <string>
 
 #include <cuda_bf16.h>
 
 #include "kernels/cuda/common/detail/bf16_stream.cuh"
-#include "kernels/cuda/kda/kda.hpp"
-#include "kernels/cuda/kda/detail/decode_common.cuh"
 #include "kernels/cuda/common/detail/mma_sm80.cuh"
+#include "kernels/cuda/kda/detail/decode_common.cuh"
+#include "kernels/cuda/kda/kda.hpp"
 
 namespace deltaserve::kernels::cuda {
 namespace {
 
 using namespace detail;  // NOLINT(google-build-using-namespace)
-
-__global__ void __launch_bounds__(kThreads, 2) kda_decode_kernel(DecodeArgs p) {
-  __shared__ float x_s[3][kD];  // q, k, v after conv + SiLU (q, k then normalised)
-  __shared__ float decay_s[kD], u_s[kD];
-  __shared__ __align__(16) float partial[kRowGroups][kD];
-  __shared__ float sums[16];
-  const int h = blockIdx.x, b = blockIdx.y;
-  const int H = p.num_heads, C = H * kD, K = p.conv_kernel;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int slot = p.slots[b];
-  const size_t row = static_cast<size_t>(b) * C;
-  if (slot < 0 || slot >= p.num_slots) {
-    if (tid < kD) p.out[row + h * kD + tid] = __float2bfloat16(0.0f);
-    return;
-  }
-  // State first, so its loads overlap the conv and norms: thread owns columns 4 cg .. 4 cg + 3 of rows
-  // 8 rg .. 8 rg + 7 (a warp is one row group: 32 x 16 bytes contiguous per row).
-  const int cgi = tid & 31, rg = tid >> 5;
-  float* state = p.state + ((static_cast<size_t>(slot) * H + h) * kD) * kD + cgi * 4;
-  float4 s[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) s[i] = __ldcs(reinterpret_cast<const float4*>(state + (rg * 8 + i) * kD));
-
-  // Short conv + SiLU: threads 0..383 = (which in q, k, v) x channel; each updates its own tail.
-  const int which = tid >> 7, c = tid & (kD - 1), channel = h * kD + c;
-  if (which < 3) {
-    const size_t tail_stride = static_cast<size_t>(K - 1);
-    bf16* tail = p.conv_state + ((static_cast<size_t>(slot) * 3 + which) * C + channel) * tail_stride;
-    const bf16* input = which == 0 ? p.q_in : (which == 1 ? p.k_in : p.v_in);
-    const float* weight = (which == 0 ? p.q_conv_weight : (which == 1 ? p.k_conv_weight : p.v_conv_weight)) +
-                          static_cast<size_t>(channel) * K;
-    float t[3] = {};
-#pragma unroll
-    for (int j = 0; j < 3; ++j) {
-      if (j < K - 1) t[j] = __bfloat162float(tail[j]);
-    }
-    x_s[which][c] = conv_step(weight, t, __bfloat162float(input[row + channel]), K);
-#pragma unroll
-    for (int j = 0; j < 3; ++j) {
-      if (j < K - 1) tail[j] = __float2bfloat16(t[j]);  // exact: every tail value is a bf16 input
-    }
-  } else {
-    decay_s[c] = gate_decay(p, row, channel, h);  // decay = e^g
-  }
-  __syncthreads();
-  normalize_qk(x_s, sums, warp, lane, c);
-  const float beta = sigmoid(__bfloat162float(p.beta_raw[static_cast<size_t>(b) * H + h]));
-  __syncthreads();
-
-  // S = Diag(e^g) S and the partial S^T k of this thread's rows.
-  const float4 ks = decay_rows_partial_sk(s, decay_s, x_s[1], rg);
-  *reinterpret_cast<float4*>(&partial[rg][cgi * 4]) = ks;
-  __syncthreads();
-  delta_u(u_s, partial, x_s[2], beta, tid);
-  __syncthreads();
-  const float4 u = *reinterpret_cast<const float4*>(&u_s[cgi * 4]);
-  const float4 o = update_rows_partial_o<true>(s, u, x_s[1], x_s[0], rg, state);
-  *reinterpret_cast<float4*>(&partial[rg][cgi * 4]) = o;
-  __syncthreads();
-  gated_rms_norm_out(p, partial, sums, row, h, tid, lane, warp);
-}
 
 // Programmatic dependent launch (sm_90): wait until the grid before this one on the stream has finished and its
 // writes are visible / let the grid after this one become resident. Both are no-ops without the launch attribute.
@@ -164,7 +85,7 @@ constexpr int kGatePieces = 8;  // 16-byte weight pieces a thread: f_b 0..3, g_b
 // (One CTA an SM for the fused gates: they are for small batches, and 64 registers would spill.)
 template <bool kFusedGates>
 __global__ void __launch_bounds__(kThreads, kFusedGates ? 1 : 2)
-    kda_decode_cols1_kernel(DecodeArgs p, int early_state_loads) {
+    kda_decode_kernel(DecodeArgs p, int early_state_loads) {
   constexpr int kGroups = kD / 4;         // float4 column groups per state row
   constexpr int kPartialStride = kD + 8;  // the 4 threads of a column read rows q, q + 4, ...: 4 distinct banks
   static_assert(kThreads / kGroups == kRowGroups, "16 row groups of 8 rows");
@@ -332,103 +253,30 @@ __global__ void __launch_bounds__(kThreads, kFusedGates ? 1 : 2)
   }
 }
 
-constexpr KdaDecodeKernel kBuiltInDefault = KdaDecodeKernel::kCols1;
-constexpr KdaDecodeKernel kKernels[] = {KdaDecodeKernel::kV1, KdaDecodeKernel::kCols1};
-
-// DELTASERVE_KDA_DECODE, read once per process: kDefault when unset or empty; `valid` false for an unknown name.
-struct EnvironmentKernel {
-  KdaDecodeKernel kernel = KdaDecodeKernel::kDefault;
-  bool valid = true;
-  std::string value;
-};
-
-const EnvironmentKernel& environment_kernel() {
-  static const EnvironmentKernel parsed = [] {
-    EnvironmentKernel result;
-    const char* value = std::getenv("DELTASERVE_KDA_DECODE");
-    if (value == nullptr || *value == '\0') return result;
-    result.value = value;
-    result.valid = false;
-    for (const KdaDecodeKernel kernel : kKernels) {
-      if (std::strcmp(value, kda_decode_kernel_name(kernel)) == 0) {
-        result.kernel = kernel;
-        result.valid = true;
-      }
-    }
-    return result;
-  }();
-  return parsed;
-}
-
-Status launch_cols1(const DecodeArgs& args, const KdaDecodeParams& p, cudaStream_t stream) {
+Status launch_decode(const DecodeArgs& args, const KdaDecodeParams& p, cudaStream_t stream) {
   const int early = p.early_state_loads ? 1 : 0;
   const dim3 grid(static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch));
   if (p.gate_low == nullptr) {
-    return launch_kernel_ex(true, kda_decode_cols1_kernel<false>, grid, dim3(kThreads), 0, stream,
-                            "kda_decode_step (cols1)", args, early);
+    return launch_kernel_ex(true, kda_decode_kernel<false>, grid, dim3(kThreads), 0, stream, "kda_decode_step", args,
+                            early);
   }
   constexpr size_t kGateSmem = size_t{kGatePieces} * kThreads * sizeof(uint4);
   static const cudaError_t attribute = cudaFuncSetAttribute(
-      kda_decode_cols1_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kGateSmem));
+      kda_decode_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kGateSmem));
   if (attribute != cudaSuccess) {
-    return internal_error(std::string("kda_decode_step (cols1, fused gates): shared memory attribute: ") +
+    return internal_error(std::string("kda_decode_step (fused gates): shared memory attribute: ") +
                           cudaGetErrorString(attribute));
   }
-  return launch_kernel_ex(true, kda_decode_cols1_kernel<true>, grid, dim3(kThreads), kGateSmem, stream,
-                          "kda_decode_step (cols1, fused gates)", args, early);
+  return launch_kernel_ex(true, kda_decode_kernel<true>, grid, dim3(kThreads), kGateSmem, stream,
+                          "kda_decode_step (fused gates)", args, early);
 }
 
 }  // namespace
 
-int kda_fused_gate_max_rows() {
-  static const int rows = [] {
-    constexpr int kDefaultRows = 4;
-    const char* value = std::getenv("DELTASERVE_KDA_FUSED_GATES");
-    if (value == nullptr || *value == '\0') return kDefaultRows;
-    char* end = nullptr;
-    const long parsed = std::strtol(value, &end, 10);
-    return *end == '\0' && parsed >= 0 ? static_cast<int>(std::min<long>(parsed, 65535)) : kDefaultRows;
-  }();
-  return rows;
-}
-
-const char* kda_decode_kernel_name(KdaDecodeKernel kernel) {
-  switch (kernel) {
-    case KdaDecodeKernel::kDefault:
-      return "default";
-    case KdaDecodeKernel::kV1:
-      return "v1";
-    case KdaDecodeKernel::kCols1:
-      return "cols1";
-  }
-  return "unknown";
-}
-
 Status kda_decode_step(const KdaDecodeParams& p, cudaStream_t stream) {
   DS_RETURN_IF_ERROR(validate_decode_params(p, "kda_decode_step"));
-  KdaDecodeKernel kernel = p.kernel;
-  if (std::find(std::begin(kKernels), std::end(kKernels), kernel) == std::end(kKernels) &&
-      kernel != KdaDecodeKernel::kDefault) {
-    return invalid_argument("kda_decode_step: unknown kernel " + std::to_string(static_cast<int>(kernel)));
-  }
-  if (kernel == KdaDecodeKernel::kDefault) {
-    const EnvironmentKernel& environment = environment_kernel();
-    if (!environment.valid) {
-      return invalid_argument("kda_decode_step: DELTASERVE_KDA_DECODE must be v1 or cols1, got '" + environment.value +
-                              "'");
-    }
-    kernel = environment.kernel == KdaDecodeKernel::kDefault ? kBuiltInDefault : environment.kernel;
-  }
-  if (p.gate_low != nullptr && kernel != KdaDecodeKernel::kCols1) {
-    return unimplemented(std::string("kda_decode_step: gate_low (fused low-rank gates) needs the cols1 kernel, not ") +
-                         kda_decode_kernel_name(kernel));
-  }
   if (p.batch == 0) return Status::ok();
-  const DecodeArgs args = make_decode_args(p);
-  if (kernel == KdaDecodeKernel::kCols1) return launch_cols1(args, p, stream);
-  kda_decode_kernel<<<dim3(static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.batch)), kThreads, 0, stream>>>(
-      args);
-  return launch_status("kda_decode_step");
+  return launch_decode(make_decode_args(p), p, stream);
 }
 
 }  // namespace deltaserve::kernels::cuda

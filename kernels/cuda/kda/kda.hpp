@@ -66,13 +66,13 @@ struct KdaPrefillParams {
   //   kPerHeadOverlapped: kPerHead launched first and the prep beside it (programmatic dependent launch), chunk by
   //              chunk: each state CTA reads a chunk's factors once the prep flags them, so the chain runs while
   //              the prep computes later chunks (one SM a CTA). Taken only when the (head, sequence) CTAs fill at
-  //              most half the SMs (every one of them then resident; the prep never waits for them); else as kAuto.
-  //              A CTA whose first chunk is not flagged within overlap_wait_us (kernels serialised, so the prep
-  //              is not running beside it) leaves its work to a second launch of the pass after the prep. Never
-  //              chosen by kAuto yet. Measured on the H200 at H = 32 (2026-12-02, before that fallback): T = 4k /
-  //              16k / 64k 0.188 / 0.621 / 2.368 ms against 0.216 / 0.767 / 2.953 with the default pass;
-  //   kAuto:     kPerHead when 2 H CTAs would not fit on the GPU at once, else kPerSlice. The environment variable
-  //              DELTASERVE_KDA_STATE_PASS=slice|head|overlap overrides kAuto (for A/B measurements).
+  //              most half the SMs (every one of them then resident; the prep never waits for them); else as kAuto
+  //              without it. A CTA whose first chunk is not flagged within overlap_wait_us (kernels serialised, so
+  //              the prep is not running beside it) leaves its work to a second launch of the pass after the prep;
+  //   kAuto:     kPerHeadOverlapped where its precondition holds (few heads and sequences: the chain is the
+  //              critical path); else kPerHead when 2 H CTAs would not fit on the GPU at once (one wave instead of
+  //              two), else kPerSlice.
+  // The tests force each pass; the engine leaves kAuto.
   KdaStatePass state_pass = KdaStatePass::kAuto;
   // kPerHeadOverlapped: how long a state CTA waits for the prep's first chunk before it leaves its (head, sequence)
   // to a second launch of the pass after the prep (so serialised kernels cost time, never a hang). >= 0; 0: always
@@ -104,17 +104,6 @@ int64_t kda_prefill_checkpoint_count(const std::vector<int32_t>& cu_seqlens, int
                                          int num_heads, cudaStream_t stream);
 
 // ---- fused decode step ------------------------------------------------------------------------------------
-// Which kernel kda_decode_step runs (both one CTA of 512 threads per (row, head); kda_decode.cu has the H200
-// figures: cols1 is 4-6 % faster at B >= 64 and 7-18 % at B <= 8, measured 2026-12-01).
-//   kCols1: the default. Norms folded into scalars, five barriers, programmatic dependent launch (see
-//           early_state_loads below).
-//   kV1:    plain launch, seven barriers; the fallback.
-//   kDefault: DELTASERVE_KDA_DECODE=v1|cols1 when set (read once per process), else kCols1.
-enum class KdaDecodeKernel { kDefault, kV1, kCols1 };
-
-// "v1", "cols1" ("default" for kDefault).
-const char* kda_decode_kernel_name(KdaDecodeKernel kernel);
-
 // One token per batch row; each row's recurrent state and conv tails live in a slot pool and are updated in
 // place. Fuses: short conv + SiLU (q, k, v), L2 norm (q scaled by d^-0.5), gate, beta = sigmoid, the
 // recurrent update, o = S^T q, and the gated RMSNorm of o. No allocation, no host sync: CUDA-graph capturable.
@@ -134,7 +123,7 @@ struct KdaDecodeParams {
   const __nv_bfloat16* gate_raw = nullptr;  // [B, H*d] f_b(f_a(x))
   const __nv_bfloat16* beta_raw = nullptr;  // [B, H] b_proj(x) logits (sigmoid applied inside)
   const __nv_bfloat16* out_gate = nullptr;  // [B, H*d] output gate logits (sigmoid applied inside)
-  // Optional, cols1 only (v1 and the speculative kernels reject it): the gate logits from the layer's low-rank
+  // Optional (the speculative kernels reject it): the gate logits from the layer's low-rank
   // up-projections inside the step instead of gate_raw (and out_gate): gate_raw[b, c] = f_b[c, :] · gate_low[b,
   // 0:128] and, with g_b set, out_gate[b, c] = g_b[c, :] · gate_low[b, 128:256], each summed in fp32 and rounded to
   // bf16 like the projection GEMM's outputs (gate_raw / out_gate are then not read and may be null). It saves the
@@ -161,26 +150,22 @@ struct KdaDecodeParams {
 
   __nv_bfloat16* out = nullptr;  // [B, H*d] gated, normalised output (input of o_proj)
 
-  KdaDecodeKernel kernel = KdaDecodeKernel::kDefault;
-  // cols1 is launched with programmatic dependent launch: its CTAs may become resident while the kernel before
+  // The step is launched with programmatic dependent launch: its CTAs may become resident while the kernel before
   // it on the stream drains, and wait for that kernel to finish (and its writes to be visible) before they read
   // or write anything. With early_state_loads they read `slots` and issue the state's loads before that wait, so
-  // the state streams in during the previous kernel's tail (measured: B = 64 80.73 -> 78.94 us per layer). Set it
-  // only when the kernel enqueued just before this one on the stream writes neither `state` nor `slots` (e.g. the
-  // previous layer's decode step or the layer's projections) and does not start its own dependents before its
-  // predecessors finished. Ignored by kV1 (the spec verify/commit kernels, which share these params, ignore both
-  // fields).
+  // the state streams in during the previous kernel's tail. Set it only when the kernel enqueued just before this
+  // one on the stream writes neither `state` nor `slots` (e.g. the previous layer's decode step or the layer's
+  // projections) and does not start its own dependents before its predecessors finished. The spec verify/commit
+  // kernels, which share these params, ignore it.
   bool early_state_loads = false;
 };
 
 [[nodiscard]] Status kda_decode_step(const KdaDecodeParams& params, cudaStream_t stream);
 
 // Up to how many batch rows a caller should pass the low-rank gates to the decode step (KdaDecodeParams::gate_low)
-// instead of running their up-projections as a GEMM: DELTASERVE_KDA_FUSED_GATES (read once per process; a
-// non-negative integer, 0: never), 4 when unset or not such an integer. Measured on the H200 (Kimi-Linear-48B decode
-// step, ctx 4k, graphs, 2026-12-01, bench/results/engine_gpu_ab.jsonl): 2.777 / 3.962 / 5.639 -> 2.769 / 3.911 /
-// 5.580 ms at 1 / 2 / 4 rows; larger batches are not measured and keep the GEMM.
-[[nodiscard]] int kda_fused_gate_max_rows();
+// instead of running their up-projections as a GEMM: below it, saving the GEMM's launch wins; above it, every
+// (row, head) CTA re-reading its head's f_b (and g_b) costs more than the GEMM.
+constexpr int kKdaFusedGateMaxRows = 4;
 
 // ---- speculative decoding ---------------------------------------------------------------------------------
 // Device buffers of one verify/commit pair (kept by the caller between the two calls).

@@ -3,14 +3,14 @@
 // state and conv tails untouched (the running state lives in registers only), and saves each token's projected
 // inputs (k after the L2 norm, v after the conv, e^g, beta): 1.5 KiB per token and head against 64 KiB of state.
 // Commit then rebuilds the state on chip from those saved inputs for the accepted prefix only and writes it, and
-// shifts the accepted raw inputs into the conv tails. Same CTA layout as kda_decode.cu (512 threads per row, head).
+// shifts the accepted raw inputs into the conv tails. Same CTA layout as decode.cu (512 threads per row, head).
 #include <cmath>
 #include <string>
 
 #include <cuda_bf16.h>
 
-#include "kernels/cuda/kda/kda.hpp"
 #include "kernels/cuda/kda/detail/decode_common.cuh"
+#include "kernels/cuda/kda/kda.hpp"
 
 namespace deltaserve::kernels::cuda {
 namespace {
@@ -163,7 +163,8 @@ __global__ void __launch_bounds__(kThreads, 2) kda_spec_commit_kernel(DecodeArgs
 
 Status validate_spec(const KdaDecodeParams& p, int draft_tokens, const KdaSpecBuffers& buffers, const char* who) {
   DS_RETURN_IF_ERROR(validate_decode_params(p, who));
-  if (p.gate_low != nullptr) return unimplemented(std::string(who) + ": gate_low (fused low-rank gates) is cols1 only");
+  if (p.gate_low != nullptr)
+    return unimplemented(std::string(who) + ": gate_low (fused low-rank gates) is kda_decode_step only");
   if (draft_tokens < 1 || draft_tokens > kMaxDraft) {
     return invalid_argument(std::string(who) + ": draft_tokens must be in [1, 16], got " +
                             std::to_string(draft_tokens));

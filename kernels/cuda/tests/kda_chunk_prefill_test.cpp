@@ -1,7 +1,7 @@
 // GPU chunked prefill vs the CPU recurrence (kernels/cpu/kda.hpp), on random inputs (ctest label gpu).
 // Inputs are rounded to bf16 first and the CPU runs on the rounded values, so the error measured is the
 // kernel's own (bf16 operands of the tensor-core products, fp32 state). Tolerances: relative L2 error of
-// o, final states and checkpoints <= 2e-2 (bf16-operand products; METHOD: 1e-3..1e-2 expected).
+// o, final states and checkpoints <= 2e-2 (bf16-operand products: errors of 1e-3..1e-2 expected).
 #include <cstdio>
 #include <optional>
 #include <string>

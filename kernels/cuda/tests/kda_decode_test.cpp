@@ -2,17 +2,16 @@
 // kda_gate, sigmoid, kda_recurrent, kda_gated_output_norm), ctest label gpu. Inputs are bf16-representable.
 // Tolerances: the state is fp32 on both sides (relative L2 <= 1e-5); the conv tails are bf16 on the device and hold
 // bf16 inputs, so they match exactly (<= 1e-6); the bf16 output <= 1e-2. Slots not in the batch must stay
-// bit-identical; skipped rows (slot < 0) output zeros (the output starts as NaN). Every case runs both kernels
-// (KdaDecodeKernel: v1, cols1); cases with several layers launch them back to back per step (each its own state, tails
-// and output), which is where early state loads may overlap.
+// bit-identical; skipped rows (slot < 0) output zeros (the output starts as NaN). Cases with several layers launch
+// them back to back per step (each its own state, tails and output), which is where early state loads may overlap.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <optional>
 #include <string>
 
-#include "kernels/cuda/tests/gpu_test_graph.hpp"
 #include "kernels/cuda/kda/kda.hpp"
+#include "kernels/cuda/tests/gpu_test_graph.hpp"
 #include "kernels/cuda/tests/kda_decode_test_util.hpp"
 #include "kernels/cuda/tests/kda_test_util.hpp"
 
@@ -32,14 +31,11 @@ struct DecodeCase {
   uint32_t seed = 1;
   int layers = 1;                  // launched in order each step, each with its own state, tails and output
   bool early_state_loads = false;  // valid with layers >= 2: the kernel before a layer's is another layer's
-  // cols1 only: 1 = the gate logits from gate_low and f_b inside the kernel, 2 = the output gate's from g_b too.
+  // 1 = the gate logits from gate_low and f_b inside the kernel, 2 = the output gate's from g_b too.
   int fused_gates = 0;
 };
 
-constexpr KdaDecodeKernel kAllKernels[] = {KdaDecodeKernel::kV1, KdaDecodeKernel::kCols1};
-
-void run_decode_case_once(const DecodeCase& c, KdaDecodeKernel kernel) {
-  const char* name = kda_decode_kernel_name(kernel);
+void run_decode_case(const DecodeCase& c) {
   std::mt19937 rng(c.seed);
   const int H = c.heads, K = c.conv_kernel, B = static_cast<int>(c.slots.size());
   const int64_t C = static_cast<int64_t>(H) * kD;
@@ -106,7 +102,6 @@ void run_decode_case_once(const DecodeCase& c, KdaDecodeKernel kernel) {
     p.conv_state = conv_d.get() + l * layer_tails;
     p.state = state_d.get() + l * layer_states;
     p.out = out_d.get() + static_cast<size_t>(l) * B * C;
-    p.kernel = kernel;
     p.early_state_loads = c.early_state_loads;
     if (c.fused_gates) {
       p.gate_raw = nullptr;  // not read
@@ -160,9 +155,9 @@ void run_decode_case_once(const DecodeCase& c, KdaDecodeKernel kernel) {
   const double state_error = relative_error(state_got.data(), state_ref.data(), state_got.size());
   const double conv_error = relative_error(conv_got.data(), conv_ref.data(), conv_got.size());
   std::printf(
-      "[ kda decode %s ] B=%d H=%d K=%d layers=%d steps=%d graph=%d early=%d lb=%d fused_gates=%d: out %.2e, state "
+      "[ kda decode ] B=%d H=%d K=%d layers=%d steps=%d graph=%d early=%d lb=%d fused_gates=%d: out %.2e, state "
       "%.2e, conv tails %.2e\n",
-      name, B, H, K, L, c.steps, c.graph ? 1 : 0, c.early_state_loads ? 1 : 0, c.lower_bound ? 1 : 0, c.fused_gates,
+      B, H, K, L, c.steps, c.graph ? 1 : 0, c.early_state_loads ? 1 : 0, c.lower_bound ? 1 : 0, c.fused_gates,
       out_error, state_error, conv_error);
   if (state_error > 1e-5 || out_error > 1e-2 || conv_error > 1e-6) {
     // First wrong (layer, slot, head, key row, value column), tail and output element, to tell a misplaced item
@@ -171,16 +166,16 @@ void run_decode_case_once(const DecodeCase& c, KdaDecodeKernel kernel) {
       const float want = state_ref[i], got = state_got[i];
       if (!(std::abs(got - want) <= 1e-4f * (1.0f + std::abs(want)))) {
         const size_t per_head = static_cast<size_t>(kD) * kD, j = i % layer_states;
-        ADD_FAILURE() << name << ": first state mismatch at layer " << i / layer_states << " slot " << j / state_size
-                      << " head " << (j % state_size) / per_head << " key row " << (j % per_head) / kD << " column "
-                      << j % kD << ": got " << got << ", want " << want;
+        ADD_FAILURE() << "first state mismatch at layer " << i / layer_states << " slot " << j / state_size << " head "
+                      << (j % state_size) / per_head << " key row " << (j % per_head) / kD << " column " << j % kD
+                      << ": got " << got << ", want " << want;
         break;
       }
     }
     for (size_t i = 0; i < conv_got.size(); ++i) {
       if (!(std::abs(conv_got[i] - conv_ref[i]) <= 1e-5f * (1.0f + std::abs(conv_ref[i])))) {
         const size_t j = i % layer_tails, per_slot = tail_size, per_which = per_slot / 3;
-        ADD_FAILURE() << name << ": first conv tail mismatch at layer " << i / layer_tails << " slot " << j / per_slot
+        ADD_FAILURE() << "first conv tail mismatch at layer " << i / layer_tails << " slot " << j / per_slot
                       << " which " << (j % per_slot) / per_which << " channel "
                       << (j % per_which) / static_cast<size_t>(K - 1) << ": got " << conv_got[i] << ", want "
                       << conv_ref[i];
@@ -189,9 +184,8 @@ void run_decode_case_once(const DecodeCase& c, KdaDecodeKernel kernel) {
     }
     for (size_t i = 0; i < out.size(); ++i) {
       if (!(std::abs(out[i] - out_ref[i]) <= 2e-2f * (1.0f + std::abs(out_ref[i])))) {
-        ADD_FAILURE() << name << ": first output mismatch at layer " << i / (B * C) << " row " << (i / C) % B
-                      << " head " << (i % C) / kD << " column " << i % kD << ": got " << out[i] << ", want "
-                      << out_ref[i];
+        ADD_FAILURE() << "first output mismatch at layer " << i / (B * C) << " row " << (i / C) % B << " head "
+                      << (i % C) / kD << " column " << i % kD << ": got " << out[i] << ", want " << out_ref[i];
         break;
       }
     }
@@ -205,27 +199,16 @@ void run_decode_case_once(const DecodeCase& c, KdaDecodeKernel kernel) {
       if (std::find(c.slots.begin(), c.slots.end(), slot) != c.slots.end()) continue;
       const size_t state_at = l * layer_states + slot * state_size, tail_at = l * layer_tails + slot * tail_size;
       EXPECT_EQ(0, std::memcmp(state_got.data() + state_at, state.data() + state_at, state_size * sizeof(float)))
-          << name << ": layer " << l << " slot " << slot << " state changed";
+          << "layer " << l << " slot " << slot << " state changed";
       EXPECT_EQ(0, std::memcmp(conv_got.data() + tail_at, conv_state.data() + tail_at, tail_size * sizeof(float)))
-          << name << ": layer " << l << " slot " << slot << " conv tails changed";
+          << "layer " << l << " slot " << slot << " conv tails changed";
     }
     for (int b = 0; b < B; ++b) {
       if (c.slots[b] >= 0) continue;
       for (int64_t i = 0; i < C; ++i) {
-        ASSERT_EQ(out[(l * B + b) * C + i], 0.0f) << name << ": layer " << l << " skipped row " << b;
+        ASSERT_EQ(out[(l * B + b) * C + i], 0.0f) << "layer " << l << " skipped row " << b;
       }
     }
-  }
-}
-
-void run_decode_case(const DecodeCase& c) {
-  if (c.fused_gates) {  // cols1 only
-    run_decode_case_once(c, KdaDecodeKernel::kCols1);
-    return;
-  }
-  for (const KdaDecodeKernel kernel : kAllKernels) {
-    SCOPED_TRACE(std::string("kernel ") + kda_decode_kernel_name(kernel));
-    run_decode_case_once(c, kernel);
   }
 }
 
@@ -274,7 +257,7 @@ TEST(KdaDecodeGpu, MostlySkippedRows) {
 }
 
 // Three layers per step, so each kernel's predecessor on the stream is another layer's decode step: with early
-// state loads cols1 issues its state loads before that kernel has finished (programmatic dependent
+// state loads the step issues its state loads before that kernel has finished (programmatic dependent
 // launch). Odd batch with skipped rows; eager and as a graph; short conv and softplus gate too.
 TEST(KdaDecodeGpu, EarlyStateLoadsLayersEagerAndGraph) {
   std::vector<int32_t> slots;
@@ -299,13 +282,13 @@ TEST(KdaDecodeGpu, EarlyStateLoadsLayersEagerAndGraph) {
 }
 
 // Five eager steps of one layer: each kernel's predecessor on the stream writes the same state (no early loads),
-// so cols1, launched as a programmatic dependent, must wait for it before it loads anything.
+// so the step, launched as a programmatic dependent, must wait for it before it loads anything.
 TEST(KdaDecodeGpu, SameStateBackToBackEager) {
   run_decode_case({.heads = 32, .num_slots = 9, .slots = {8, 0, 5, -1, 2}, .steps = 5, .seed = 14});
 }
 
-// The gate (and output-gate) logits from the low-rank up-projections inside cols1: one layer eager with skipped rows,
-// the softplus gate, and three layers with early state loads as a graph (the engine's setting at small batches).
+// The gate (and output-gate) logits from the low-rank up-projections inside the step: one layer eager with skipped
+// rows, the softplus gate, and three layers with early state loads as a graph (the engine's setting at small batches).
 TEST(KdaDecodeGpu, FusedLowRankGates) {
   for (const int fused : {1, 2}) {
     SCOPED_TRACE("fused_gates " + std::to_string(fused));
@@ -344,9 +327,6 @@ TEST(KdaDecodeGpu, FusedLowRankGatesValidation) {
   p.gate_low_stride = 2 * kD;
   p.f_b = weights_d.get();
   p.g_b = weights_d.get() + kD * kD;
-  p.kernel = KdaDecodeKernel::kV1;
-  EXPECT_EQ(kda_decode_step(p, nullptr).code(), StatusCode::kUnimplemented);  // cols1 only
-  p.kernel = KdaDecodeKernel::kCols1;
   p.gate_low_stride = kD;  // g_b needs the second half
   EXPECT_EQ(kda_decode_step(p, nullptr).code(), StatusCode::kInvalidArgument);
   p.gate_low_stride = 2 * kD + 4;  // not a multiple of 8
@@ -379,26 +359,18 @@ TEST(KdaDecodeGpu, ValidationRejectsBadInputs) {
   p.batch = 0;
   p.lower_bound.reset();
   EXPECT_TRUE(kda_decode_step(p, nullptr).is_ok());  // nothing to do
-  p.kernel = static_cast<KdaDecodeKernel>(17);
-  EXPECT_EQ(kda_decode_step(p, nullptr).code(), StatusCode::kInvalidArgument);
 }
 
-// Per-layer time of both kernels at H = 32, K = 4, B in {1, 8, 64, 256}: 8-layer graphs (each layer its own
-// state and tails, as in a model), mean over 20 replays after 3 warm-up replays. One line per (B, kernel, early)
-// with the bytes it moves as a ratio to 4.26 TB/s (state bytes alone, and all bytes) and v1's time in the same
-// run. Asserts correctness only: after the same 23 steps from the same start, each kernel's states (first slots
-// of layer 0) and last-layer outputs match v1's.
-TEST(KdaDecodeGpu, VariantsTiming) {
+// Per-layer time of the step without and with early state loads at H = 32, K = 4, B in {1, 8, 64, 256}: 8-layer
+// graphs (each layer its own state and tails, as in a model), mean over 20 replays after 3 warm-up replays. One
+// line per (B, early) with the bytes it moves as a ratio to 4.26 TB/s (state bytes alone, and all bytes) and the
+// time without early loads in the same run. Asserts correctness only: after the same 23 steps from the same start,
+// the states (first slots of layer 0) and last-layer outputs with early loads match those without.
+TEST(KdaDecodeGpu, EarlyStateLoadsTiming) {
   constexpr int H = 32, K = 4, kLayers = 8, kWarmup = 3, kReplays = 20;
   constexpr double kCopyBytesPerSecond = 4.26e12;
   constexpr int64_t C = int64_t{H} * kD;
   const size_t slot_state = static_cast<size_t>(H) * kD * kD, slot_tails = static_cast<size_t>(3 * C * (K - 1));
-  struct Variant {
-    KdaDecodeKernel kernel;
-    bool early;
-  };
-  const Variant variants[] = {
-      {KdaDecodeKernel::kV1, false}, {KdaDecodeKernel::kCols1, false}, {KdaDecodeKernel::kCols1, true}};
   std::mt19937 rng(21);
   const KdaDecodeWeights w(rng, H, K);
   // One slot's state and tails, copied into every (layer, slot) before each kernel runs.
@@ -430,11 +402,10 @@ TEST(KdaDecodeGpu, VariantsTiming) {
     const double state_bytes = 2.0 * B * H * kD * kD * 4;
     const double all_bytes = state_bytes + 2.0 * B * 3 * C * (K - 1) * 2 + B * (5.0 * C + H) * 2 + B * C * 2.0;
     const int compared_slots = std::min(B, 8);
-    std::vector<float> v1_state, v1_out;
-    double v1_us = 0.0;
-    for (const Variant& variant : variants) {
-      const char* name = kda_decode_kernel_name(variant.kernel);
-      SCOPED_TRACE(std::string("B=") + std::to_string(B) + " kernel " + name + (variant.early ? " early" : ""));
+    std::vector<float> plain_state, plain_out;
+    double plain_us = 0.0;
+    for (const bool early : {false, true}) {
+      SCOPED_TRACE(std::string("B=") + std::to_string(B) + (early ? " early" : ""));
       for (int i = 0; i < kLayers * B; ++i) {
         DS_CUDA_OK(cudaMemcpyAsync(state_d.get() + i * slot_state, state_pattern.get(), slot_state * sizeof(float),
                                    cudaMemcpyDeviceToDevice, stream));
@@ -442,10 +413,7 @@ TEST(KdaDecodeGpu, VariantsTiming) {
                                    slot_tails * sizeof(__nv_bfloat16), cudaMemcpyDeviceToDevice, stream));
       }
       DS_CUDA_OK(cudaMemsetAsync(out_d.get(), 0xff, out_d.size() * sizeof(__nv_bfloat16), stream));  // NaN
-      for (KdaDecodeParams& p : params) {
-        p.kernel = variant.kernel;
-        p.early_state_loads = variant.early;
-      }
+      for (KdaDecodeParams& p : params) p.early_state_loads = early;
       const auto step = [&](cudaStream_t s) {
         Status status = Status::ok();
         for (const KdaDecodeParams& p : params) {
@@ -462,21 +430,21 @@ TEST(KdaDecodeGpu, VariantsTiming) {
       DS_CUDA_OK(cudaMemcpy(out_raw.data(), params.back().out, out_raw.size() * sizeof(__nv_bfloat16),
                             cudaMemcpyDeviceToHost));
       const std::vector<float> out = to_float(out_raw, out_raw.size());
-      if (variant.kernel == KdaDecodeKernel::kV1) {
-        v1_us = us;
-        v1_state = state;
-        v1_out = out;
-        for (const float value : out) ASSERT_TRUE(std::isfinite(value)) << "v1 output not finite";
+      if (!early) {
+        plain_us = us;
+        plain_state = state;
+        plain_out = out;
+        for (const float value : out) ASSERT_TRUE(std::isfinite(value)) << "output not finite";
       } else {
-        EXPECT_LE(relative_error(state.data(), v1_state.data(), state.size()), 1e-4);
-        EXPECT_LE(relative_error(out.data(), v1_out.data(), out.size()), 1e-2);
+        EXPECT_LE(relative_error(state.data(), plain_state.data(), state.size()), 1e-4);
+        EXPECT_LE(relative_error(out.data(), plain_out.data(), out.size()), 1e-2);
       }
       std::printf(
-          "[ kda decode timing ] H=%d B=%d kernel=%s early=%d: %.2f us per layer (%d-layer graph, mean of %d); state "
-          "%.1f MB -> %.3f of 4.26 TB/s, all %.1f MB -> %.3f; v1 %.2f us in this run (%.2fx)\n",
-          H, B, name, variant.early ? 1 : 0, us, kLayers, kReplays, state_bytes / 1e6,
+          "[ kda decode timing ] H=%d B=%d early=%d: %.2f us per layer (%d-layer graph, mean of %d); state "
+          "%.1f MB -> %.3f of 4.26 TB/s, all %.1f MB -> %.3f; without early loads %.2f us in this run (%.2fx)\n",
+          H, B, early ? 1 : 0, us, kLayers, kReplays, state_bytes / 1e6,
           state_bytes / (us * 1e-6) / kCopyBytesPerSecond, all_bytes / 1e6,
-          all_bytes / (us * 1e-6) / kCopyBytesPerSecond, v1_us, v1_us / us);
+          all_bytes / (us * 1e-6) / kCopyBytesPerSecond, plain_us, plain_us / us);
       std::fflush(stdout);
     }
   }

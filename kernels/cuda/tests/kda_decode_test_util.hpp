@@ -78,8 +78,7 @@ struct KdaDecodeInputs {
   DeviceBuffer<__nv_bfloat16> q_d, k_d, v_d, gate_d, beta_d, og_d;
 };
 
-// The step parameters over these inputs and weights (head dim 128, default kernel); the caller sets conv_state,
-// state, out and the kernel choice.
+// The step parameters over these inputs and weights (head dim 128); the caller sets conv_state, state and out.
 inline KdaDecodeParams kda_decode_params(int batch, int H, int K, int num_slots, const int32_t* slots,
                                          const KdaDecodeInputs& in, const KdaDecodeWeights& w,
                                          std::optional<float> lower_bound, float rms_eps) {

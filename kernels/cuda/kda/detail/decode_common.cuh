@@ -1,4 +1,4 @@
-// Device helpers and host-side validation shared by the decode-step kernels (kda_decode.cu, kda_spec_decode.cu).
+// Device helpers and host-side validation shared by the decode-step kernels (decode.cu, spec_decode.cu).
 #pragma once
 
 #include <cmath>
@@ -7,8 +7,8 @@
 
 #include <cuda_bf16.h>
 
-#include "kernels/cuda/kda/kda.hpp"
 #include "kernels/cuda/common/launch_status.hpp"
+#include "kernels/cuda/kda/kda.hpp"
 
 namespace deltaserve::kernels::cuda::detail {
 
@@ -91,7 +91,7 @@ __device__ __forceinline__ float gate_decay(const DecodeArgs& p, size_t row, int
 }
 
 // The rest of the per-(row, head) step for 512 threads = 16 row groups (warps) x 32 column groups of 4, with
-// shared partial[kRowGroups][kD] sums (kda_decode_kernel and the speculative decode kernel).
+// shared partial[kRowGroups][kD] sums (the speculative decode kernels).
 
 // L2-normalises q (and scales it by d^-1/2) and k in x_s[0..1]: warps 0..3 sum q^2, warps 4..7 k^2 into
 // sums[0..7]. All threads call it (one block barrier inside); x_s is updated on return without a barrier.
@@ -111,7 +111,7 @@ __device__ __forceinline__ void normalize_qk(float (&x_s)[3][kD], float* sums, i
   }
 }
 
-// S = Diag(decay) S on this thread's rows 8 rg .. 8 rg + 7 and their partial S^T k (also used by the cols1 kernel).
+// S = Diag(decay) S on this thread's rows 8 rg .. 8 rg + 7 and their partial S^T k (also used by the decode step).
 __device__ __forceinline__ float4 decay_rows_partial_sk(float4 (&s)[8], const float* decay, const float* k, int rg) {
   float4 ks = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
@@ -142,7 +142,7 @@ __device__ __forceinline__ void delta_u(float* u_s, const float (&partial)[kRowG
 }
 
 // S += k u^T on this thread's rows and their partial S^T q; kStoreState: each updated row goes to `state` (row
-// r at state + r * kD, streaming) right away (also used by the cols1 kernel).
+// r at state + r * kD, streaming) right away (also used by the decode step).
 template <bool kStoreState>
 __device__ __forceinline__ float4 update_rows_partial_o(float4 (&s)[8], float4 u, const float* k, const float* q,
                                                         int rg, float* state) {
