@@ -1,24 +1,21 @@
 // MLA page pool writes: RMS-normed latent ‖ k_rot rows, bf16, at the pool slots named by slot_mapping.
-// Two kernels with the same arithmetic in the same order (bitwise equal rows; the tests check it):
-//   v1: one CTA per token: slot, then the row's squares, then the normed row (three dependent global round trips
-//       after a plain launch; 3.9 us at batch 1 on the H200, mostly latency);
-//   v2: launched with programmatic dependent launch: the norm weight (a weight, never written by the previous
-//       kernel) is read into registers before griddepcontrol.wait, then the slot and the kv row are read together,
-//       so one round trip remains after the wait.
+// One CTA per token, launched with programmatic dependent launch: the norm weight (a weight, never written by the
+// previous kernel) is read into registers before griddepcontrol.wait, then the slot and the kv row are read
+// together, so one global round trip remains after the wait (the kernel is latency-bound at decode batches).
 #include <cmath>
 #include <string>
 
 #include "kernels/cuda/common/launch_status.hpp"
-#include "kernels/cuda/mla/mla.hpp"
 #include "kernels/cuda/mla/detail/attention.cuh"
+#include "kernels/cuda/mla/mla.hpp"
 
 namespace deltaserve::kernels::cuda {
 namespace {
 
 constexpr int kWriteThreads = 128;
 
-// Both kernels: the CTA's inverse RMS from each thread's partial sum of squares, reduced in one order (the warp's
-// butterfly, then the warps in order), so that v1 and v2 stay bitwise equal.
+// The CTA's inverse RMS from each thread's partial sum of squares, reduced in one order (the warp's butterfly, then
+// the warps in order): the same rows on every run.
 __device__ __forceinline__ float block_inverse_rms(float sum, float (&s_partial)[kWriteThreads / 32], int kv_lora,
                                                    float eps) {
 #pragma unroll
@@ -38,35 +35,15 @@ __device__ __forceinline__ __nv_bfloat16* pool_row(__nv_bfloat16* pages, int num
   return pages + ((page * num_layers + layer) * page_size + offset) * row_stride;
 }
 
-// grid (T), block kWriteThreads: one token per CTA.
+// grid (T), block kWriteThreads, launched with PDL. Columns c = threadIdx.x + kWriteThreads i: the first
+// kWriteRegs of them (all of them up to kv_lora 512) in registers, the rest re-read from global memory.
+constexpr int kWriteRegs = 4;
+
 __global__ void __launch_bounds__(kWriteThreads)
     mla_write_rows_kernel(__nv_bfloat16* __restrict__ pages, int64_t num_pages, int num_layers, int page_size,
                           int64_t row_stride, int layer, const float* __restrict__ kv, int64_t kv_stride,
                           const float* __restrict__ norm_weight, float eps, int kv_lora, int rope,
                           const int64_t* __restrict__ slot_mapping) {
-  __shared__ float s_partial[kWriteThreads / 32];
-  const int64_t t = blockIdx.x;
-  const int64_t slot = slot_mapping[t];
-  if (slot < 0 || slot >= num_pages * page_size) return;  // skipped token (uniform over the CTA)
-  const float* x = kv + t * kv_stride;
-  float sum = 0.0f;
-  for (int c = threadIdx.x; c < kv_lora; c += kWriteThreads) sum = fmaf(x[c], x[c], sum);
-  const float inverse_rms = block_inverse_rms(sum, s_partial, kv_lora, eps);
-  __nv_bfloat16* row = pool_row(pages, num_layers, page_size, row_stride, layer, slot);
-  for (int c = threadIdx.x; c < kv_lora; c += kWriteThreads)
-    row[c] = __float2bfloat16(x[c] * inverse_rms * norm_weight[c]);
-  for (int j = threadIdx.x; j < rope; j += kWriteThreads) row[kv_lora + j] = __float2bfloat16(x[kv_lora + j]);
-}
-
-// v2: grid (T), block kWriteThreads, launched with PDL. Columns c = threadIdx.x + kWriteThreads i: the first
-// kWriteRegs of them (all of them up to kv_lora 512) in registers, the rest re-read from global memory.
-constexpr int kWriteRegs = 4;
-
-__global__ void __launch_bounds__(kWriteThreads)
-    mla_write_rows_pdl_kernel(__nv_bfloat16* __restrict__ pages, int64_t num_pages, int num_layers, int page_size,
-                              int64_t row_stride, int layer, const float* __restrict__ kv, int64_t kv_stride,
-                              const float* __restrict__ norm_weight, float eps, int kv_lora, int rope,
-                              const int64_t* __restrict__ slot_mapping) {
   __shared__ float s_partial[kWriteThreads / 32];
   const int64_t t = blockIdx.x;
   const int tid = threadIdx.x;
@@ -87,7 +64,7 @@ __global__ void __launch_bounds__(kWriteThreads)
     value[i] = c < kv_lora ? x[c] : 0.0f;
   }
   if (slot < 0 || slot >= num_pages * page_size) return;  // skipped token (uniform over the CTA)
-  // The sum in v1's order: c = tid, tid + 128, ... sequentially, then the warp, then the warps in order.
+  // The sum in one order: c = tid, tid + 128, ... sequentially, then the warp, then the warps in order.
   float sum = 0.0f;
 #pragma unroll
   for (int i = 0; i < kWriteRegs; ++i) {
@@ -125,20 +102,10 @@ Status mla_write_rows(const MlaWriteParams& p, cudaStream_t stream) {
   if (p.kv == nullptr || p.norm_weight == nullptr || p.slot_mapping == nullptr) {
     return invalid_argument(w + ": kv, norm_weight or slot_mapping is null");
   }
-  if (detail::mla_resolve_decode_kernel(p.decode_kernel) != MlaDecodeKernel::kV1) {  // v2 and v3
-    return launch_kernel_ex(detail::mla_pdl_from_env(), mla_write_rows_pdl_kernel,
-                            dim3(static_cast<unsigned>(p.num_tokens)), dim3(kWriteThreads), 0, stream, "mla_write_rows",
-                            p.pool.pages, p.pool.num_pages, p.pool.num_layers, p.pool.page_size, p.pool.row_stride,
-                            p.layer, p.kv, p.kv_stride, p.norm_weight, p.eps, p.kv_lora_rank, p.qk_rope,
-                            p.slot_mapping);
-  }
-  mla_write_rows_kernel<<<static_cast<unsigned>(p.num_tokens), kWriteThreads, 0, stream>>>(
-      p.pool.pages, p.pool.num_pages, p.pool.num_layers, p.pool.page_size, p.pool.row_stride, p.layer, p.kv,
-      p.kv_stride, p.norm_weight, p.eps, p.kv_lora_rank, p.qk_rope, p.slot_mapping);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
-    return Status(StatusCode::kInternal, w + ": launch failed: " + cudaGetErrorString(e));
-  }
-  return Status::ok();
+  return launch_kernel_ex(true, mla_write_rows_kernel, dim3(static_cast<unsigned>(p.num_tokens)), dim3(kWriteThreads),
+                          0, stream, "mla_write_rows", p.pool.pages, p.pool.num_pages, p.pool.num_layers,
+                          p.pool.page_size, p.pool.row_stride, p.layer, p.kv, p.kv_stride, p.norm_weight, p.eps,
+                          p.kv_lora_rank, p.qk_rope, p.slot_mapping);
 }
 
 }  // namespace deltaserve::kernels::cuda

@@ -1,5 +1,5 @@
-// The absorbed MLA decode's split attention on Hopper warpgroup MMA and TMA (MlaDecodeKernel::kV3; step 2 of
-// mla_decode.cu's file comment, which keeps its absorb and combine kernels and their workspace formats).
+// The absorbed MLA decode's split attention on Hopper warpgroup MMA and TMA (step 2 of decode.cu's file comment,
+// between the same absorb and combine kernels, with the same workspace formats as the mma.sync kernel).
 //
 // One CTA per (query token, context split, group of N = 8, 16 or 32 heads), as the mma.sync kernel, but the products
 // are transposed so that the small head count sits on wgmma's N side and nothing is padded:
@@ -7,30 +7,29 @@
 //   output  O^T [kv_lora x N heads]    += rows[:, :kv_lora]^T · P^T        (A: the same tile read M-major)
 // Roles: a producer warp streams 64-row tiles of the token's slice into a ring of 2 stages by TMA (128-byte swizzled
 // boxes of 64 columns x 64 or 16 rows straight from the page pool: one box row group never crosses a page), before
-// the wait for the absorb; warpgroup 0 computes S^T, the online softmax (base 2, the per-head maximum across its four
-// warps through shared memory), writes P^T (bf16) and the per-head rescale into the stage and hands it to warpgroup
-// 1, which rescales its O^T accumulators (kv_lora / 64 blocks of m64) and adds the tile's product, then releases the
-// stage to the producer. Warpgroup 0 runs one tile ahead of warpgroup 1.
-// Rows outside the slice or on a page id outside the pool are masked out of the softmax and, before warpgroup 1
-// reads them, zeroed in the stage (their TMA box is not issued, or holds rows of the page past the slice).
-// Partials: the same (max, sum) and unnormalised latent sums as the mma.sync kernel, for the same combine kernels.
-// Supported: kv_lora 512 and rope 64 (Kimi Linear and K3; every loop then has a fixed trip count, which keeps the
-// warpgroup MMAs pipelined), a pool of < 2^31 rows. Elsewhere (the tiny test models) mla_decode runs v2's kernel.
+// the wait for the absorb; its nine lanes issue one column block each, and it reads the next tile's page ids while
+// waiting for that tile's stage. Both warpgroups load q̃ into shared memory after the wait (every load of a thread
+// issued before the first conversion); warpgroup 0 computes S^T, the online softmax (base 2, the per-head maximum
+// across its four warps through shared memory), writes P^T (bf16) and the per-head rescale into the stage and hands it
+// to warpgroup 1, which rescales its O^T accumulators (kv_lora / 64 blocks of m64) and adds the tile's product, then
+// releases the stage to the producer. Warpgroup 0 runs one tile ahead of warpgroup 1. Rows outside the slice or on a
+// page id outside the pool are masked out of the softmax and, before warpgroup 1 reads them, zeroed in the stage (their
+// TMA box is not issued, or holds rows of the page past the slice). Partials: the same (max, sum) and unnormalised
+// latent sums as the mma.sync kernel, for the same combine kernels. Supported: kv_lora 512 and rope 64 (Kimi Linear and
+// K3; every loop then has a fixed trip count, which keeps the warpgroup MMAs pipelined), a pool of < 2^31 rows.
+// Elsewhere (the tiny test models) mla_decode runs the mma.sync kernel.
 #include <algorithm>
-#include <cstdlib>
 #include <string>
-#include <vector>
 
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
-#include "kernels/cuda/common/detail/device_timeline.cuh"
+#include "kernels/cuda/common/detail/mma_sm80.cuh"
 #include "kernels/cuda/common/launch_status.hpp"
+#include "kernels/cuda/common/tensor_map.hpp"
 #include "kernels/cuda/mla/detail/attention.cuh"
 #include "kernels/cuda/mla/detail/decode_attention.cuh"
-#include "kernels/cuda/common/detail/mma_sm80.cuh"
 #include "kernels/cuda/mla/detail/sm90_attention.cuh"
-#include "kernels/cuda/common/tensor_map.hpp"
 
 namespace deltaserve::kernels::cuda::detail {
 namespace {
@@ -47,7 +46,7 @@ constexpr uint32_t kBlockBytes = kTileRows * 128;                // [64 rows][64
 constexpr uint32_t kTileBytes = kMaxColumnBlocks * kBlockBytes;  // 73728
 constexpr int kBarScorer = 1;                                    // named barriers; id 0 is __syncthreads
 constexpr int kBarTileReady = 2;                                 // + stage
-constexpr int kBarQReady = 4;                                    // q̃ in shared memory (args.q_by_both)
+constexpr int kBarQReady = 4;                                    // q̃ in shared memory
 
 constexpr uint32_t align_up(uint32_t x, uint32_t a) {
   return (x + a - 1) / a * a;
@@ -96,24 +95,6 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uin
   }
 }
 
-// Optional timeline (compile with -DDELTASERVE_MLA_V3_TRACE; bench/gpu/mla_v3_trace_bench.cu reads it): %globaltimer
-// stamps per CTA (blockIdx flattened) of event 0 the CTA's start, 1 warpgroup 0 past the wait for the absorb, 2 q̃ in
-// shared memory, 3 warpgroup 1's stores done, and per tile j < kTraceTiles: 4 + 4j the producer's copies issued, 5 + 4j
-// warpgroup 0 past the full barrier, 6 + 4j P handed to warpgroup 1, 7 + 4j warpgroup 1's product done; and at
-// kTraceFine + 3j the producer past its wait for the stage, + 1 warpgroup 0's scores in registers, + 2 warpgroup 0
-// past the barrier of the tile's per-head maxima.
-#ifdef DELTASERVE_MLA_V3_TRACE
-constexpr int kTraceCtas = 1024, kTraceTiles = 16, kTraceFine = 4 + 4 * kTraceTiles;
-constexpr int kTraceEvents = kTraceFine + 3 * kTraceTiles;
-__device__ unsigned long long g_v3_trace[kTraceCtas][kTraceEvents];
-__device__ __forceinline__ void trace_stamp(int event) {
-  timeline_stamp(g_v3_trace, event);
-}
-#else
-constexpr int kTraceFine = 0;
-__device__ __forceinline__ void trace_stamp(int) {}
-#endif
-
 // Byte offset of element (row r, column c < 64) in a 128-byte-swizzled block of 64-element rows.
 __device__ __forceinline__ uint32_t swizzled(int r, int c) {
   return static_cast<uint32_t>(r * 128 + ((((c >> 3) ^ (r & 7)) << 4) | ((c & 7) << 1)));
@@ -122,10 +103,7 @@ __device__ __forceinline__ uint32_t swizzled(int r, int c) {
 struct DecodeWgmmaArgs {
   MlaAttentionArgs a;
   WUvPrefetch w_uv;
-  int box_rows;      // rows of a TMA box: 64 when pages hold whole tiles, else 16
-  bool pages_ahead;  // the producer reads tile j + 1's page ids right after issuing tile j, before the next wait
-  bool q_by_both;    // both warpgroups load q̃ (all loads of a thread issued first) instead of warpgroup 0 alone
-  bool issue_lanes;  // the producer's copies issued by nine lanes (one column block each) instead of lane 0 alone
+  int box_rows;  // rows of a TMA box: 64 when pages hold whole tiles, else 16
 };
 
 // What the producer issues for one tile: the pool row of each box row group (-1: none), the valid-row bits, the bytes.
@@ -167,15 +145,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     *gave_up = 0;
     sm90::mbarrier_init_fence();
-    trace_stamp(0);
   }
   __syncthreads();
 
   if (warp == kConsumerThreads / 32) {
     // Producer: the cache rows and page tables exist before this grid (the absorb before it waited for the row
     // writes), so the tiles stream before the wait for the absorb. Every lane plans (the same values); lane cb
-    // issues column block cb of each box row group (args.issue_lanes; else lane 0 issues all nine, which took
-    // ~0.6-0.8 us from a stage's release to its refill).
+    // issues column block cb of each box row group, which shortens the time from a stage's release to its refill
+    // against one lane issuing all nine.
     if (lane == 0) sm90::tma_prefetch_descriptor(&rows_map);
     const int32_t* table = a.block_tables + static_cast<int64_t>(slice.n) * a.max_pages_per_seq;
     const int groups = kTileRows / args.box_rows;
@@ -208,8 +185,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (j >= kStages) {
         sm90::mbarrier_wait(empty + s, ((j / kStages) - 1) & 1, gave_up);
       }
-      if (lane == 0) trace_stamp(kTraceFine + 3 * j);
-      if (!args.pages_ahead && j > 0) cur = plan(j);
       if (lane == 0) {
         row_mask[s] = cur.mask;
         sm90::mbarrier_arrive_expect_tx(full + s, cur.bytes);
@@ -219,35 +194,26 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int g = 0; g < kTileRows / 16; ++g) {
         if (cur.outer[g] < 0) continue;
-        if (args.issue_lanes) {
-          if (lane < column_blocks) {
-            sm90::tma_load_2d(tile + lane * kBlockBytes + g * args.box_rows * 128, &rows_map, full + s, lane * 64,
-                              cur.outer[g]);
-          }
-        } else if (lane == 0) {
-          for (int cb = 0; cb < column_blocks; ++cb) {
-            sm90::tma_load_2d(tile + cb * kBlockBytes + g * args.box_rows * 128, &rows_map, full + s, cb * 64,
-                              cur.outer[g]);
-          }
+        if (lane < column_blocks) {
+          sm90::tma_load_2d(tile + lane * kBlockBytes + g * args.box_rows * 128, &rows_map, full + s, lane * 64,
+                            cur.outer[g]);
         }
       }
       __syncwarp();
-      if (lane == 0) trace_stamp(4 + 4 * j);
       // The next tile's page-table reads, after this tile's copies are issued, overlap the wait for its stage.
-      if (args.pages_ahead && j + 1 < num_tiles) cur = plan(j + 1);
+      if (j + 1 < num_tiles) cur = plan(j + 1);
     }
     return;
   }
 
   mla_wait_for_previous_grid();
   mla_allow_next_grid();
-  if (tid == 0) trace_stamp(1);
   if (args.w_uv.kv_b != nullptr && t == 0) prefetch_w_uv(a, args.w_uv, h0, heads, split);
   const int wg_warp = warp & 3, g = lane >> 2, tq = lane & 3;
   const int64_t part = (t * a.splits + split) * a.num_heads + h0;
   const float* q_src = a.q_tilde + (t * a.num_heads + h0) * width;
   constexpr int kQVecs = width / 8;  // 8-value chunks of a q̃ row
-  if (args.q_by_both) {
+  {
     // q̃ (N x width fp32 from the absorb) into shared memory as bf16 by all 256 consumer threads, every load of a
     // thread issued before the first conversion; warpgroup 0 waits for it, warpgroup 1 goes on to its first tile.
     constexpr int kPerThread = (N * kQVecs + kConsumerThreads - 1) / kConsumerThreads;
@@ -279,24 +245,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   if (warp < 4) {
-    // ---- warpgroup 0: q̃ into shared memory (unless both warpgroups did), then scores and softmax of every tile.
-    if (!args.q_by_both) {
-#pragma unroll 4
-      for (int i = tid; i < N * kQVecs; i += 128) {
-        const int n = i / kQVecs, c8 = i % kQVecs;
-        uint4 packed = make_uint4(0, 0, 0, 0);
-        if (n < heads) {
-          const float4 lo = *reinterpret_cast<const float4*>(q_src + n * width + c8 * 8);
-          const float4 hi = *reinterpret_cast<const float4*>(q_src + n * width + c8 * 8 + 4);
-          packed =
-              make_uint4(pack_bf16(lo.x, lo.y), pack_bf16(lo.z, lo.w), pack_bf16(hi.x, hi.y), pack_bf16(hi.z, hi.w));
-        }
-        *reinterpret_cast<uint4*>(smem + L::kQ + (c8 >> 3) * N * 128 + swizzled(n, (c8 & 7) * 8)) = packed;
-      }
-      sm90::fence_proxy_async_shared();
-      sm90::named_barrier_sync(kBarScorer, 128);
-    }
-    if (tid == 0) trace_stamp(2);
+    // ---- warpgroup 0: scores and softmax of every tile.
     const int r0 = 16 * wg_warp + g, r1 = r0 + 8;  // the thread's two tile rows
     float m_run[kCols], l_part[kCols];
 #pragma unroll
@@ -307,7 +256,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int j = 0; j < num_tiles; ++j) {
       const int s = j % kStages;
       sm90::mbarrier_wait(full + s, (j / kStages) & 1, gave_up);
-      if (tid == 0) trace_stamp(5 + 4 * j);
       const uint64_t mask = row_mask[s];
       const uint32_t tile = base + L::kTiles + s * kTileBytes;
       float sc[kRegs];
@@ -322,7 +270,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       sm90::wgmma_commit_group();
       sm90::wgmma_wait_group<0>();
       sm90::wgmma_fence_registers(sc);
-      if (tid == 0) trace_stamp(kTraceFine + 3 * j + 1);
 
       // Register 4i + e holds row (e < 2 ? r0 : r1), head column 8i + 2tq + e % 2; column slot c = 2i + e % 2.
       const bool v0 = ((mask >> r0) & 1) != 0, v1 = ((mask >> r1) & 1) != 0;
@@ -345,7 +292,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int c = 0; c < kCols; ++c) warp_max[wg_warp * N + 8 * (c >> 1) + 2 * tq + (c & 1)] = mx[c];
       }
       sm90::named_barrier_sync(kBarScorer, 128);
-      if (tid == 0) trace_stamp(kTraceFine + 3 * j + 2);
       float* scale = reinterpret_cast<float*>(smem + L::kScale) + s * N;
       unsigned char* p_tile = smem + L::kP + s * N * 128;
 #pragma unroll
@@ -380,7 +326,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       sm90::fence_proxy_async_shared();
       sm90::named_barrier_arrive(kBarTileReady + s, kConsumerThreads);
-      if (tid == 0) trace_stamp(6 + 4 * j);
     }
     // Row sums across the warpgroup: lanes of one column, then the four warps.
 #pragma unroll
@@ -436,10 +381,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90::wgmma_wait_group<0>();
 #pragma unroll
     for (int b = 0; b < kMaxLatentBlocks; ++b) sm90::wgmma_fence_registers(o[b]);
-    if (tid == 128) {
-      sm90::mbarrier_arrive(empty + s);
-      trace_stamp(7 + 4 * j);
-    }
+    if (tid == 128) sm90::mbarrier_arrive(empty + s);
   }
   float* out_o = a.partial_o + part * a.kv_lora;
 #pragma unroll
@@ -451,17 +393,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (col < heads) out_o[col * a.kv_lora + row] = o[b][i];
     }
   }
-  if (tid == 128) trace_stamp(3);
 }
 
 }  // namespace
-
-#ifdef DELTASERVE_MLA_V3_TRACE
-// The trace of the last launches (bench/gpu/mla_v3_trace_bench.cu): kTraceCtas x kTraceEvents stamps, 0 = none.
-std::vector<unsigned long long> mla_v3_trace_take() {
-  return timeline_take(g_v3_trace);
-}
-#endif
 
 // The pool's 16-byte aligned pages and rows, which TMA needs, are validate_mla_pool's checks already.
 bool mla_wgmma_decode_supported(const MlaAttentionArgs& args) {
@@ -470,22 +404,12 @@ bool mla_wgmma_decode_supported(const MlaAttentionArgs& args) {
          pool_rows <= INT32_MAX;
 }
 
-Status launch_mla_wgmma_decode(const MlaAttentionArgs& args, const WUvPrefetch& w_uv, int64_t num_tokens, bool pdl,
+Status launch_mla_wgmma_decode(const MlaAttentionArgs& args, const WUvPrefetch& w_uv, int64_t num_tokens,
                                cudaStream_t stream, const char* who) {
-  const std::string w = std::string(who) + " (attention v3)";
+  const std::string w = std::string(who) + " (wgmma attention)";
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr) return internal_error(w + ": no tensor-map encoder");
-  // Measurement switches of the latency changes (read at every call; on unless set to 0).
-  auto switched_on = [](const char* name) {
-    const char* value = std::getenv(name);
-    return value == nullptr || std::string(value) != "0";
-  };
-  DecodeWgmmaArgs kernel_args{args,
-                              w_uv,
-                              args.page_size % kTileRows == 0 ? kTileRows : 16,
-                              switched_on("DELTASERVE_MLA_V3_PAGES_AHEAD"),
-                              switched_on("DELTASERVE_MLA_V3_Q_BY_BOTH"),
-                              switched_on("DELTASERVE_MLA_V3_ISSUE_LANES")};
+  DecodeWgmmaArgs kernel_args{args, w_uv, args.page_size % kTileRows == 0 ? kTileRows : 16};
   CUtensorMap map;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(args.kv_lora + args.rope),
                               static_cast<cuuint64_t>(args.num_pages * args.num_layers * args.page_size)};
@@ -511,7 +435,7 @@ Status launch_mla_wgmma_decode(const MlaAttentionArgs& args, const WUvPrefetch& 
   }
   const dim3 grid(static_cast<unsigned>(num_tokens), static_cast<unsigned>(args.splits),
                   static_cast<unsigned>((args.num_heads + group - 1) / group));
-  return launch_kernel_ex(pdl, kernel, grid, dim3(kThreads), smem, stream, w.c_str(), map, kernel_args);
+  return launch_kernel_ex(true, kernel, grid, dim3(kThreads), smem, stream, w.c_str(), map, kernel_args);
 }
 
 }  // namespace deltaserve::kernels::cuda::detail

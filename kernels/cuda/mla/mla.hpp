@@ -41,18 +41,9 @@ struct MlaPagePool {
 // sequence n's page ids in token order (token position t lives in page block_tables[n][t / page_size], slot
 // t % page_size). Entries past a sequence's length may hold anything (even -1).
 
-// Which generation of the absorbed decode kernels mla_decode (and mla_write_rows) run; see mla_decode.cu's file
-// comment. v1: the kernels as of 2026-11-30 (absorb, split attention, combine with one CTA per (32 tokens, head);
-// mla_write_rows a plain launch). v2: the same absorb and attention; at up to kMlaSplitKCombineMaxTokens tokens the
-// combine runs as clusters of up to 8 CTAs per (16 tokens, head), each merging 64 latent columns and multiplying them
-// by its 64-column slice of W_UV, the partial products added in a fixed order through distributed shared memory
-// (256 CTAs at Kimi-48B dims instead of 32; deterministic); mla_write_rows launched with programmatic dependent
-// launch, its norm weight read before the wait. Both agree up to rounding (summation order of the W_UV product).
-// v3: v2 with the split attention on Hopper warpgroup MMA and TMA (mla_decode_wgmma.cu: 64-row tiles by TMA from
-// the pages, the head group on the MMA's N side); where it does not apply (kv_lora or kv_lora + rope not a multiple
-// of 64, not sm_90) v3 runs v2. v3 agrees with v2 up to rounding (summation order of the scores and P·rows).
-// kDefault: the environment variable DELTASERVE_MLA_DECODE_KERNEL=v1|v2|v3 (read once per process) if set, else v3.
-enum class MlaDecodeKernel : int { kDefault = 0, kV1 = 1, kV2 = 2, kV3 = 3 };
+// mla_decode merges the context splits and applies W_UV with a cluster of CTAs per (16 tokens, head) up to this
+// many tokens (each CTA a 64-column slice of the latent; more CTAs for small batches), and with one CTA per
+// (32 tokens, head) past it (W_UV read once per 32 tokens).
 constexpr int kMlaSplitKCombineMaxTokens = 16;
 
 // Writes new cache rows for T tokens of layer `layer`: row t = [rms_norm(kv[t, :kv_lora]) * norm_weight ‖
@@ -68,12 +59,11 @@ struct MlaWriteParams {
   const float* norm_weight = nullptr;  // [kv_lora] fp32
   float eps = 1e-5f;
   int kv_lora_rank = 0, qk_rope = 0;
-  const int64_t* slot_mapping = nullptr;                      // device [T]
-  MlaDecodeKernel decode_kernel = MlaDecodeKernel::kDefault;  // v1: plain launch; v2: PDL (same rows, bitwise)
+  const int64_t* slot_mapping = nullptr;  // device [T]
 };
 // Asynchronous, graph-capturable. Slots at or past num_pages * page_size are skipped too (never written).
-// v2 (MlaWriteParams::decode_kernel) launches with programmatic dependent launch: it may start while the kernel
-// before it drains and waits for it (griddepcontrol.wait) before reading kv and slot_mapping or writing the pool.
+// Launched with programmatic dependent launch: it may start while the kernel before it drains and waits for it
+// (griddepcontrol.wait) before reading kv and slot_mapping or writing the pool (the norm weight is read before).
 [[nodiscard]] Status mla_write_rows(const MlaWriteParams& params, cudaStream_t stream);
 
 // The two ways mla_prefill computes the same attention (model.md §4):
@@ -82,31 +72,21 @@ struct MlaWriteParams {
 //             its rows. Any shape; graph-capturable.
 //   naive:    per sequence and per block of context rows: gather the block's cache rows into the workspace,
 //             decompress them with one cuBLAS GEMM (K_nope[h] = W_UK[h] c, V[h] = W_UV[h] c, bf16), then a
-//             flash-attention kernel over (64-query tile, head) CTAs on tensor cores (mma.sync bf16, fp32 online
+//             flash-attention kernel over (128-query tile, head) CTAs on tensor cores (bf16 products, fp32 online
 //             softmax; K and V rounded to bf16, P rounded to bf16), the softmax state carried across blocks in
 //             `out` plus a (max, sum) workspace array. Needs the host copies, a cuBLAS handle, qk_nope and v_head
 //             multiples of 8, qk_nope + qk_rope <= 192, v_head <= 128, and a workspace holding at least one block
 //             of 64 rows (mla_prefill_workspace_bytes). The launches are planned on the host from the host copies
 //             (no device reads, no sync), so a captured graph holds only for the lengths it was captured with.
-// kAuto picks naive when it can run and a FLOP-based cost estimate of the whole batch favours it (mla_prefill.cu:
+//             The flash kernel is the Hopper one (warpgroup MMA, TMA loads; prefill_wgmma.cu) at qk_nope 128,
+//             qk_rope 64, v_head 128 (Kimi Linear, K3) with q 16-byte aligned and q_stride a multiple of 8; the
+//             mma.sync one (prefill.cu) for the other head dims and query layouts. They agree up to rounding.
+// kAuto picks naive when it can run and a FLOP-based cost estimate of the whole batch favours it (prefill.cu:
 // the naive form's decompression GEMM covers a sequence's whole context however few its queries, so decode-shaped
 // batches stay absorbed; at Kimi-48B dims the naive form wins from about 11 queries per sequence); otherwise
-// absorbed. The environment variable DELTASERVE_MLA_PREFILL=absorbed turns kAuto into
-// kAbsorbed (a bypass without a rebuild). kNaive fails (InvalidArgument) where the naive form cannot run.
+// absorbed. kAbsorbed and kNaive force a form (the tests run both on the same inputs); kNaive fails
+// (InvalidArgument) where the naive form cannot run.
 enum class MlaPrefillForm : int { kAuto = 0, kAbsorbed = 1, kNaive = 2 };
-// The naive form's flash-attention kernel (mla_prefill.cu): v1 = 64-query tiles, 4 warps, 2 cp.async stages, 2 CTAs
-// an SM (the first kernel, kept as a bypass); v2 = 128-query tiles, 8 warps, 3 stages, 1 CTA an SM, heaviest query
-// tiles of every head first, warps skip key tiles wholly past their queries (exact: such a tile leaves the softmax
-// state unchanged). Per query row both run the same operations in the same order, so their outputs are meant to be
-// bitwise equal (the tests check it). v3 (mla_prefill_wgmma.cu) = the same attention on Hopper wgmma: 128-query
-// tiles of 2 warpgroups, 128-key tiles loaded by TMA into a 2-stage mbarrier ring by a producer warp, softmax of one
-// tile overlapping P·V of the previous; its accumulation order differs from v2's, so outputs agree up to rounding.
-// v3 covers qk_nope 128, qk_rope 64, v_head 128 (Kimi Linear, K3) with q 16-byte aligned and q_stride a multiple of
-// 8; elsewhere (or off Hopper) a v3 request runs v2. kDefault: the environment variable
-// DELTASERVE_MLA_PREFILL_KERNEL=v1|v2|v3 if set, else v3 (H200, Kimi dims, 8192 queries over 8k-32k keys,
-// MlaPrefillWgmmaGpu.Timing 2026-12-01: 629-681 TFLOP/s against v2's 212-224, with v3's two warpgroups taking turns
-// issuing their MMAs; DELTASERVE_MLA_PREFILL_V3_PINGPONG=0 leaves the turns out: 620-670).
-enum class MlaNaiveKernel : int { kDefault = 0, kV1 = 1, kV2 = 2, kV3 = 3 };
 constexpr int kMlaNaiveMaxQk = 192;  // qk_nope + qk_rope
 constexpr int kMlaNaiveMaxV = 128;
 constexpr int kMlaNaiveBlockGranule = 64;  // context rows per block are a multiple of this
@@ -141,18 +121,10 @@ struct MlaAttentionParams {
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   // false (default): scores and P·V on tensor cores (q̃ and the softmax weights rounded to bf16, fp32 accumulate);
-  // true: the fp32 CUDA-core kernel for that step (exact up to fp32 rounding, several times slower; a reference and
-  // debug path). Absorbed form only (mla_decode, and mla_prefill when it runs the absorbed form).
+  // true: the fp32 CUDA-core kernel for that step (exact up to fp32 rounding, several times slower): the reference
+  // the tests hold the tensor-core kernels against. Absorbed form only (mla_decode, and mla_prefill when it runs the
+  // absorbed form).
   bool fp32_attention = false;
-  // true: the original absorbed kernels as a bypass of the default ones (absorb with one CTA per (8 tokens, head),
-  // the tensor-core attention with 64-row tiles and per-thread page lookups, the combine with one CTA per
-  // (token, head); plain launches). The environment variable DELTASERVE_MLA_TC=legacy does the same for every call
-  // and also restores the original split heuristic (>= 256 rows per split, about two waves of CTAs). Results agree
-  // up to rounding (accumulation order). The default kernels launch with programmatic dependent launch;
-  // DELTASERVE_MLA_PDL=0 turns that off.
-  bool legacy_tc_attention = false;
-  // Which kernel generation runs (see MlaDecodeKernel); legacy_tc_attention runs its own kernels whatever it says.
-  MlaDecodeKernel decode_kernel = MlaDecodeKernel::kDefault;
 
   // mla_prefill only: which form it runs (see MlaPrefillForm) and what the naive form needs. The naive form plans
   // on the host from host copies of cu_q [N + 1] and context_lens [N] (the same values as the device arrays; read
@@ -162,7 +134,6 @@ struct MlaAttentionParams {
   const int32_t* host_cu_q = nullptr;
   const int32_t* host_context_lens = nullptr;
   cublasHandle_t cublas = nullptr;
-  MlaNaiveKernel naive_kernel = MlaNaiveKernel::kDefault;  // naive form only (see MlaNaiveKernel)
 };
 // Workspace for a batch of up to max_tokens query tokens with contexts up to max_context (device, 256-byte
 // aligned sections: absorbed queries fp32 [T, H, kv_lora + rope], per-split latent partials fp32
@@ -195,13 +166,12 @@ size_t mla_prefill_workspace_bytes(int num_heads, int kv_lora_rank, int qk_nope,
                                    int64_t max_tokens, int block_rows);
 
 // Context splits the attention kernels use for a batch of num_tokens query tokens with contexts up to max_context:
-// at least 128 rows per split (DELTASERVE_MLA_MIN_SPLIT_ROWS=32|64|256 changes that for the process: an A/B knob),
-// and about one wave of (token, split) CTAs on the 132 SMs (1 at 132 tokens and more; Kimi-48B ctx 4096: 32 at
-// T <= 4, 16 at T = 8, 2 at T = 64); at most kMlaMaxSplits. Exposed for tests and benchmarks;
+// at least 128 rows per split, and about one wave of (token, split) CTAs on the 132 SMs (1 at 132 tokens and more;
+// Kimi-48B ctx 4096: 32 at T <= 4, 16 at T = 8, 2 at T = 64); at most kMlaMaxSplits. Exposed for tests and benchmarks;
 // mla_attention_workspace_bytes accounts for it.
 constexpr int kMlaMaxSplits = 64;
 int mla_num_splits(int64_t num_tokens, int max_context);
-// Heads per CTA of the default tensor-core attention kernel: 32, or 16 or 8 where num_tokens x splits x head groups
+// Heads per CTA of the tensor-core attention kernels: 32, or 16 or 8 where num_tokens x splits x head groups
 // would leave most SMs idle (Kimi-48B ctx 4096: 8 at T = 1, 16 at T = 2, 32 from T = 4), capped at num_heads.
 // Exposed for tests and benchmarks.
 int mla_decode_head_group(int64_t num_tokens, int num_heads, int max_context);

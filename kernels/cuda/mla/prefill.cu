@@ -1,6 +1,6 @@
 // MLA prefill attention over a paged cache: any varlen batch (prefill chunks over cached history, mixed batches).
-// Two forms (mla.hpp, MlaPrefillForm): the absorbed form runs the decode kernels of mla_decode.cu with one CTA per
-// query token; the naive form (this file) decompresses K/V and runs flash attention on tensor cores.
+// Two forms (mla.hpp, MlaPrefillForm): the absorbed form runs the kernels of decode.cu with one CTA per query token;
+// the naive form (this file) decompresses K/V and runs flash attention on tensor cores.
 //
 // Naive form, per sequence n with q_len > 0 and per block [b0, b0 + rows) of its context (rows <= the block size
 // the workspace holds; one block covers the whole context when it fits):
@@ -8,48 +8,39 @@
 //                  (page ids outside the pool give zero rows, like the absorbed kernels);
 //   2. decompress: one cuBLAS GEMM, kv[r, h (nope + v) + j] = Σ_c rows[r, c] kv_b[h (nope + v) + j, c] (bf16 out,
 //                  fp32 accumulate): per head K_nope (nope) then V (v_head), the layout of kv_b's rows;
-//   3. attention:  one CTA per (64-query tile, head). Q tile [64, 192] bf16 in registers (zero-padded past
-//                  nope + rope); K = [K_nope ‖ k_rot] and V tiles of 64 keys double-buffered by cp.async (zero-
-//                  filled past the block and past the head dims); S = Q Kᵀ and O += P V by mma.sync m16n8k16 bf16
+//   3. attention:  one CTA per (128-query tile, head), the heaviest query tiles (last in the chunk) of every head
+//                  first. K = [K_nope ‖ k_rot] and V tiles of keys; S = Q Kᵀ and O += P V on tensor cores in bf16
 //                  with fp32 accumulate; online softmax in base 2, fp32, P rounded to bf16 for the P·V product.
 //                  Causal: query i sits at position context - q_len + i and sees keys at positions <= it; each CTA
 //                  stops at its last query's position. Between blocks the unnormalised O stays in `out` and the
 //                  (max, sum) pair per (token, head) in the workspace; the last block normalises.
-//                  That is the v1 kernel; v2 (the default, section 3b) runs the same per-row arithmetic with
-//                  128-query tiles of 8 warps, a 3-stage ring and causal per-warp tile skips; v3
-//                  (mla_prefill_wgmma.cu, Kimi / K3 head dims) the same attention on Hopper wgmma with TMA loads
-//                  (MlaAttentionParams::naive_kernel, DELTASERVE_MLA_PREFILL_KERNEL=v1|v2|v3).
+//                  Two kernels: at qk_nope 128, qk_rope 64, v_head 128 (Kimi Linear, K3) on Hopper, warpgroup MMA
+//                  with TMA loads (prefill_wgmma.cu), about three times the mma.sync kernel's rate; the mma.sync
+//                  kernel below for every other head-dim combination the naive form supports (and query layouts
+//                  that break TMA's 16-byte rows).
 // FLOPs: 2 H (nope + rope + v) per visible (query, key) pair plus 2 kv_lora H (nope + v) per context row per
 // chunk for the GEMM (8.4 MFLOP per row at Kimi-48B dims: under 2% of the attention of an 8192-token chunk).
 #include <algorithm>
 #include <climits>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 #include <string>
-#include <vector>
 
-#include "kernels/cuda/mla/mla.hpp"
+#include "kernels/cuda/common/detail/mma_sm80.cuh"
 #include "kernels/cuda/mla/detail/attention.cuh"
 #include "kernels/cuda/mla/detail/prefill_wgmma.hpp"
-#include "kernels/cuda/common/detail/mma_sm80.cuh"
+#include "kernels/cuda/mla/mla.hpp"
 
 namespace deltaserve::kernels::cuda {
 namespace {
 
 constexpr int kDq = kMlaNaiveMaxQk;  // padded QK head dim
 constexpr int kDv = kMlaNaiveMaxV;   // padded V head dim
-constexpr int kQTile = 64;           // queries per CTA (4 warps x 16 rows)
 constexpr int kKTile = 64;           // keys per tile
-constexpr int kThreads = 128;
-constexpr int kLdq = kDq + 8;  // smem row strides (elements): +16 bytes keeps ldmatrix rows on distinct banks
+constexpr int kLdq = kDq + 8;        // smem row strides (elements): +16 bytes keeps ldmatrix rows on distinct banks
 constexpr int kLdv = kDv + 8;
 constexpr int kGatherThreads = 256;
 constexpr float kLog2e = 1.4426950408889634f;
 static_assert(kKTile == kMlaNaiveBlockGranule, "blocks are whole key tiles");
-
-constexpr size_t kFlashSmemBytes =
-    sizeof(__nv_bfloat16) * (static_cast<size_t>(kQTile) * kLdq + 2 * static_cast<size_t>(kKTile) * (kLdq + kLdv));
 
 size_t align256(size_t bytes) {
   return (bytes + 255) / 256 * 256;
@@ -130,30 +121,43 @@ struct FlashArgs {
   int first, last;   // first / last block of the sequence's context
 };
 
-// grid (ceil(q_len / kQTile), H), block kThreads, dynamic smem kFlashSmemBytes.
-__global__ void __launch_bounds__(kThreads, 2) mla_naive_flash_kernel(FlashArgs a) {
+// The mma.sync kernel (m16n8k16 bf16, fp32 accumulate; prefill_wgmma.cu has the Hopper one): 128-query tiles with 8
+// warps (16 queries each), so every K/V tile brought into shared memory serves 128 queries; the Q tile [128, 192]
+// (zero-padded past nope + rope) in registers; K and V tiles of 64 keys (zero-filled past the block and past the head
+// dims) in a 3-stage cp.async ring with one barrier per key tile (the refill of the ring slot read one iteration
+// earlier is issued after that iteration's barrier); a warp whose 16 queries all precede a key tile (causal diagonal)
+// or lie past the chunk skips that tile's math (an all-masked tile leaves the state unchanged, so this is exact); a 1-D
+// grid ordered tile-major, last (heaviest) query tiles of every head first, so the light tiles fill the tail. 1 CTA (8
+// warps) per SM, ~176 KB smem.
+constexpr int kQTile = 128;
+constexpr int kThreads = 256;
+constexpr int kStages = 3;
+constexpr size_t kFlashSmemBytes = sizeof(__nv_bfloat16) * (static_cast<size_t>(kQTile) * kLdq +
+                                                            kStages * static_cast<size_t>(kKTile) * (kLdq + kLdv));
+
+// grid (ceil(q_len / kQTile) * H), block kThreads, dynamic smem kFlashSmemBytes.
+__global__ void __launch_bounds__(kThreads, 1) mla_naive_flash_kernel(FlashArgs a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* s_q = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [kQTile][kLdq]
-  __nv_bfloat16* s_k = s_q + kQTile * kLdq;                         // [2][kKTile][kLdq]
-  __nv_bfloat16* s_v = s_k + 2 * kKTile * kLdq;                     // [2][kKTile][kLdv]
+  __nv_bfloat16* s_k = s_q + kQTile * kLdq;                         // [kStages][kKTile][kLdq]
+  __nv_bfloat16* s_v = s_k + kStages * kKTile * kLdq;               // [kStages][kKTile][kLdv]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, tq = lane & 3;
-  const int h = blockIdx.y;
-  // Last query tiles first: under the causal mask they walk the most keys, so they start in the first wave.
-  const int64_t i0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * kQTile;
+  const int64_t tiles = (a.q_len + kQTile - 1) / kQTile;
+  const int h = static_cast<int>(blockIdx.x % static_cast<unsigned>(a.num_heads));
+  const int64_t tile = tiles - 1 - static_cast<int64_t>(blockIdx.x / static_cast<unsigned>(a.num_heads));
+  const int64_t i0 = tile * kQTile;
   const int q_count = static_cast<int>(a.q_len - i0 < kQTile ? a.q_len - i0 : kQTile);
-  if (q_count <= 0) return;
+  if (tile < 0 || q_count <= 0) return;
   const int q_width = a.nope + a.rope;
   const int head_width = a.nope + a.v_head;
   const int64_t kv_stride = static_cast<int64_t>(a.num_heads) * head_width;
-  const int64_t first_position = a.context - a.q_len + i0;  // position of the tile's first query
-  // Keys of this block the tile needs: up to its last query's position.
-  const int64_t last_needed = first_position + q_count - 1 - a.block_begin;  // local index
+  const int64_t first_position = a.context - a.q_len + i0;
+  const int64_t last_needed = first_position + q_count - 1 - a.block_begin;
   const int64_t needed = last_needed + 1 < a.block_rows ? last_needed + 1 : a.block_rows;
   const int num_tiles = needed > 0 ? static_cast<int>((needed + kKTile - 1) / kKTile) : 0;
 
-  // Q tile -> smem (zero past nope + rope and past the sequence's queries).
   for (int e = tid; e < kQTile * kDq; e += kThreads) {
     const int r = e / kDq, d = e - r * kDq;
     __nv_bfloat16 x = __float2bfloat16(0.0f);
@@ -168,6 +172,7 @@ __global__ void __launch_bounds__(kThreads, 2) mla_naive_flash_kernel(FlashArgs 
     __nv_bfloat16* dk = s_k + buf * kKTile * kLdq;
     __nv_bfloat16* dv = s_v + buf * kKTile * kLdv;
     const int64_t j0 = static_cast<int64_t>(kt) * kKTile;
+#pragma unroll
     for (int c = tid; c < kKTile * (kDq / 8); c += kThreads) {
       const int r = c / (kDq / 8), d = (c - r * (kDq / 8)) * 8;
       const int64_t j = j0 + r;
@@ -184,6 +189,7 @@ __global__ void __launch_bounds__(kThreads, 2) mla_naive_flash_kernel(FlashArgs 
       }
       detail::cp_async16_zfill(dk + r * kLdq + d, src, valid);
     }
+#pragma unroll
     for (int c = tid; c < kKTile * (kDv / 8); c += kThreads) {
       const int r = c / (kDv / 8), d = (c - r * (kDv / 8)) * 8;
       const int64_t j = j0 + r;
@@ -193,231 +199,9 @@ __global__ void __launch_bounds__(kThreads, 2) mla_naive_flash_kernel(FlashArgs 
     }
   };
 
-  if (num_tiles > 0) load_tile(0, 0);
-  detail::cp_async_commit();
-
-  // Running state of rows g and g + 8 of this warp's 16 queries.
-  constexpr int kVTiles = kDv / 8;
-  float o[kVTiles][4];
-  float m_run[2], l_run[2];  // l_run: this thread's partial sum (its 2 columns of each tile)
-  const int row0 = warp * 16 + g;
+  // Prologue: tiles 0 .. kStages - 2 in flight (one commit group each, empty groups past the end).
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    m_run[r] = -INFINITY;
-    l_run[r] = 0.0f;
-    const int row = row0 + 8 * r;
-    const bool valid = row < q_count;
-    const int64_t t = a.q_begin + i0 + row;
-    const float* src = a.out + (t * a.num_heads + h) * a.v_head;
-    if (!a.first && valid) {
-      const float2 ml = a.ml[t * a.num_heads + h];
-      m_run[r] = ml.x;
-      l_run[r] = tq == 0 ? ml.y : 0.0f;
-    }
-#pragma unroll
-    for (int n = 0; n < kVTiles; ++n) {
-      const int col = n * 8 + 2 * tq;
-      const bool load = !a.first && valid && col < a.v_head;
-      o[n][2 * r] = load ? src[col] : 0.0f;
-      o[n][2 * r + 1] = load ? src[col + 1] : 0.0f;
-    }
-  }
-
-  __syncthreads();  // s_q complete
-  uint32_t qf[kDq / 16][4];
-#pragma unroll
-  for (int kk = 0; kk < kDq / 16; ++kk) detail::load_a(qf[kk], s_q, kLdq, warp * 16, kk * 16);
-
-  const int64_t row_position0 = first_position + row0;  // position of row g (row g + 8: +8)
-  for (int kt = 0; kt < num_tiles; ++kt) {
-    const int buf = kt & 1;
-    if (kt + 1 < num_tiles) load_tile(kt + 1, buf ^ 1);
-    detail::cp_async_commit();
-    detail::cp_async_wait<1>();
-    __syncthreads();
-    const __nv_bfloat16* k_tile = s_k + buf * kKTile * kLdq;
-    const __nv_bfloat16* v_tile = s_v + buf * kKTile * kLdv;
-
-    float s[kKTile / 8][4];
-#pragma unroll
-    for (int n = 0; n < kKTile / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-#pragma unroll
-    for (int kk = 0; kk < kDq / 16; ++kk) {
-#pragma unroll
-      for (int n = 0; n < kKTile / 16; ++n) {
-        uint32_t b[4];
-        detail::load_b_nk(b, k_tile, kLdq, n * 16, kk * 16);
-        detail::mma_bf16_16816(s[2 * n], qf[kk], b[0], b[1]);
-        detail::mma_bf16_16816(s[2 * n + 1], qf[kk], b[2], b[3]);
-      }
-    }
-
-    // Mask keys past the block and past each row's position (only tiles that reach either).
-    const int64_t tile_key0 = a.block_begin + static_cast<int64_t>(kt) * kKTile;  // absolute position
-    const bool mask = static_cast<int64_t>(kt + 1) * kKTile > a.block_rows || tile_key0 + kKTile - 1 > first_position;
-    if (mask) {
-#pragma unroll
-      for (int n = 0; n < kKTile / 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int local = n * 8 + 2 * tq + (e & 1);
-          const int64_t key = tile_key0 + local;
-          const int64_t position = row_position0 + ((e >> 1) << 3);
-          if (static_cast<int64_t>(kt) * kKTile + local >= a.block_rows || key > position) s[n][e] = -INFINITY;
-        }
-      }
-    }
-
-    // Online softmax (base 2).
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int n = 0; n < kKTile / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m_run[r], mx * a.scale_log2);
-      const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-      const float correction = exp2f(m_run[r] - m_use);
-      m_run[r] = m_new;
-      float sum = 0.0f;
-#pragma unroll
-      for (int n = 0; n < kKTile / 8; ++n) {
-#pragma unroll
-        for (int e = 2 * r; e < 2 * r + 2; ++e) {
-          const float p = exp2f(s[n][e] * a.scale_log2 - m_use);
-          s[n][e] = p;
-          sum += p;
-        }
-      }
-      l_run[r] = l_run[r] * correction + sum;
-#pragma unroll
-      for (int n = 0; n < kVTiles; ++n) {
-        o[n][2 * r] *= correction;
-        o[n][2 * r + 1] *= correction;
-      }
-    }
-
-    // O += P V.
-#pragma unroll
-    for (int kk = 0; kk < kKTile / 16; ++kk) {
-      uint32_t pa[4];
-      pa[0] = detail::pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-      pa[1] = detail::pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-      pa[2] = detail::pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      pa[3] = detail::pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-#pragma unroll
-      for (int n = 0; n < kDv / 16; ++n) {
-        uint32_t b[4];
-        detail::load_b_kn(b, v_tile, kLdv, n * 16, kk * 16);
-        detail::mma_bf16_16816(o[2 * n], pa, b[0], b[1]);
-        detail::mma_bf16_16816(o[2 * n + 1], pa, b[2], b[3]);
-      }
-    }
-    __syncthreads();  // the buffer is refilled two iterations on
-  }
-  detail::cp_async_wait<0>();
-
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float l = l_run[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const int row = row0 + 8 * r;
-    if (row >= q_count) continue;
-    const int64_t t = a.q_begin + i0 + row;
-    float* dst = a.out + (t * a.num_heads + h) * a.v_head;
-    const float inv = a.last ? (l > 0.0f ? 1.0f / l : 0.0f) : 1.0f;
-#pragma unroll
-    for (int n = 0; n < kVTiles; ++n) {
-      const int col = n * 8 + 2 * tq;
-      if (col < a.v_head) *reinterpret_cast<float2*>(dst + col) = make_float2(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
-    }
-    if (!a.last && tq == 0) a.ml[t * a.num_heads + h] = make_float2(m_run[r], l);
-  }
-}
-
-// ---- 3b. flash attention, v2 ------------------------------------------------------------------------------------
-// Same arithmetic per (query, key) as v1 (identical mma order, softmax and rounding per row), organised for
-// throughput: 128-query tiles with 8 warps (16 queries each) so every K/V tile brought into shared memory serves
-// twice the queries (half the cp.async traffic and L2 reads per FLOP); 3-stage cp.async ring with one barrier per
-// key tile (the refill of the ring slot read one iteration earlier is issued after that iteration's barrier); a
-// warp whose 16 queries all precede a key tile (causal diagonal) or lie past the chunk skips that tile's math (an
-// all-masked tile leaves the state unchanged, so this is exact); a 1-D grid ordered tile-major, last (heaviest)
-// query tiles of every head first, so the light tiles fill the tail. 1 CTA (8 warps) per SM, ~176 KB smem.
-constexpr int kQTile2 = 128;
-constexpr int kThreads2 = 256;
-constexpr int kStages2 = 3;
-constexpr size_t kFlashSmemBytes2 = sizeof(__nv_bfloat16) * (static_cast<size_t>(kQTile2) * kLdq +
-                                                             kStages2 * static_cast<size_t>(kKTile) * (kLdq + kLdv));
-
-// grid (ceil(q_len / kQTile2) * H), block kThreads2, dynamic smem kFlashSmemBytes2.
-__global__ void __launch_bounds__(kThreads2, 1) mla_naive_flash_v2_kernel(FlashArgs a) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  __nv_bfloat16* s_q = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [kQTile2][kLdq]
-  __nv_bfloat16* s_k = s_q + kQTile2 * kLdq;                        // [kStages2][kKTile][kLdq]
-  __nv_bfloat16* s_v = s_k + kStages2 * kKTile * kLdq;              // [kStages2][kKTile][kLdv]
-
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, tq = lane & 3;
-  const int64_t tiles = (a.q_len + kQTile2 - 1) / kQTile2;
-  const int h = static_cast<int>(blockIdx.x % static_cast<unsigned>(a.num_heads));
-  const int64_t tile = tiles - 1 - static_cast<int64_t>(blockIdx.x / static_cast<unsigned>(a.num_heads));
-  const int64_t i0 = tile * kQTile2;
-  const int q_count = static_cast<int>(a.q_len - i0 < kQTile2 ? a.q_len - i0 : kQTile2);
-  if (tile < 0 || q_count <= 0) return;
-  const int q_width = a.nope + a.rope;
-  const int head_width = a.nope + a.v_head;
-  const int64_t kv_stride = static_cast<int64_t>(a.num_heads) * head_width;
-  const int64_t first_position = a.context - a.q_len + i0;
-  const int64_t last_needed = first_position + q_count - 1 - a.block_begin;
-  const int64_t needed = last_needed + 1 < a.block_rows ? last_needed + 1 : a.block_rows;
-  const int num_tiles = needed > 0 ? static_cast<int>((needed + kKTile - 1) / kKTile) : 0;
-
-  for (int e = tid; e < kQTile2 * kDq; e += kThreads2) {
-    const int r = e / kDq, d = e - r * kDq;
-    __nv_bfloat16 x = __float2bfloat16(0.0f);
-    if (r < q_count && d < q_width) {
-      x = a.q[(a.q_begin + i0 + r) * a.q_stride + static_cast<int64_t>(h) * q_width + d];
-    }
-    s_q[r * kLdq + d] = x;
-  }
-
-  const __nv_bfloat16* kv_head = a.kv + static_cast<int64_t>(h) * head_width;
-  auto load_tile = [&](int kt, int buf) {
-    __nv_bfloat16* dk = s_k + buf * kKTile * kLdq;
-    __nv_bfloat16* dv = s_v + buf * kKTile * kLdv;
-    const int64_t j0 = static_cast<int64_t>(kt) * kKTile;
-#pragma unroll
-    for (int c = tid; c < kKTile * (kDq / 8); c += kThreads2) {
-      const int r = c / (kDq / 8), d = (c - r * (kDq / 8)) * 8;
-      const int64_t j = j0 + r;
-      const __nv_bfloat16* src = a.kv;
-      bool valid = false;
-      if (j < a.block_rows) {
-        if (d < a.nope) {
-          src = kv_head + j * kv_stride + d;
-          valid = true;
-        } else if (d < q_width) {
-          src = a.rows + j * (a.kv_lora + a.rope) + a.kv_lora + (d - a.nope);
-          valid = true;
-        }
-      }
-      detail::cp_async16_zfill(dk + r * kLdq + d, src, valid);
-    }
-#pragma unroll
-    for (int c = tid; c < kKTile * (kDv / 8); c += kThreads2) {
-      const int r = c / (kDv / 8), d = (c - r * (kDv / 8)) * 8;
-      const int64_t j = j0 + r;
-      const bool valid = j < a.block_rows && d < a.v_head;
-      const __nv_bfloat16* src = valid ? kv_head + j * kv_stride + a.nope + d : a.kv;
-      detail::cp_async16_zfill(dv + r * kLdv + d, src, valid);
-    }
-  };
-
-  // Prologue: tiles 0 .. kStages2 - 2 in flight (one commit group each, empty groups past the end).
-#pragma unroll
-  for (int s = 0; s < kStages2 - 1; ++s) {
+  for (int s = 0; s < kStages - 1; ++s) {
     if (s < num_tiles) load_tile(s, s);
     detail::cp_async_commit();
   }
@@ -458,10 +242,10 @@ __global__ void __launch_bounds__(kThreads2, 1) mla_naive_flash_v2_kernel(FlashA
   const bool warp_idle = warp * 16 >= q_count;
   const int64_t warp_last_position = first_position + warp * 16 + 15;
   for (int kt = 0; kt < num_tiles; ++kt) {
-    const int buf = kt % kStages2;
-    detail::cp_async_wait<kStages2 - 2>();  // tile kt landed (this thread's copies)
-    __syncthreads();                        // ... everyone's; and every warp is done with tile kt - 1's slot
-    if (kt + kStages2 - 1 < num_tiles) load_tile(kt + kStages2 - 1, (kt + kStages2 - 1) % kStages2);
+    const int buf = kt % kStages;
+    detail::cp_async_wait<kStages - 2>();  // tile kt landed (this thread's copies)
+    __syncthreads();                       // ... everyone's; and every warp is done with tile kt - 1's slot
+    if (kt + kStages - 1 < num_tiles) load_tile(kt + kStages - 1, (kt + kStages - 1) % kStages);
     detail::cp_async_commit();
     const int64_t tile_key0 = a.block_begin + static_cast<int64_t>(kt) * kKTile;
     if (warp_idle || tile_key0 > warp_last_position) continue;  // warp-uniform
@@ -567,24 +351,6 @@ bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
 }
 
-// The flash kernel of the naive form: the call's choice, else DELTASERVE_MLA_PREFILL_KERNEL=v1|v2|v3, else v2.
-MlaNaiveKernel naive_kernel_choice(MlaNaiveKernel requested) {
-  if (requested == MlaNaiveKernel::kV1 || requested == MlaNaiveKernel::kV2 || requested == MlaNaiveKernel::kV3) {
-    return requested;
-  }
-  if (const char* value = std::getenv("DELTASERVE_MLA_PREFILL_KERNEL"); value != nullptr) {
-    if (std::strcmp(value, "v1") == 0) return MlaNaiveKernel::kV1;
-    if (std::strcmp(value, "v2") == 0) return MlaNaiveKernel::kV2;
-    if (std::strcmp(value, "v3") == 0) return MlaNaiveKernel::kV3;
-  }
-  return MlaNaiveKernel::kV3;
-}
-
-bool absorbed_forced_by_environment() {
-  const char* value = std::getenv("DELTASERVE_MLA_PREFILL");
-  return value != nullptr && std::strcmp(value, "absorbed") == 0;
-}
-
 // Why the naive form cannot run this call ("" when it can); `block_rows` gets the block size it would use.
 std::string naive_unavailable(const MlaAttentionParams& p, int64_t* block_rows) {
   if (p.host_cu_q == nullptr || p.host_context_lens == nullptr) return "host_cu_q / host_context_lens not given";
@@ -593,6 +359,9 @@ std::string naive_unavailable(const MlaAttentionParams& p, int64_t* block_rows) 
   if (!mla_prefill_naive_supported(p.qk_nope, p.qk_rope, p.v_head)) {
     return "head dims outside the naive kernel (qk_nope, v_head multiples of 8, qk_nope + qk_rope <= 192, "
            "v_head <= 128)";
+  }
+  if ((p.num_tokens + kQTile - 1) / kQTile * p.num_heads > INT32_MAX) {
+    return "more query tiles x heads than a 1-D grid holds";
   }
   int64_t longest = 0;
   for (int n = 0; n < p.num_seqs; ++n) {
@@ -633,10 +402,9 @@ Status validate_host_tables(const MlaAttentionParams& p) {
 }
 
 // kAuto's cost model: estimated seconds of each form for the batch, from FLOPs at assumed fractions of the bf16
-// tensor-core peak (H200: 875 TFLOP/s measured with cuBLAS). The absorbed form's fraction is the weak guess (the
-// whole 48B prefill ran at ~5% of its FLOP limit with it); MlaPrefillNaive.Kimi48BLongChunkMatchesAbsorbedAndTimes
-// prints both forms' rates to calibrate these. Per sequence with q_len queries over a context of ctx rows
-// (pairs = visible (query, key) pairs):
+// tensor-core peak (kPeakFlops: the H200's as cuBLAS reaches it). The absorbed form's fraction is the least certain
+// (a whole-model estimate); MlaPrefillNaive.Kimi48BLongChunkMatchesAbsorbedAndTimes prints both forms' rates to
+// calibrate these. Per sequence with q_len queries over a context of ctx rows (pairs = visible (query, key) pairs):
 //   naive    = ctx 2 kv_lora H (nope + v) / (gemm_eff peak) + pairs 2 H (nope + rope + v) / (naive_eff peak)
 //              + 3 launches per block
 //   absorbed = pairs 2 H (2 kv_lora + rope) / (absorbed_eff peak)
@@ -676,23 +444,16 @@ Status run_naive(const MlaAttentionParams& p, int64_t block_rows, cudaStream_t s
   const int width = p.kv_lora_rank + p.qk_rope;
   const int kv_cols = p.num_heads * (p.qk_nope + p.v_head);
 
-  // v1's attribute always (it is also v2's fallback); v2 where chosen (or v3 declines) and the device grants its
-  // shared memory (176 KB; otherwise v1 runs and the attribute error is cleared); v3 where chosen and it covers the
-  // head dims and the query layout, on a Hopper device (otherwise v2).
-  if (cudaError_t e = cudaFuncSetAttribute(mla_naive_flash_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(kFlashSmemBytes));
-      e != cudaSuccess) {
-    return Status(StatusCode::kInternal, w + ": cudaFuncSetAttribute: " + cudaGetErrorString(e));
-  }
-  const MlaNaiveKernel choice = naive_kernel_choice(p.naive_kernel);
-  const bool v3 = choice == MlaNaiveKernel::kV3 &&
-                  detail::mla_wgmma_prefill_supported(p.qk_nope, p.qk_rope, p.v_head, p.q, p.q_stride) &&
-                  detail::mla_wgmma_prefill_ready();
-  bool v2 = choice == MlaNaiveKernel::kV2 || (choice == MlaNaiveKernel::kV3 && !v3);
-  if (v2 && cudaFuncSetAttribute(mla_naive_flash_v2_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(kFlashSmemBytes2)) != cudaSuccess) {
-    (void)cudaGetLastError();
-    v2 = false;
+  // The Hopper kernel where it covers the head dims and the query layout on a Hopper device; the mma.sync one
+  // otherwise.
+  const bool wgmma = detail::mla_wgmma_prefill_supported(p.qk_nope, p.qk_rope, p.v_head, p.q, p.q_stride) &&
+                     detail::mla_wgmma_prefill_ready();
+  if (!wgmma) {
+    if (cudaError_t e = cudaFuncSetAttribute(mla_naive_flash_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(kFlashSmemBytes));
+        e != cudaSuccess) {
+      return Status(StatusCode::kInternal, w + ": cudaFuncSetAttribute: " + cudaGetErrorString(e));
+    }
   }
   if (cublasStatus_t s = cublasSetStream(p.cublas, stream); s != CUBLAS_STATUS_SUCCESS) {
     return Status(StatusCode::kInternal, w + ": cublasSetStream failed (" + std::to_string(static_cast<int>(s)) + ")");
@@ -748,8 +509,7 @@ Status run_naive(const MlaAttentionParams& p, int64_t block_rows, cudaStream_t s
       args.block_rows = count;
       args.first = b0 == 0 ? 1 : 0;
       args.last = b0 + count >= context ? 1 : 0;
-      const int64_t v2_ctas = (q_len + kQTile2 - 1) / kQTile2 * p.num_heads;  // v3's tiles are v2's
-      if (v3 && v2_ctas <= INT32_MAX) {
+      if (wgmma) {
         detail::MlaWgmmaBlock block;
         block.q = p.q;
         block.q_stride = p.q_stride;
@@ -771,11 +531,10 @@ Status run_naive(const MlaAttentionParams& p, int64_t block_rows, cudaStream_t s
         block.first = args.first != 0;
         block.last = args.last != 0;
         if (Status s = detail::mla_wgmma_prefill_launch(block, stream); !s.is_ok()) return s;
-      } else if (v2 && v2_ctas <= INT32_MAX) {
-        mla_naive_flash_v2_kernel<<<static_cast<unsigned>(v2_ctas), kThreads2, kFlashSmemBytes2, stream>>>(args);
       } else {
-        const dim3 grid(static_cast<unsigned>((q_len + kQTile - 1) / kQTile), static_cast<unsigned>(p.num_heads));
-        mla_naive_flash_kernel<<<grid, kThreads, kFlashSmemBytes, stream>>>(args);
+        // One CTA per (128-query tile, head); naive_unavailable bounds the count by INT32_MAX.
+        const int64_t ctas = (q_len + kQTile - 1) / kQTile * p.num_heads;
+        mla_naive_flash_kernel<<<static_cast<unsigned>(ctas), kThreads, kFlashSmemBytes, stream>>>(args);
       }
     }
   }
@@ -803,9 +562,7 @@ size_t mla_prefill_workspace_bytes(int num_heads, int kv_lora_rank, int qk_nope,
 }
 
 Status mla_prefill(const MlaAttentionParams& params, cudaStream_t stream) {
-  const MlaPrefillForm form = params.prefill_form == MlaPrefillForm::kAuto && absorbed_forced_by_environment()
-                                  ? MlaPrefillForm::kAbsorbed
-                                  : params.prefill_form;
+  const MlaPrefillForm form = params.prefill_form;
   if (form == MlaPrefillForm::kAbsorbed || (form == MlaPrefillForm::kAuto && params.num_tokens <= 0)) {
     return detail::mla_attention_launch(params, /*decode=*/false, "mla_prefill", stream);
   }

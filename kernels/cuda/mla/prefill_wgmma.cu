@@ -1,11 +1,11 @@
-// MLA prefill, naive form, step 3 on Hopper (MlaNaiveKernel::kV3): flash attention of 128 queries of one head per
-// CTA with warpgroup MMA (wgmma) and TMA. The same attention as mla_prefill.cu's v2 kernel: same inputs (the
+// MLA prefill, naive form, step 3 on Hopper: flash attention of 128 queries of one head per CTA with warpgroup MMA
+// (wgmma) and TMA. The same attention as prefill.cu's mma.sync kernel: same inputs (the
 // decompressed K_nope / V block and the gathered rows' k_rot in the workspace, the queries), the same online-softmax
 // state carried across key blocks (unnormalised O in `out`, the (max, sum) pair per (token, head)), the same causal
 // rule (query i of a sequence sits at position context - q_len + i and sees keys at positions <= it).
 //
-// CTA: 3 warpgroups (384 threads), one CTA per SM (~209 KB shared memory), grid ordered like v2 (last, heaviest
-// query tiles of every head first).
+// CTA: 3 warpgroups (384 threads), one CTA per SM (~209 KB shared memory), grid ordered like the mma.sync kernel's
+// (last, heaviest query tiles of every head first).
 //   producer (warpgroup 2; one thread works, the warpgroup gives its registers to the consumers): TMA loads of 128-key
 //   tiles into a 2-stage ring, K and V each with a "full" and an
 //     "empty" mbarrier per stage, issued in the order K0, K1, V0, K2, V1, ... (the consumers need tile j's K one
@@ -19,10 +19,8 @@
 //     O += P V: P rounded to bf16 in registers is the A operand as it lies (accumulator layout = A-fragment
 //       layout), B = V tile [keys, 128], MN-major for this product (transpose flag): 8 wgmma m64n128k16; fp32 O.
 //     Intra-warpgroup pipelining (as in FlashAttention-3): tile j's scores are issued before P V of tile j-1, so
-//       the softmax of tile j overlaps the tensor cores' P V. By default the two warpgroups also take turns issuing
-//       their MMAs (named barriers), so one's softmax overlaps the other's MMAs: 629-681 TFLOP/s against 620-670
-//       without the turns (MlaPrefillWgmmaGpu.Timing), and 121.1 against 123.8 ms of MLA attention in a 48B 32k
-//       prefill (engine_gpu_bench, 2026-12-01); DELTASERVE_MLA_PREFILL_V3_PINGPONG=0 leaves the turns out.
+//       the softmax of tile j overlaps the tensor cores' P V. The two warpgroups also take turns issuing their MMAs
+//       (named barriers, "ping-pong"), so one's softmax overlaps the other's MMAs.
 // Key tiles are walked from the last one the CTA needs (the causal diagonal) down to the first; tiles wholly past
 // the CTA's last query are never loaded; only tiles that reach past the block or past a warpgroup's first row's
 // position are masked (-inf). Both warpgroups walk the same tiles (the ping-pong turns need equal counts), so the
@@ -33,18 +31,16 @@
 // (setmaxnreg; 40 + 2 x 232 = 504 of each SM sub-partition's 512 per lane).
 // FLOPs per tile per warpgroup: 2 * 64 * 128 * (192 + 128) = 5.2 M on the tensor cores, 64 ex2 per thread.
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
-#include "kernels/cuda/common/launch_status.hpp"
-#include "kernels/cuda/mla/detail/prefill_wgmma.hpp"
 #include "kernels/cuda/common/detail/mma_sm80.cuh"
-#include "kernels/cuda/mla/detail/sm90_attention.cuh"
+#include "kernels/cuda/common/launch_status.hpp"
 #include "kernels/cuda/common/tensor_map.hpp"
+#include "kernels/cuda/mla/detail/prefill_wgmma.hpp"
+#include "kernels/cuda/mla/detail/sm90_attention.cuh"
 
 namespace deltaserve::kernels::cuda::detail {
 namespace {
@@ -80,7 +76,6 @@ constexpr int kQBarrier = 3;
 static_assert(kQTile == 2 * 64 && kConsumerWarps == 8, "two consumer warpgroups of 64 query rows");
 static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA per SM");
 
-template <bool kPingPong>
 __global__ void __launch_bounds__(kThreads, 1)
     mla_wgmma_prefill_kernel(const __grid_constant__ CUtensorMap kv_map, const __grid_constant__ CUtensorMap rows_map,
                              const MlaWgmmaBlock a) {
@@ -299,18 +294,18 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int i = 0; i < 64; ++i) s[i] = 0.0f;
   if (num_tiles > 0) {
-    // Ping-pong turns (kPingPong): warpgroup w syncs on its barrier before issuing MMAs and arrives on the other's
+    // Ping-pong turns: warpgroup w syncs on its barrier before issuing MMAs and arrives on the other's
     // after. Warpgroup 1 opens with an arrival (0 goes first) and skips the arrival of its last turn (the final
     // P V), so both barriers see as many arrivals as syncs; every conditional sits outside wgmma-in-flight code.
-    if (kPingPong && wg == 1) sm90::named_barrier_arrive(kTurnBarrier, 2 * 128);
+    if (wg == 1) sm90::named_barrier_arrive(kTurnBarrier, 2 * 128);
     // Step 0 (the last key tile): scores only.
     sm90::mbarrier_wait(&full_k[0], 0, gave_up);
-    if (kPingPong) sm90::named_barrier_sync(my_turn, 2 * 128);
+    sm90::named_barrier_sync(my_turn, 2 * 128);
     sm90::wgmma_fence_registers(s);
     sm90::wgmma_fence();
     issue_scores(s, 0);
     sm90::wgmma_commit_group();
-    if (kPingPong) sm90::named_barrier_arrive(other_turn, 2 * 128);
+    sm90::named_barrier_arrive(other_turn, 2 * 128);
     sm90::wgmma_wait_group<0>();
     sm90::wgmma_fence_registers(s);
     release(&empty_k[0]);
@@ -323,7 +318,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int stage = j % kStages, previous = (j - 1) % kStages;
       sm90::mbarrier_wait(&full_k[stage], (j / kStages) & 1, gave_up);
       sm90::mbarrier_wait(&full_v[previous], ((j - 1) / kStages) & 1, gave_up);
-      if (kPingPong) sm90::named_barrier_sync(my_turn, 2 * 128);
+      sm90::named_barrier_sync(my_turn, 2 * 128);
       sm90::wgmma_fence_registers(s);
       sm90::wgmma_fence_registers(o);
       sm90::wgmma_fence_registers(p);
@@ -332,7 +327,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       sm90::wgmma_commit_group();
       issue_pv(p, previous);
       sm90::wgmma_commit_group();
-      if (kPingPong) sm90::named_barrier_arrive(other_turn, 2 * 128);
+      sm90::named_barrier_arrive(other_turn, 2 * 128);
       sm90::wgmma_wait_group<1>();  // the scores (P V may still run)
       sm90::wgmma_fence_registers(s);
       release(&empty_k[stage]);
@@ -347,7 +342,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // P V of the last step's tile.
     const int last = (num_tiles - 1) % kStages;
     sm90::mbarrier_wait(&full_v[last], ((num_tiles - 1) / kStages) & 1, gave_up);
-    if (kPingPong) sm90::named_barrier_sync(my_turn, 2 * 128);
+    sm90::named_barrier_sync(my_turn, 2 * 128);
     sm90::wgmma_fence_registers(o);
     sm90::wgmma_fence_registers(p);
     sm90::wgmma_fence();
@@ -355,7 +350,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90::wgmma_commit_group();
     sm90::wgmma_wait_group<0>();
     sm90::wgmma_fence_registers(o);
-    if (kPingPong && wg == 0) sm90::named_barrier_arrive(other_turn, 2 * 128);
+    if (wg == 0) sm90::named_barrier_arrive(other_turn, 2 * 128);
   }
 
 #pragma unroll
@@ -389,12 +384,6 @@ bool encode_rows_map(PFN_cuTensorMapEncodeTiled_v12000 encode, CUtensorMap* map,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// Read at every launch (the timing test switches it between calls): on unless set to "0".
-bool ping_pong_chosen() {
-  const char* value = std::getenv("DELTASERVE_MLA_PREFILL_V3_PINGPONG");
-  return value == nullptr || std::strcmp(value, "0") != 0;
-}
-
 }  // namespace
 
 bool mla_wgmma_prefill_supported(int nope, int rope, int v_head, const void* q, int64_t q_stride) {
@@ -404,9 +393,7 @@ bool mla_wgmma_prefill_supported(int nope, int rope, int v_head, const void* q, 
 
 bool mla_wgmma_prefill_ready() {
   if (tensor_map_encoder() == nullptr || !current_device_is_sm90()) return false;
-  if (cudaFuncSetAttribute(mla_wgmma_prefill_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(kSmemBytes)) != cudaSuccess ||
-      cudaFuncSetAttribute(mla_wgmma_prefill_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  if (cudaFuncSetAttribute(mla_wgmma_prefill_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(kSmemBytes)) != cudaSuccess) {
     (void)cudaGetLastError();
     return false;
@@ -415,7 +402,7 @@ bool mla_wgmma_prefill_ready() {
 }
 
 Status mla_wgmma_prefill_launch(const MlaWgmmaBlock& block, cudaStream_t stream) {
-  const std::string who = "mla_prefill (naive v3)";
+  const std::string who = "mla_prefill (naive, wgmma)";
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr) return internal_error(who + ": no tensor-map encoder (mla_wgmma_prefill_ready is false)");
   if (block.block_rows <= 0 || block.q_len <= 0) return Status::ok();
@@ -429,13 +416,7 @@ Status mla_wgmma_prefill_launch(const MlaWgmmaBlock& block, cudaStream_t stream)
                           std::to_string(kv_columns) + " / " + std::to_string(row_columns) + " columns)");
   }
   const int64_t ctas = (block.q_len + kQTile - 1) / kQTile * block.num_heads;
-  if (ping_pong_chosen()) {
-    mla_wgmma_prefill_kernel<true>
-        <<<static_cast<unsigned>(ctas), kThreads, kSmemBytes, stream>>>(kv_map, rows_map, block);
-  } else {
-    mla_wgmma_prefill_kernel<false>
-        <<<static_cast<unsigned>(ctas), kThreads, kSmemBytes, stream>>>(kv_map, rows_map, block);
-  }
+  mla_wgmma_prefill_kernel<<<static_cast<unsigned>(ctas), kThreads, kSmemBytes, stream>>>(kv_map, rows_map, block);
   return launch_status(who.c_str());
 }
 

@@ -1,6 +1,7 @@
-// Helpers of the GPU MLA attention tests (mla_test.cpp, mla_prefill_wgmma_test.cpp): head dims, bf16-rounded
+// Helpers of the GPU MLA tests (mla_attention_check.hpp and the mla_*_test.cpp files): head dims, bf16-rounded
 // inputs, a shuffled NaN-poisoned page pool, NaN-padded q rows, the CPU reference per sequence, the launch
-// parameters every case sets alike, and the one-sequence long-chunk inputs of the timing cases.
+// parameters every case sets alike, the one-sequence long-chunk inputs of the timing cases, and fake device pointers
+// for the validation cases.
 #pragma once
 
 #include <algorithm>
@@ -8,19 +9,38 @@
 #include <cstdint>
 #include <numeric>
 #include <random>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include <cublas_v2.h>
 
 #include "kernels/cpu/mla.hpp"
-#include "kernels/cuda/tests/kda_test_util.hpp"
 #include "kernels/cuda/mla/mla.hpp"
+#include "kernels/cuda/tests/kda_test_util.hpp"
 
 namespace deltaserve::kernels::cuda::test {
 
 struct MlaShape {
   int heads, kv_lora, nope, rope, v_head;
 };
+
+inline constexpr MlaShape kTiny{2, 32, 16, 8, 16};
+inline constexpr MlaShape kKimi48B{32, 512, 128, 64, 128};
+inline constexpr MlaShape kK3{96, 512, 128, 64, 128};  // 3 head groups of 32
+inline constexpr MlaShape kOdd{40, 96, 24, 0, 40};     // head groups 32 + 8, no rope part
+
+inline std::string shape_name(const MlaShape& s) {
+  std::ostringstream os;
+  os << "H=" << s.heads << " kv_lora=" << s.kv_lora << " nope=" << s.nope << " rope=" << s.rope << " v=" << s.v_head;
+  return os.str();
+}
+
+// A device pointer that is never dereferenced: the validation cases' calls are all rejected before any launch.
+template <class T>
+T* fake_device(uintptr_t address = 4096) {
+  return reinterpret_cast<T*>(address);
+}
 
 inline std::vector<float> rounded_normal(std::mt19937& rng, size_t n, float mean, float stddev) {
   std::vector<float> x = normal_vector(rng, n, mean, stddev);

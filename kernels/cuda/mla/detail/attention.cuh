@@ -1,14 +1,17 @@
-// Internal to the MLA kernels: the absorbed attention launch behind mla_decode and mla_prefill (mla_decode.cu), the
-// arguments its attention kernels share, and the kernels kept beside the default ones (mla_decode_reference.cu).
+// Internal to the MLA kernels: the absorbed attention launch behind mla_decode and mla_prefill (decode.cu), the
+// launches of its steps in the other files (decode_absorb.cu, decode_combine.cu, decode_reference.cu), the arguments
+// its attention kernels share and the device helpers they have in common.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
+#include <string>
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include "common/status.hpp"
+#include "kernels/cuda/common/launch_status.hpp"
 #include "kernels/cuda/mla/mla.hpp"
 
 namespace deltaserve::kernels::cuda::detail {
@@ -20,11 +23,22 @@ Status mla_attention_launch(const MlaAttentionParams& params, bool decode, const
 // Shared check of a page pool (`who`: launcher name for messages).
 Status validate_mla_pool(const MlaPagePool& pool, int layer, const char* who);
 
-// kV1 or kV2: `requested`, or for kDefault the environment variable DELTASERVE_MLA_DECODE_KERNEL (read once per
-// process): "v1" -> kV1, unset or anything else -> kV2.
-MlaDecodeKernel mla_resolve_decode_kernel(MlaDecodeKernel requested);
-// false when DELTASERVE_MLA_PDL=0 (read once per process): the kernels then launch without the PDL attribute.
-bool mla_pdl_from_env();
+// Raises `kernel`'s dynamic shared memory limit to `bytes` (`who`: launcher name for messages).
+inline Status mla_set_smem(const void* kernel, size_t bytes, const char* who) {
+  if (cudaError_t e =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+      e != cudaSuccess) {
+    return Status(StatusCode::kInternal, std::string(who) + ": cudaFuncSetAttribute: " + cudaGetErrorString(e));
+  }
+  return Status::ok();
+}
+
+// Every MLA kernel launches with programmatic dependent launch (see mla_wait_for_previous_grid).
+template <typename... Params, typename... Args>
+Status mla_launch_with_pdl(void (*kernel)(Params...), dim3 grid, int threads, size_t smem, cudaStream_t stream,
+                           const char* who, Args... args) {
+  return launch_kernel_ex(true, kernel, grid, dim3(static_cast<unsigned>(threads)), smem, stream, who, args...);
+}
 
 // What every split-attention kernel reads: one CTA per (query token, context split, group of head_group heads).
 struct MlaAttentionArgs {
@@ -107,17 +121,20 @@ __device__ __forceinline__ void mla_allow_next_grid() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
 
-// The fp32 CUDA-core attention kernel (MlaAttentionParams::fp32_attention): grid (T, splits, ceil(H / group)) with
-// group = mla_fp32_head_group(H, kv_lora); writes the same partials as the default kernel.
+// Step 1 (decode_absorb.cu): q̃ of params.num_tokens tokens into `q_tilde` (the workspace section,
+// [T, H, kv_lora + rope] fp32); scale = softmax_scale * log2(e).
+Status launch_mla_absorb(const MlaAttentionParams& params, float* q_tilde, float scale, cudaStream_t stream,
+                         const char* who);
+
+// Step 2 on CUDA cores (decode_reference.cu; MlaAttentionParams::fp32_attention): grid (T, splits, ceil(H / group))
+// with group = mla_fp32_head_group(H, kv_lora); writes the same partials as the tensor-core kernels.
 int mla_fp32_head_group(int num_heads, int kv_lora);
 Status launch_mla_fp32_attention(const MlaAttentionArgs& args, int64_t num_tokens, cudaStream_t stream,
                                  const char* who);
 
-// The original absorbed pipeline (MlaAttentionParams::legacy_tc_attention, DELTASERVE_MLA_TC=legacy): absorb with
-// one CTA per (8 tokens, head), the tensor-core attention with per-thread page lookups, the combine with one CTA per
-// (token, head). `args` carries the partials' workspace sections and args.splits (head_group and q_tilde are set
-// here); q_tilde: the workspace section for q̃; scale = softmax_scale * log2(e).
-Status launch_mla_legacy(const MlaAttentionParams& params, MlaAttentionArgs args, float* q_tilde, float scale,
-                         cudaStream_t stream, const char* who);
+// Step 3 (decode_combine.cu): merges args.splits partials per (token, head) from args.partial_o / partial_ml and
+// writes params.out (or params.out_bf16); the split-K cluster combine up to kMlaSplitKCombineMaxTokens tokens.
+Status launch_mla_combine(const MlaAttentionParams& params, const MlaAttentionArgs& args, int64_t num_tokens,
+                          cudaStream_t stream, const char* who);
 
 }  // namespace deltaserve::kernels::cuda::detail

@@ -1,5 +1,5 @@
-// Body of the mma.sync split-attention kernel of mla_decode.cu (see its file comment, step 2) and the helpers the
-// warpgroup-MMA kernel of mla_decode_wgmma.cu shares with it (the slice of a split, the W_UV prefetch).
+// Body of the mma.sync split-attention kernel that decode.cu launches (see its file comment, step 2) and the helpers
+// the warpgroup-MMA kernel of decode_wgmma.cu shares with it (the slice of a split, the W_UV prefetch).
 #pragma once
 
 #include <cstdint>
@@ -7,9 +7,9 @@
 #include <cuda_bf16.h>
 
 #include "common/status.hpp"
-#include "kernels/cuda/mla/mla.hpp"
-#include "kernels/cuda/mla/detail/attention.cuh"
 #include "kernels/cuda/common/detail/mma_sm80.cuh"
+#include "kernels/cuda/mla/detail/attention.cuh"
+#include "kernels/cuda/mla/mla.hpp"
 
 namespace deltaserve::kernels::cuda::detail {
 
@@ -129,11 +129,11 @@ struct WUvPrefetch {
   int nope, v_head;
 };
 
-// The split attention on warpgroup MMA and TMA (mla_decode_wgmma.cu, MlaDecodeKernel::kV3): whether it covers
-// these arguments (args.head_group as mla_decode_head_group chose it), and its launch (same grid, workspace and
-// partials as mla_split_attention_mma_kernel; `pdl`: programmatic dependent launch). Hopper only.
+// The split attention on warpgroup MMA and TMA (decode_wgmma.cu): whether it covers these arguments
+// (args.head_group as mla_decode_head_group chose it), and its launch with programmatic dependent launch (same grid,
+// workspace and partials as mla_split_attention_mma_kernel). Hopper only.
 bool mla_wgmma_decode_supported(const MlaAttentionArgs& args);
-Status launch_mla_wgmma_decode(const MlaAttentionArgs& args, const WUvPrefetch& w_uv, int64_t num_tokens, bool pdl,
+Status launch_mla_wgmma_decode(const MlaAttentionArgs& args, const WUvPrefetch& w_uv, int64_t num_tokens,
                                cudaStream_t stream, const char* who);
 
 // Hints W_UV of heads [h0, h0 + heads) into L2, this split's share of its 128-byte lines.

@@ -1,5 +1,5 @@
-// The naive MLA prefill's flash-attention kernel on Hopper warpgroup MMA and TMA (MlaNaiveKernel::kV3). Internal to
-// mla_prefill.cu, which plans the key blocks and falls back to the v2 kernel where this one declines.
+// The naive MLA prefill's flash-attention kernel on Hopper warpgroup MMA and TMA. Internal to prefill.cu, which plans
+// the key blocks and runs its mma.sync kernel where this one declines.
 #pragma once
 
 #include <cstdint>
@@ -11,7 +11,7 @@
 
 namespace deltaserve::kernels::cuda::detail {
 
-// One launch: the queries of one sequence against one decompressed block of its context (mla_prefill.cu, step 3).
+// One launch: the queries of one sequence against one decompressed block of its context (prefill.cu, step 3).
 struct MlaWgmmaBlock {
   const __nv_bfloat16* q = nullptr;  // [T, H, nope + rope], row stride q_stride (elements)
   int64_t q_stride = 0;
@@ -30,12 +30,13 @@ struct MlaWgmmaBlock {
   bool last = false;        // its last block: normalise and write the result
 };
 
-// Whether kV3 covers these head dims and query layout: qk_nope 128, qk_rope 64, v_head 128 (Kimi Linear, K3), q
-// 16-byte aligned with q_stride a multiple of 8 (16-byte rows). Otherwise the caller runs v2.
+// Whether this kernel covers these head dims and query layout: qk_nope 128, qk_rope 64, v_head 128 (Kimi Linear,
+// K3), q 16-byte aligned with q_stride a multiple of 8 (16-byte rows). Otherwise the caller runs the mma.sync kernel.
 bool mla_wgmma_prefill_supported(int nope, int rope, int v_head, const void* q, int64_t q_stride);
 
 // Once per mla_prefill call, before its launches: grants the kernel its shared memory on the current device and
-// looks up the driver's tensor-map encoder. false: kV3 cannot run here (the caller runs v2; the error is cleared).
+// looks up the driver's tensor-map encoder. false: it cannot run here (the caller runs the mma.sync kernel; the error
+// is cleared).
 bool mla_wgmma_prefill_ready();
 
 // Launches the block's attention on `stream`: asynchronous, no allocation or host sync (the TMA descriptors are

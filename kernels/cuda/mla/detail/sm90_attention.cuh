@@ -1,6 +1,6 @@
 // Hopper (sm_90a) building blocks of the warpgroup attention kernels on top of sm90_ptx.cuh: pointer forms of its
 // mbarrier and TMA helpers, a bounded mbarrier wait that gives up instead of trapping, named barriers, register
-// reallocation and the warpgroup MMA shapes (m64n128k16, bf16 in, fp32 accumulate) that mla_prefill_wgmma.cu uses.
+// reallocation and the warpgroup MMA shapes (m64n128k16, bf16 in, fp32 accumulate) that prefill_wgmma.cu uses.
 // PTX ISA 8.0+ (wgmma, cp.async.bulk.tensor, mbarrier expect_tx).
 //
 // Shared-memory operand tiles are 128-byte swizzled, as TMA writes them with CU_TENSOR_MAP_SWIZZLE_128B: a tile of
@@ -41,7 +41,7 @@ __device__ __forceinline__ void mbarrier_arrive(uint64_t* barrier) {
 // up and sets *gave_up (a flag in shared memory, 0 at the start), and every later wait of a thread that sees the
 // flag returns at once; the kernel then finishes with wrong results, which the tests report. (Not __trap() as in
 // sm90_ptx.cuh's mbarrier_wait: a trap in the kernel makes ptxas ignore setmaxnreg, and the consumers of
-// mla_prefill_wgmma.cu then spill.)
+// prefill_wgmma.cu then spill.)
 __device__ __forceinline__ void mbarrier_wait(uint64_t* barrier, uint32_t parity, volatile int* gave_up) {
   const uint32_t bar = detail::smem_address(barrier);
   if (mbarrier_try_wait(bar, parity)) return;
@@ -72,7 +72,7 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 
 // ---- register reallocation between warpgroups (all 4 warps of the warpgroup execute it) ----------------------------
 // Unlike sm90_ptx.cuh's warpgroup_{release,claim}_registers these carry a "memory" clobber (no shared-memory access
-// moves across the hand-over); mla_prefill_wgmma.cu's register budget was measured with it, so they stay separate.
+// moves across the hand-over); prefill_wgmma.cu's register budget was measured with it, so they stay separate.
 // The warpgroup gives back registers down to kCount per thread (e.g. a TMA producer that needs few).
 template <int kCount>
 __device__ __forceinline__ void warpgroup_registers_decrease() {
