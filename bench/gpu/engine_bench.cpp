@@ -1,6 +1,18 @@
-// The CUDA engine on one GPU with random weights of a real shape (Kimi-Linear-48B, or a few K3 layers): decode step
-// time per batch size and context, prefill throughput, TTFT of a long prompt and the memory plan, each next to its
-// physical limit measured in the same run (device copy bandwidth, cuBLAS bf16 GEMM peak). GPU machine only.
+// engine_gpu_bench: the CUDA engine (engine/cuda) on one GPU with random weights of a real shape (Kimi-Linear-48B,
+// or a few K3 layers). GPU machine only; bench/gpu/engine.sh runs it.
+//
+// Measures: decode step time and tokens/s per batch size and context, prefill tokens/s and the TTFT of a long prompt,
+// and the memory plan (state slots, cache pages, requests that fit).
+// Limit, from ceilings measured in the same run (device copy bandwidth: bytes read+written / s of a 2 GiB
+// device-to-device copy; cuBLAS bf16 GEMM peak):
+//   decode: the bytes one step must read (and write) at least, over the copy bandwidth: every non-expert weight
+//     (embedding rows aside), the routed experts the batch touches (expected distinct experts under uniform routing,
+//     E·(1-(1-k/E)^B) per MoE layer — the random router is near uniform), every KDA state and conv tail read and
+//     written, every MLA cache row read once.
+//   prefill: FLOPs of the minimal computation (2 per weight per token for the active weights; MLA attention in the
+//     naive form, causal: 2·(qk_nope+qk_rope + v) per head per (query, key) pair; KDA chunked form
+//     6·d² + 3·C·d + C² per head per token, C = 64) over the GEMM peak.
+// Peer: none run beside it; the KDA kernels' peer (fla) is in kda_gpu_bench.
 //
 //   engine_gpu_bench --config CONFIG.json [--layers N | --kinds kda,mla,...] [--first-dense K] --label NAME
 //                    --commit C --date D [--machine M] [--command TEXT]
@@ -10,15 +22,6 @@
 //
 // Output: JSON lines in the bench/results format on stdout; progress on stderr. Each record's command is --command,
 // or else this process's command line.
-//
-// Limits:
-//   decode: bytes one step must read (and write) at least, over the measured copy bandwidth (bytes read+written /
-//     s of a 2 GiB device-to-device copy): every non-expert weight (embedding rows aside), the routed experts the
-//     batch touches (expected distinct experts under uniform routing, E·(1-(1-k/E)^B) per MoE layer — the random
-//     router is near uniform), every KDA state and conv tail read and written, every MLA cache row read once.
-//   prefill: FLOPs of the minimal computation (2 per weight per token for the active weights; MLA attention in the
-//     naive form, causal: 2·(qk_nope+qk_rope + v) per head per (query, key) pair; KDA chunked form
-//     6·d² + 3·C·d + C² per head per token, C = 64) over the measured bf16 GEMM peak.
 // Prefill: the median of 5 timed prefills (3 above 32k tokens), each of a new request, after one warm-up prefill of
 // up to two passes in the first case (lazy module loads and first-call set-up stay out of the timing).
 // Contexts are set up with CudaBackend::assume_context (zero states and rows: the same work as real ones).

@@ -1,15 +1,13 @@
 // CUDA graphs for pure-decode passes (CudaBackendOptions::cuda_graphs).
 //
 // Policy:
-//  - Eligible: every sequence brings one token, the pass's logit rows fit one LM-head piece (batch <= logit_chunk),
-//    and the MoE layers never sync with the host: always, unless DELTASERVE_MOE_REFERENCE_FFN=1 forces the
-//    per-expert cuBLAS path beyond batch * top_k <= kMoeDecodeRowsPerExpert * experts (it reads the expert offsets
-//    on the host, a sync that cannot be captured; such batches then run eagerly). Everything else is eager.
+//  - Eligible: every sequence brings one token and the pass's logit rows fit one LM-head piece (batch <=
+//    logit_chunk). Everything else is eager. No layer of a pass syncs with the host, which a capture would not allow.
 //  - Key: the EXACT batch size, not a padded bucket. Dummy rows would be skipped by the KDA decode kernel (slot
 //    -1) and the MLA row writes (slot -1), but the MoE router would still send each one to top_k experts whose
 //    weights the decode kernel then reads: at small batches (where graphs matter most, being launch-bound) a
 //    batch of 3 padded to 4 would read up to top_k more experts per MoE layer. Exact sizes cost one capture per
-//    distinct batch size (a few ms of host time); the cache keeps the 128 most recently used graphs.
+//    distinct batch size (host time only); the cache keeps the 128 most recently used graphs.
 //  - MLA: the split grid and the block-table row length are host values baked into a graph. The key carries a
 //    context bound: the smallest power of two >= the pass's longest context (at least 512, where the split count
 //    is 1 anyway; at most the model limit the workspace was planned for); a longer context makes a new key. The
@@ -86,11 +84,6 @@ std::optional<DecodeGraphKey> CudaBackend::Impl::decode_graph_key(std::span<Sequ
   for (const SequenceInput& in : batch) {
     if (in.tokens.size() != 1) return std::nullopt;
     longest = std::max(longest, in.state->num_tokens() + 1);
-  }
-  const bool has_moe = std::any_of(weights->layers.begin(), weights->layers.end(),
-                                   [](const DeviceLayer& layer) { return layer.is_moe; });
-  if (has_moe && moe_ffn_syncs_host(B * config.moe.num_experts_per_token, config.moe.num_experts)) {
-    return std::nullopt;
   }
   DecodeGraphKey key;
   key.batch = B;

@@ -11,7 +11,7 @@
 // alternatives against SamplingRule (the CPU rule) applied with the same draws to the very logits the pass sampled
 // (device_logits(), themselves checked against a twin pass's forward() logits); a DecodeBatcher sampling on the device
 // against one sampling on the host from forward's logits; and the timing of a decode step at Kimi's vocabulary with
-// host sampling (the old path) and device sampling.
+// host sampling and device sampling.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -88,12 +88,6 @@ CudaBackendOptions graph_test_options(bool graphs) {
   options.page_tokens = 16;  // contexts cross page boundaries every 16 steps
   options.cuda_graphs = graphs;
   return options;
-}
-
-// DELTASERVE_CUDA_GRAPHS=0 (the bypass) turns graphs off in every backend: nothing to compare then.
-bool graphs_forced_off() {
-  const char* value = std::getenv("DELTASERVE_CUDA_GRAPHS");
-  return value != nullptr && std::string(value) == "0";
 }
 
 // Two GPU models on one set of weights (a bf16 checkpoint): graphs on and off.
@@ -245,13 +239,11 @@ void decode_schedule(bool all_experts, size_t largest) {
 // variant below passes means the two paths differ by rounding and a routing near-tie flipped (then look for the
 // first step that failed and its size), not a wrong table.
 TEST(CudaGraphs, DecodeMatchesEagerAcrossBatchSizesAndPages) {
-  if (graphs_forced_off()) GTEST_SKIP() << "DELTASERVE_CUDA_GRAPHS=0";
   decode_schedule(/*all_experts=*/false, 8);
 }
 
 // All 16 experts per token (continuous routing): graph-eligible up to batch 4 (16 rows per token <= 4 per expert).
 TEST(CudaGraphs, DecodeMatchesEagerAllExperts) {
-  if (graphs_forced_off()) GTEST_SKIP() << "DELTASERVE_CUDA_GRAPHS=0";
   decode_schedule(/*all_experts=*/true, 4);
 }
 
@@ -259,7 +251,6 @@ TEST(CudaGraphs, DecodeMatchesEagerAllExperts) {
 // count of the graph may differ from the eager pass (rounding-level differences only; all-experts routing, so no
 // expert choice can flip on them).
 TEST(CudaGraphs, ContextBoundGrowsPast512) {
-  if (graphs_forced_off()) GTEST_SKIP() << "DELTASERVE_CUDA_GRAPHS=0";
   Pair p = make_pair_of_backends(22, /*all_experts=*/true);
   ASSERT_NE(p.graph, nullptr);
   const int64_t vocab = p.config.vocab_size;
@@ -285,7 +276,6 @@ TEST(CudaGraphs, ContextBoundGrowsPast512) {
 // Logits left on the device (forward_on_device) by a replayed graph equal the eager backend's host logits, and
 // switching graphs off at run time stops the replays.
 TEST(CudaGraphs, DeviceLogitsAndRuntimeSwitch) {
-  if (graphs_forced_off()) GTEST_SKIP() << "DELTASERVE_CUDA_GRAPHS=0";
   Pair p = make_pair_of_backends(23);
   ASSERT_NE(p.graph, nullptr);
   const int64_t vocab = p.config.vocab_size;
@@ -338,12 +328,9 @@ TEST(CudaGraphs, DeviceLogitsAndRuntimeSwitch) {
 // The profile of eager passes names the phases of the layers this model has; graph replays count as one phase;
 // off by default.
 TEST(CudaGraphs, ProfileNamesThePhases) {
-  if (graphs_forced_off()) GTEST_SKIP() << "DELTASERVE_CUDA_GRAPHS=0";
   Pair p = make_pair_of_backends(24);
   ASSERT_NE(p.graph, nullptr);
-  if (std::getenv("DELTASERVE_CUDA_PROFILE") == nullptr) {
-    EXPECT_TRUE(p.eager_backend->profile().empty()) << "profiling is off by default";
-  }
+  EXPECT_TRUE(p.eager_backend->profile().empty()) << "profiling is off by default";
   p.eager_backend->enable_profile(true);
   p.graph_backend->enable_profile(true);
   const int64_t vocab = p.config.vocab_size;
@@ -373,10 +360,6 @@ TEST(CudaGraphs, ProfileNamesThePhases) {
 }
 
 // ---- sampling in the pass (forward_sample) -------------------------------------------------------------------
-
-bool host_sampling_forced() {
-  return std::getenv("DELTASERVE_HOST_SAMPLING") != nullptr;
-}
 
 // The logprob tolerance of one computation (the kernel's fp64 sums in another order than the CPU's).
 constexpr double kLogprobAtol = 2e-6, kLogprobRtol = 1e-6;
@@ -531,7 +514,7 @@ TEST(CudaSampling, ForwardSampleMatchesTheRuleOnItsLogits) {
   ASSERT_NE(p.graph, nullptr);
   for (size_t batch : {1, 3, 17}) {
     sampled_steps(p, /*graph=*/false, batch);
-    if (!graphs_forced_off()) sampled_steps(p, /*graph=*/true, batch);
+    sampled_steps(p, /*graph=*/true, batch);
   }
 }
 
@@ -591,13 +574,11 @@ void expect_same_outputs(const std::vector<DecodeStepOutput>& got, const std::ve
 // CUDA model, 32 steps of requests with mixed params (the kinds where the GPU must pick the CPU's token), joining at
 // different steps: the same outputs. On the graph backend (sampling after replays) and the eager one.
 TEST(CudaSampling, DecodeBatcherOnTheDeviceEqualsHostSampling) {
-  if (host_sampling_forced()) GTEST_SKIP() << "DELTASERVE_HOST_SAMPLING is set";
   Pair p = make_pair_of_backends(27);
   ASSERT_NE(p.graph, nullptr);
   std::vector<SampleKind> kinds = sample_kinds();
   kinds.erase(std::remove_if(kinds.begin(), kinds.end(), [](const SampleKind& k) { return !k.exact; }), kinds.end());
   for (bool graph : {true, false}) {
-    if (graph && graphs_forced_off()) continue;
     const Model& model = graph ? *p.graph : *p.eager;
     const int64_t vocab = p.config.vocab_size;
     DecodeBatcher device(model, 16), host(model, 16, /*host_sampling=*/true);
@@ -639,7 +620,7 @@ TEST(CudaSampling, DecodeBatcherOnTheDeviceEqualsHostSampling) {
 }
 
 // The decode step at Kimi's vocabulary (163840), batch 1, 64 and 256: forward only (logits stay on the device),
-// the old path (forward copies every row's logits to the host, each Sampler samples there) and forward_sample
+// host sampling (forward copies every row's logits to the host, each Sampler samples there) and forward_sample
 // (sampled on the device, tokens back), greedy and top-p 0.95 at temperature 0.8. Host wall time per step; the GPU
 // time of the sampling phase (kernels + result copy) from the backend's profile, and the logit bytes it reads once
 // as a share of 4.26 TB/s. Asserts only correctness: the last step's tokens against SamplingRule on its logits.

@@ -137,8 +137,8 @@ Status CudaBackend::Impl::run_kda(const DeviceLayer& layer, const PassTables& t,
       return gemm.run_shared_input(GemmNormInput{unnormed, hidden, layer.input_norm, eps, normed}, T, hidden, targets);
     };
     const GemmTarget f_b{w.f_b, C, gate_raw, C};
-    // Small batches: the decode step computes the gate logits from `low` itself (kc::kda_fused_gate_max_rows).
-    const bool fused_gates = T <= kc::kda_fused_gate_max_rows();
+    // Small batches: the decode step computes the gate logits from `low` itself (kc::kKdaFusedGateMaxRows).
+    const bool fused_gates = T <= kc::kKdaFusedGateMaxRows;
     if (low_rank_gate) {
       DS_RETURN_IF_ERROR(project({fg_a, q_target, k_target, v_target, b_target}));
       // f_b and g_b on the two halves of `low` in one launch (g_b first where they run one by one).
@@ -188,7 +188,7 @@ Status CudaBackend::Impl::run_kda(const DeviceLayer& layer, const PassTables& t,
     // projections (they write gate_raw / out_gate, or low, q, k, v and beta; with programmatic dependent launch they
     // let this kernel start only after their own wait, when everything before them is complete), the slot table was
     // uploaded at the start of the pass and this layer's state last written by its previous step.
-    // Measured 3.83 against 4.46 us per layer at B = 1, 77.7 against 79.9 at B = 64 (KdaDecodeGpu.VariantsTiming).
+    // Issuing the state loads before the wait is faster at every batch size.
     p.early_state_loads = true;
     profiler.mark(Phase::kKdaRecurrence, stream());
     DS_RETURN_IF_ERROR_CTX(kc::kda_decode_step(p, stream()), "kda_decode_step");
@@ -449,14 +449,12 @@ Status CudaBackend::Impl::run_moe(const DeviceMoe& moe, int64_t T, const float* 
   const int64_t shared_I = moe.shared.gate_up != nullptr ? moe.shared.intermediate : 0;
 
   // Decode batches (<= kSmallBatchMoeTokens tokens, no LatentMoE): the whole layer in three launches
-  // (kernels/cuda/moe/moe.hpp, moe_small_batch_*). The kernels take up to 16 tokens. On the H200 at Kimi-48B dims
-  // (MoeDecodeLayerGpu.Timing, 2026-12-01, v2) the layer alone beats the chain below up to 8 tokens: 63.1 vs 87.0 us
-  // at T=1, 99.0 vs 120.1 at 2, 146.7 vs 160.5 at 4, 243.6 vs 263.3 at 8, 525 vs 419 at 16; but with 8 tokens the
-  // 48B engine's decode step was slower through it (8.86 against 8.54 ms at batch 8, ctx 4k), so it stops at 4. Its
+  // (kernels/cuda/moe/moe.hpp, moe_small_batch_*). The kernels take up to 16 tokens; the layer alone beats the chain
+  // below up to 8 tokens, but at 8 the engine's whole decode step is slower through it, so it stops at 4. Its
   // temporaries are fewer than the chain's (no x_sorted / y_sorted), so whatever the arena was planned for fits;
   // checked anyway, since the router's partial sums grow with E.
   constexpr int64_t kSmallBatchMoeTokens = 4;
-  if (!latent && width == hidden && T <= kSmallBatchMoeTokens && kc::moe_small_batch_enabled() &&
+  if (!latent && width == hidden && T <= kSmallBatchMoeTokens &&
       kc::moe_small_batch_fits(T, static_cast<int>(k), static_cast<int>(E), hidden, I, shared_I)) {
     const size_t workspace_bytes =
         kc::moe_small_batch_workspace_bytes(T, static_cast<int>(k), static_cast<int>(E), hidden);
@@ -523,17 +521,11 @@ Status CudaBackend::Impl::run_moe(const DeviceMoe& moe, int64_t T, const float* 
       p.counter = static_cast<unsigned int*>(moe_small_batch_counter.data());
       if (unnormed != nullptr) {
         // The fused norm reads the residual stream itself (launch 3 adds to it only after launches 1 and 2 are
-        // done); v2 only.
+        // done).
         p.x_f32 = unnormed;
         p.x = nullptr;
         p.norm_weight = norm_weight;
         p.norm_eps = config.rms_norm_eps;
-        if (kc::moe_small_batch_kernel_for(p) != kc::MoeSmallBatchKernel::kV2) {
-          p.x_f32 = normed_f32;
-          p.x = normed;
-          p.norm_weight = nullptr;
-          DS_RETURN_IF_ERROR(norm_input());
-        }
       }
       DS_RETURN_IF_ERROR(arena_check("MoE small batch"));
       profiler.mark(Phase::kMoeRouter, stream());
@@ -604,19 +596,7 @@ Status CudaBackend::Impl::run_moe(const DeviceMoe& moe, int64_t T, const float* 
   f.expert_offsets = plan.expert_offsets;
   f.activated = activated;
   f.y_sorted = y_sorted;
-  if (!moe_ffn_syncs_host(R, E)) {
-    DS_RETURN_IF_ERROR_CTX(kc::moe_expert_ffn_decode(f, stream()), "moe_expert_ffn_decode");
-  } else {
-    const size_t ffn_bytes = kc::moe_ffn_prefill_workspace_bytes(R, I);
-    f.workspace = arena.take<char>(static_cast<int64_t>(ffn_bytes));
-    f.workspace_bytes = ffn_bytes;
-    DS_RETURN_IF_ERROR(arena_check("MoE prefill workspace"));
-    std::vector<int32_t> offsets(static_cast<size_t>(E + 1));
-    DS_CUDA_RETURN(cudaMemcpyAsync(offsets.data(), plan.expert_offsets, offsets.size() * sizeof(int32_t),
-                                   cudaMemcpyDeviceToHost, stream()));
-    DS_CUDA_RETURN(cudaStreamSynchronize(stream()));
-    DS_RETURN_IF_ERROR_CTX(kc::moe_expert_ffn_prefill(f, offsets, gemm.handle(), stream()), "moe_expert_ffn_prefill");
-  }
+  DS_RETURN_IF_ERROR_CTX(kc::moe_expert_ffn_decode(f, stream()), "moe_expert_ffn_decode");
 
   profiler.mark(Phase::kMoeCombine, stream());
   if (latent) {

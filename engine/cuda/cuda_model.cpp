@@ -78,7 +78,6 @@ size_t arena_bytes(const ModelConfig& c, int64_t R) {
     moe.add(R * k * w * 2);
     moe.add(R * k * I * 2);
     moe.add(R * k * w * 4);
-    moe.add(static_cast<int64_t>(kc::moe_ffn_prefill_workspace_bytes(R * k, I)));
     moe.add(R * w * 4);
     moe.add(R * w * 2);
     moe.add(R * 2 * shared * 4);
@@ -359,7 +358,7 @@ Status CudaBackend::Impl::forward_layers(const PassTables& t, const float** fina
 
   // attention(l, x): residual += attention(input_norm(x)); ffn(l, x): residual += ffn(post_attention_norm(x)).
   // Decode batches of the skinny path skip the separate input norm: the projections normalise x in their launch
-  // (not under DELTASERVE_SKINNY_GEMM_KERNEL=v1, which keeps today's launches).
+  // (Gemm::fuses_input_norm: 1-2 rows).
   const bool fused_input_norm = t.pure_decode && Gemm::fuses_input_norm(T);
   auto attention = [&](const DeviceLayer& layer, const float* x) -> Status {
     if (fused_input_norm) return layer.kind == LayerKind::kKda ? run_kda(layer, t, x) : run_mla(layer, t, x);
@@ -372,12 +371,7 @@ Status CudaBackend::Impl::forward_layers(const PassTables& t, const float** fina
     arena.reset();
     // MoE at small batches: the bf16 (experts) and fp32 (router) normalisations in one launch, or inside the
     // small-batch launches themselves (run_moe decides, and falls back to that launch).
-    if (layer.is_moe && T <= kc::kSkinnyGemmMaxRows && kc::skinny_gemm_enabled(kc::SkinnyGemmInput::kBf16)) {
-      if (kc::moe_small_batch_fused_norm_enabled()) return run_moe(layer.moe, T, x, layer.post_attention_norm);
-      DS_RETURN_IF_ERROR(kc::rms_norm_dual(x, hidden, layer.post_attention_norm, T, hidden, eps, normed, hidden,
-                                           normed_f32, hidden, stream()));
-      return run_moe(layer.moe, T);
-    }
+    if (layer.is_moe && T <= kc::kSkinnyGemmMaxRows) return run_moe(layer.moe, T, x, layer.post_attention_norm);
     if (!layer.is_moe) {  // the gate/up projection normalises x in its launch where it can, else rms_norm first
       profiler.mark(Phase::kDenseFfn, stream());
       return run_dense_ffn(layer.dense, GemmNormInput{x, hidden, layer.post_attention_norm, eps, normed}, T);

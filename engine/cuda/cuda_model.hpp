@@ -31,14 +31,6 @@ namespace deltaserve::engine::cuda {
 
 // Sequences per kda_chunk_prefill call when their states are gathered from the slot pool into a dense buffer.
 inline constexpr int64_t kKdaPrefillGroup = 32;
-// MoE expert FFN: kernels::cuda::moe_expert_ffn_decode takes every batch (few rows per expert: the bandwidth
-// kernel; more: the grouped tensor-core GEMM), without a host sync. Only with DELTASERVE_MOE_REFERENCE_FFN=1 do
-// batches of more than this many (token, expert) rows per expert take the per-expert cuBLAS path, which copies the
-// expert offsets to the host (a sync: such passes cannot be captured in a CUDA graph).
-inline constexpr int64_t kMoeDecodeRowsPerExpert = 4;
-inline bool moe_ffn_syncs_host(int64_t rows, int64_t experts) {
-  return rows > kMoeDecodeRowsPerExpert * experts && kernels::cuda::moe_reference_ffn_forced();
-}
 
 // Per-pass tables, host side and their device copies (one upload per pass).
 struct PassTables {

@@ -4,8 +4,8 @@
 #include <string>
 
 #include "engine/cuda/cuda_util.hpp"
-#include "kernels/cuda/ops/ops.hpp"
 #include "kernels/cuda/gemm/small_batch.hpp"
+#include "kernels/cuda/ops/ops.hpp"
 
 namespace deltaserve::engine::cuda {
 
@@ -13,20 +13,18 @@ namespace kc = kernels::cuda;
 
 namespace {
 
-// Batches of at most this many rows take the skinny GEMM (the kernel takes up to kc::kSkinnyGemmMaxRows). Measured
-// on the H200 with Kimi-Linear-48B (decode step, CUDA graphs, context 4k): with the skinny path at every batch up to
-// 16 rows, batch 1 went from 4.97 to 4.50 ms but batch 8 from 10.0 to 11.7 ms (its 8- and 16-row variants spill).
+// Batches of at most this many rows take the skinny GEMM (the kernel takes up to kc::kSkinnyGemmMaxRows): its 8- and
+// 16-row variants spill and made the decode step at batch 8 slower than cuBLAS.
 constexpr int64_t kSkinnyRows = 4;
 
 // Skinny-GEMM parameters for one bf16 x bf16 or fp32 x fp32 projection; num_outputs == 0 when the skinny path
-// does not apply (disabled, too many rows, or a shape/alignment it does not take).
+// does not apply (too many rows, or a shape/alignment it does not take).
 kc::SkinnyGemmParams skinny_params(const void* x, cudaDataType x_type, int64_t x_stride, const void* w, int64_t rows,
                                    int64_t in, int64_t out, void* y, cudaDataType y_type, int64_t y_stride,
                                    float beta) {
   kc::SkinnyGemmParams p;
   if ((x_type != CUDA_R_16BF && x_type != CUDA_R_32F) || rows > kSkinnyRows) return p;
   p.input = x_type == CUDA_R_32F ? kc::SkinnyGemmInput::kFp32 : kc::SkinnyGemmInput::kBf16;
-  if (!kc::skinny_gemm_enabled(p.input)) return p;
   p.x = x;
   p.x_stride = x_stride;
   p.rows = rows;
@@ -69,7 +67,7 @@ Status Gemm::gemm_ex(const void* x, cudaDataType x_type, int64_t x_stride, const
   if (x == nullptr || w == nullptr || y == nullptr) return internal_error("gemm: null pointer");
   const kc::SkinnyGemmParams skinny = skinny_params(x, x_type, x_stride, w, rows, in, out, y, y_type, y_stride, beta);
   if (skinny.num_outputs > 0) return kc::skinny_gemm(skinny, stream_);
-  // Another user of the handle (moe_expert_ffn_prefill) may have moved it to its own stream; cublasSetStream
+  // Another user of the handle (mla_prefill) may have moved it to its own stream; cublasSetStream
   // resets the workspace to cuBLAS's default pool, so ours is set again (graph capture needs it).
   DS_CUBLAS_RETURN(cublasSetStream(handle_, stream_));
   DS_CUBLAS_RETURN(cublasSetWorkspace(handle_, workspace_.data(), workspace_.bytes()));
@@ -92,11 +90,11 @@ Status Gemm::run(const __nv_bfloat16* x, int64_t x_stride, const __nv_bfloat16* 
 }
 
 bool Gemm::skinny_rows(int64_t rows) {
-  return rows <= kSkinnyRows && kc::skinny_gemm_enabled(kc::SkinnyGemmInput::kBf16);
+  return rows <= kSkinnyRows;
 }
 
 bool Gemm::fuses_input_norm(int64_t rows) {
-  // The input width does not decide between v1 and v2 (only between v2's layouts).
+  // The input width does not decide whether the kernel takes the fused norm (only between its 1-row layouts).
   return skinny_rows(rows) && kc::skinny_gemm_kernel_for(rows, /*in=*/0) != kc::SkinnyGemmKernel::kV1;
 }
 
@@ -112,7 +110,7 @@ Status check_targets(std::initializer_list<GemmTarget> targets) {
 // One skinny launch for every target of x (x, x_stride, rows, in already set in *p); false when it does not apply.
 bool shared_input_params(std::initializer_list<GemmTarget> targets, kc::SkinnyGemmParams* p) {
   if (targets.size() > static_cast<size_t>(kc::kSkinnyGemmMaxOutputs)) return false;
-  // All bf16: the params-wide flag (what the v1 kernel takes); otherwise per output (v2 only).
+  // All bf16: the params-wide flag (what every skinny kernel takes); otherwise per output (1-2 rows only).
   p->y_bf16 = std::all_of(targets.begin(), targets.end(), [](const GemmTarget& t) { return t.y_bf16; });
   for (const GemmTarget& target : targets) {
     kc::SkinnyGemmOutput& out = p->outputs[p->num_outputs++];

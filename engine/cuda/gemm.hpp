@@ -1,10 +1,9 @@
 // Dense projections of the CUDA backend through cuBLAS, in the checkpoint's row-major conventions:
 //   y[rows, out] (row stride y_stride) = x[rows, in] (row stride x_stride) · w[out, in]^T   (+= when accumulate)
 // bf16 x bf16 with fp32 compute and fp32 or bf16 output; fp32 x fp32 with fp32 compute (no TF32) for the router.
-// GEMMs (bf16, and the fp32 router) of at most kernels::cuda::kSkinnyGemmMaxRows rows run the skinny GEMM
-// (kernels/cuda/gemm/small_batch.hpp) instead of cuBLAS when its shape rules hold; DELTASERVE_SKINNY_GEMM=off keeps cuBLAS
-// for every batch size, DELTASERVE_SKINNY_GEMM=bf16 for the router only; DELTASERVE_SKINNY_GEMM_KERNEL=v1 runs the
-// original skinny kernel (no fused norm, offsets or mixed output types: run_shared_input then falls back).
+// GEMMs (bf16, and the fp32 router) of at most 4 rows run the skinny GEMM (kernels/cuda/gemm/small_batch.hpp) instead
+// of cuBLAS when its shape rules hold; its 3-4-row kernel takes no fused norm, offsets or mixed output types
+// (run_shared_input then falls back).
 #pragma once
 
 #include <cstdint>
@@ -73,10 +72,10 @@ class Gemm {
   // path takes it (v2 kernel, rows <= 4), otherwise rms_norm into x.scratch, then the projections of that.
   [[nodiscard]] Status run_shared_input(const GemmNormInput& x, int64_t rows, int64_t in,
                                         std::initializer_list<GemmTarget> targets);
-  // Whether GEMMs of `rows` rows take the skinny path (enabled, rows small enough), shapes permitting.
+  // Whether GEMMs of `rows` rows take the skinny path (rows small enough), shapes permitting.
   [[nodiscard]] static bool skinny_rows(int64_t rows);
-  // Whether run_shared_input on a GemmNormInput of `rows` rows normalises in the GEMM launch (skinny path with the
-  // v2 kernel), shapes permitting: then the caller skips its separate rms_norm.
+  // Whether run_shared_input on a GemmNormInput of `rows` rows normalises in the GEMM launch (the skinny path at
+  // 1-2 rows), shapes permitting: then the caller skips its separate rms_norm.
   [[nodiscard]] static bool fuses_input_norm(int64_t rows);
   // fp32 throughout (router logits).
   [[nodiscard]] Status run_f32(const float* x, int64_t x_stride, const float* w, int64_t rows, int64_t in, int64_t out,

@@ -6,27 +6,20 @@
 // 16-byte non-allocating loads, U slabs at a time (R * U loads in flight a lane), multiplies with the matching
 // 8 (bf16) or 4 (fp32) activations of each of the M rows (one 16-byte shared load a row) and accumulates R * M fp32
 // sums; a warp reduction ends the group and one lane per (row, output) writes. Weight bytes are read exactly once.
-// v1 (skinny_gemm_kernel) is that kernel with a plain launch, kept as DELTASERVE_SKINNY_GEMM_KERNEL=v1. v2
-// (skinny_gemm_v2_kernel, the default) keeps the layout and adds what the batch-1 decode step of Kimi-Linear-48B
-// missed (Nsight Compute, H200, graph mode: the fused KDA projection at 64% of DRAM peak, o_proj at 36% with 1152
-// row groups for the resident warps, each behind a 6.7 us single-CTA rms_norm):
+// skinny_gemm_kernel (3-16 rows) is that kernel with a plain launch. skinny_gemm_v2_kernel (1-2 rows, the engine's
+// decode batches) keeps the layout and adds what a decode step at batch 1 needs:
 //   * programmatic dependent launch, the first U slabs of each warp's first group loaded before the wait;
-//   * the input RMSNorm fused into the staging of x (every CTA normalises the <= 4 fp32 rows itself, bitwise
+//   * the input RMSNorm fused into the staging of x (every CTA normalises the <= 2 fp32 rows itself, bitwise
 //     rms_norm's bf16 rows), so the engine's decode step drops the separate rms_norm launch;
 //   * split-K over the warps of a CTA when the row groups leave warps idle (choose_split);
 //   * per-output bf16 / fp32 outputs and x column offsets: MLA's kv_a (fp32) and q_proj (bf16) in one launch, KDA's
 //     f_b and g_b (the two halves of `low`) in one launch.
-// Variants for measurement (small_batch.hpp): v2-nopdl (plain launch), v2-r1 (one row per group, 9 slabs in flight:
-// finer tail), DELTASERVE_SKINNY_GEMM_SPLIT (a fixed split). SkinnyGemmGpu.Timing prints all of them next to v1.
-// Not measured yet on the H200 (written without a GPU).
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include "kernels/cuda/common/detail/bf16_stream.cuh"
-#include "kernels/cuda/common/launch_status.hpp"
 #include "kernels/cuda/common/detail/rms_norm_order.cuh"
+#include "kernels/cuda/common/launch_status.hpp"
 #include "kernels/cuda/gemm/small_batch.hpp"
 
 namespace deltaserve::kernels::cuda {
@@ -475,20 +468,8 @@ int choose_split(int64_t groups, int64_t resident_warps, int64_t chunks) {
   return best;
 }
 
-// DELTASERVE_SKINNY_GEMM_SPLIT (read once): 1, 2, 4 or 8 forces the split of every v2 launch that does not set
-// split_k (measurements); unset or anything else: choose_split.
-int split_from_env() {
-  static const int split = [] {
-    const char* value = std::getenv("DELTASERVE_SKINNY_GEMM_SPLIT");
-    if (value == nullptr) return 0;
-    const int forced = std::atoi(value);
-    return forced == 1 || forced == 2 || forced == 4 || forced == 8 ? forced : 0;
-  }();
-  return split;
-}
-
 template <class TIn, int M, int R, int U, bool kNorm>
-Status launch_v2(SkinnyGemmArgsV2& args, bool programmatic, cudaStream_t stream) {
+Status launch_v2(SkinnyGemmArgsV2& args, cudaStream_t stream) {
   constexpr int kChunk = 32 * (16 / static_cast<int>(sizeof(TIn))) * U;
   const int64_t groups = plan_row_groups(args.p, R, args.group_begin);
   if (groups == 0) return Status::ok();
@@ -496,33 +477,33 @@ Status launch_v2(SkinnyGemmArgsV2& args, bool programmatic, cudaStream_t stream)
   const size_t shared_bytes = size_t{M} * static_cast<size_t>(args.x_cols) * sizeof(TIn);
   int64_t resident = 0;
   DS_RETURN_IF_ERROR(resident_ctas(kernel, shared_bytes, &resident));
-  const int forced = args.p.split_k != 0 ? args.p.split_k : split_from_env();
-  args.split = forced != 0 ? forced : choose_split(groups, resident * kWarps, (args.p.in + kChunk - 1) / kChunk);
+  args.split = choose_split(groups, resident * kWarps, (args.p.in + kChunk - 1) / kChunk);
   const int64_t teams = kWarps / args.split;
   const int64_t grid = std::min<int64_t>((groups + teams - 1) / teams, resident);
-  return launch_kernel_ex(programmatic, kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads), shared_bytes, stream,
+  return launch_kernel_ex(true, kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads), shared_bytes, stream,
                           "skinny_gemm", args);
 }
 
-// Weight rows per group and slabs in flight as v1 (launch_bucket); kV2R1 takes R = 1 with U = 9 at <= 4 rows (bf16):
-// twice the row groups (finer tail: the fused KDA projection's 12.5k rows are 1.5 waves of R = 2 groups) with the
-// 9 slabs of a 2304-wide row in flight.
-template <int M>
-Status launch_rows_v2(SkinnyGemmArgsV2& args, SkinnyGemmKernel kernel, cudaStream_t stream) {
-  constexpr int R = M <= 4 ? 2 : 4;
-  constexpr int U = M <= 4 ? 4 : (M == 8 ? 2 : 1);
-  const bool programmatic = kernel != SkinnyGemmKernel::kV2NoPdl;
-  if (args.p.input == SkinnyGemmInput::kFp32) return launch_v2<float, M, R, U, false>(args, programmatic, stream);
-  if constexpr (M <= 4) {
-    if (kernel == SkinnyGemmKernel::kV2R1) {
-      if (args.p.norm_x) return launch_v2<__nv_bfloat16, M, 1, 9, true>(args, programmatic, stream);
-      return launch_v2<__nv_bfloat16, M, 1, 9, false>(args, programmatic, stream);
-    }
-    if (args.p.norm_x) return launch_v2<__nv_bfloat16, M, R, U, true>(args, programmatic, stream);
+// Weight rows per group and slabs in flight as skinny_gemm_kernel's at <= 4 rows (R = 2, U = 4); kOneRow (kV2R1)
+// takes R = 1 with U = 9 for bf16 input: twice the row groups (a finer tail: the fused KDA projection's 12.5k rows
+// are 1.5 waves of R = 2 groups) with the 9 slabs of a 2304-wide row in flight. fp32 input (the router) keeps
+// R = 2, U = 4.
+template <int M, bool kOneRow>
+Status launch_rows_v2(SkinnyGemmArgsV2& args, cudaStream_t stream) {
+  static_assert(M <= 2, "the v2 kernels serve 1-2 rows");
+  constexpr int R = 2;
+  constexpr int U = 4;
+  if (args.p.input == SkinnyGemmInput::kFp32) return launch_v2<float, M, R, U, false>(args, stream);
+  if constexpr (kOneRow) {
+    if (args.p.norm_x) return launch_v2<__nv_bfloat16, M, 1, 9, true>(args, stream);
+    return launch_v2<__nv_bfloat16, M, 1, 9, false>(args, stream);
+  } else {
+    if (args.p.norm_x) return launch_v2<__nv_bfloat16, M, R, U, true>(args, stream);
+    return launch_v2<__nv_bfloat16, M, R, U, false>(args, stream);
   }
-  return launch_v2<__nv_bfloat16, M, R, U, false>(args, programmatic, stream);
 }
 
+// 1-2 rows: kV2 (1 row) or kV2R1 (1 or 2 rows; skinny_gemm_kernel_for).
 Status skinny_gemm_v2(const SkinnyGemmParams& params, SkinnyGemmKernel kernel, cudaStream_t stream) {
   SkinnyGemmArgsV2 args{};
   args.p = params;
@@ -532,18 +513,9 @@ Status skinny_gemm_v2(const SkinnyGemmParams& params, SkinnyGemmKernel kernel, c
     args.y_bf16[o] = params.y_bf16 || out.y_bf16;
     if (out.n > 0) args.x_cols = std::max(args.x_cols, out.x_offset + params.in);
   }
-  switch (bucket_rows(params.rows)) {
-    case 1:
-      return launch_rows_v2<1>(args, kernel, stream);
-    case 2:
-      return launch_rows_v2<2>(args, kernel, stream);
-    case 4:
-      return launch_rows_v2<4>(args, kernel, stream);
-    case 8:
-      return launch_rows_v2<8>(args, kernel, stream);
-    default:
-      return launch_rows_v2<16>(args, kernel, stream);
-  }
+  if (bucket_rows(params.rows) == 2) return launch_rows_v2<2, true>(args, stream);
+  if (kernel == SkinnyGemmKernel::kV2R1) return launch_rows_v2<1, true>(args, stream);
+  return launch_rows_v2<1, false>(args, stream);
 }
 
 int64_t element_bytes(SkinnyGemmInput input) {
@@ -553,16 +525,6 @@ int64_t element_bytes(SkinnyGemmInput input) {
 }  // namespace
 
 SkinnyGemmKernel skinny_gemm_kernel_for(int64_t rows, int64_t in) {
-  // kDefault here: no kernel named (choose by shape).
-  static const SkinnyGemmKernel environment = [] {
-    const char* value = std::getenv("DELTASERVE_SKINNY_GEMM_KERNEL");
-    if (value != nullptr && std::strcmp(value, "v1") == 0) return SkinnyGemmKernel::kV1;
-    if (value != nullptr && std::strcmp(value, "v2") == 0) return SkinnyGemmKernel::kV2;
-    if (value != nullptr && std::strcmp(value, "v2-nopdl") == 0) return SkinnyGemmKernel::kV2NoPdl;
-    if (value != nullptr && std::strcmp(value, "v2-r1") == 0) return SkinnyGemmKernel::kV2R1;
-    return SkinnyGemmKernel::kDefault;
-  }();
-  if (environment != SkinnyGemmKernel::kDefault) return environment;
   if (rows > 2) return SkinnyGemmKernel::kV1;
   if (rows == 2 || (in > 1024 && in <= 2304)) return SkinnyGemmKernel::kV2R1;
   return SkinnyGemmKernel::kV2;
@@ -570,9 +532,7 @@ SkinnyGemmKernel skinny_gemm_kernel_for(int64_t rows, int64_t in) {
 
 bool skinny_gemm_supported(const SkinnyGemmParams& p) {
   if (p.input != SkinnyGemmInput::kBf16 && p.input != SkinnyGemmInput::kFp32) return false;
-  const SkinnyGemmKernel kernel =
-      p.kernel == SkinnyGemmKernel::kDefault ? skinny_gemm_kernel_for(p.rows, p.in) : p.kernel;
-  const bool v1 = kernel == SkinnyGemmKernel::kV1;
+  const bool v1 = skinny_gemm_kernel_for(p.rows, p.in) == SkinnyGemmKernel::kV1;
   const int64_t bytes = element_bytes(p.input);
   const int64_t vector = 16 / bytes;
   if (p.rows < 0 || p.rows > kSkinnyGemmMaxRows || p.in <= 0 || p.in % vector != 0 || p.x_stride < p.in) {
@@ -581,9 +541,8 @@ bool skinny_gemm_supported(const SkinnyGemmParams& p) {
   if (p.input == SkinnyGemmInput::kFp32 && (p.y_bf16 || p.accumulate || p.norm_x)) return false;
   if (p.num_outputs < 1 || p.num_outputs > kSkinnyGemmMaxOutputs) return false;
   if (p.y_bf16 && p.accumulate) return false;
-  // The fused norm: v2, at most 4 rows (the decode batches of the engine's skinny path).
-  if (p.norm_x && (v1 || p.rows > 4)) return false;
-  if (p.split_k != 0 && (v1 || (p.split_k != 1 && p.split_k != 2 && p.split_k != 4 && p.split_k != 8))) return false;
+  // The fused norm: the v2 kernels (1-2 rows) only.
+  if (p.norm_x && v1) return false;
   int64_t x_cols = p.in;
   for (int o = 0; o < p.num_outputs; ++o) {
     const SkinnyGemmOutput& out = p.outputs[o];
@@ -599,18 +558,6 @@ bool skinny_gemm_supported(const SkinnyGemmParams& p) {
   return true;
 }
 
-bool skinny_gemm_enabled(SkinnyGemmInput input) {
-  // 0: off, 1: bf16 only, 2: bf16 and fp32.
-  static const int level = [] {
-    const char* value = std::getenv("DELTASERVE_SKINNY_GEMM");
-    if (value == nullptr) return 2;
-    if (std::strcmp(value, "off") == 0 || std::strcmp(value, "0") == 0) return 0;
-    if (std::strcmp(value, "bf16") == 0) return 1;
-    return 2;
-  }();
-  return input == SkinnyGemmInput::kBf16 ? level >= 1 : level >= 2;
-}
-
 Status skinny_gemm(const SkinnyGemmParams& params, cudaStream_t stream) {
   if (!skinny_gemm_supported(params)) {
     return invalid_argument(
@@ -618,8 +565,8 @@ Status skinny_gemm(const SkinnyGemmParams& params, cudaStream_t stream) {
         " x_stride " + std::to_string(params.x_stride) + " outputs " + std::to_string(params.num_outputs) +
         " (rows <= " + std::to_string(kSkinnyGemmMaxRows) +
         ", in % 8 == 0 (bf16) or in % 4 == 0 (fp32), 16-byte aligned weights, y_stride >= n, no bf16 "
-        "accumulate, fp32 input only with plain fp32 output, x_stride >= x_offset + in, norm_x: v2, rows <= 4, "
-        "no x_offset; v1: no v2-only fields)");
+        "accumulate, fp32 input only with plain fp32 output, x_stride >= x_offset + in; norm_x, x_offset and "
+        "per-output bf16 at 1-2 rows only, norm_x without x_offset)");
   }
   if (params.rows == 0) return Status::ok();
   if (params.x == nullptr) return invalid_argument("skinny_gemm: null x");
@@ -632,16 +579,11 @@ Status skinny_gemm(const SkinnyGemmParams& params, cudaStream_t stream) {
     return invalid_argument("skinny_gemm: norm_eps must be >= 0");
   }
   // Outputs with n == 0 get no groups (their pointers are never touched).
-  const SkinnyGemmKernel kernel =
-      params.kernel == SkinnyGemmKernel::kDefault ? skinny_gemm_kernel_for(params.rows, params.in) : params.kernel;
+  const SkinnyGemmKernel kernel = skinny_gemm_kernel_for(params.rows, params.in);
   if (kernel != SkinnyGemmKernel::kV1) return skinny_gemm_v2(params, kernel, stream);
   SkinnyGemmArgs args{};
   args.p = params;
-  switch (bucket_rows(params.rows)) {
-    case 1:
-      return launch_rows<1>(args, stream);
-    case 2:
-      return launch_rows<2>(args, stream);
+  switch (bucket_rows(params.rows)) {  // 3-16 rows
     case 4:
       return launch_rows<4>(args, stream);
     case 8:

@@ -11,7 +11,7 @@
 // step with one or two rows per expert does no wasted FMAs. Bytes per active expert: 2 I W (gate/up) + I W
 // (down), times 2 bytes, once per tile of 4 rows. Two CTAs of 8 warps per SM (<= 128 registers, no spills).
 // Batches of more than kMoeDecodeGemvRowsPerExpert rows per expert go to moe_expert_ffn_grouped (tensor cores,
-// weights read once per row tile of 32 to 128 rows) unless use_reference_path.
+// weights read once per row tile of 32 to 128 rows).
 #include <string>
 
 #include "kernels/cuda/common/detail/activations.cuh"
@@ -276,7 +276,7 @@ Status moe_expert_ffn_decode(const MoeFfnParams& params, cudaStream_t stream) {
   if (!aligned16(w.gate_up) || !aligned16(w.down) || !aligned16(params.x_sorted) || !aligned16(params.activated)) {
     return invalid_argument("moe_expert_ffn_decode: gate_up, down, x_sorted and activated must be 16-byte aligned");
   }
-  if (!params.use_reference_path && R > kMoeDecodeGemvRowsPerExpert * w.num_experts && !moe_reference_ffn_forced()) {
+  if (R > kMoeDecodeGemvRowsPerExpert * w.num_experts) {
     const Status grouped = moe_expert_ffn_grouped(params, stream);
     if (grouped.code() != StatusCode::kInvalidArgument) return grouped;
     // The grouped path's own constraints were not met: the GEMV kernels below handle any R.

@@ -1,5 +1,7 @@
 // MoE expert FFN, grouped tensor-core path (contract in moe.hpp): two launches per layer, whatever the number of
 // experts, with the tile schedule derived on the device from expert_offsets (no host sync, graph-capturable).
+// moe_expert_ffn_grouped hands prefill-sized batches to the wgmma kernels (ffn_wgmma.cu); the mma.sync kernels here
+// serve the rest and every batch the wgmma kernels decline.
 //   1. gate/up + glu: C[r, :] = x_sorted[r, :] · GU_e^T, a CTA computes BM rows x BN / 2 activated columns by
 //      multiplying against BN weight rows (the gate rows j and the up rows I + j of its columns, interleaved in
 //      shared memory per warp so a thread holds gate and up of the same column), then applies the glu in registers
@@ -9,22 +11,22 @@
 // y = global row tile. Row tiles are numbered expert by expert: expert e owns ceil(n_e / BM) of them; every CTA
 // finds its (expert, row tile) with a block-wide scan of the E counts (E <= 1024, ~1 KB of L2 reads). The grid is
 // sized for the worst case, ceil(R / BM) + min(E, R) row tiles; CTAs past the last real tile exit after the scan.
-// Inner loop: mma.sync m16n8k16 bf16 -> fp32, 8 warps as 2 (rows) x 4 (columns), BK = 32 or 64 k per stage, a 3-
-// or 4-stage cp.async pipeline; shared rows padded by 8 elements (ldmatrix rows fall in distinct banks).
+// Inner loop: mma.sync m16n8k16 bf16 -> fp32, 8 warps as 2 (rows) x 4 (columns), BK = 32 or 64 k per stage, a
+// 3-stage cp.async pipeline; shared rows padded by 8 elements (ldmatrix rows fall in distinct banks).
 // Tiles (BM x BN x BK, stages, smem): 32 x 128 x 32 and 64 x 128 x 32 (3, 38 / 45 KB: decode-sized batches,
-// weights read once per row tile), 128 x 128 x 32 (3, 60 KB) or x 64 (3, 108 KB; both 2 CTAs per SM),
-// 128 x 256 x 32 (4, 120 KB) or x 64 (3, 162 KB: the prefill default; 1 CTA per SM, 64 x 64 per warp).
-// Warps skip the m16 row tiles wholly past their expert's end unless full_row_tiles.
+// weights read once per row tile), 128 x 256 x 64 (3, 162 KB: prefill; one CTA per SM, 64 x 64 per warp, 176 bytes
+// of shared-memory traffic per mma against 256 for a 128 x 128 tile; 64-wide k stages halve the block barriers per
+// mma and load 128 contiguous bytes per row per cp.async group). Warps skip the m16 row tiles wholly past their
+// expert's end.
 // Bounds: rows past an expert's end and k past K are zero-filled (not read); columns past N are zero-filled and
 // not stored. K and N are multiples of 8 (validated), so every 16-byte chunk is either fully in or fully out.
-#include <cstdlib>
 #include <string>
 #include <type_traits>
 
 #include "kernels/cuda/common/detail/activations.cuh"
 #include "kernels/cuda/common/detail/mma_sm80.cuh"
-#include "kernels/cuda/moe/moe.hpp"
 #include "kernels/cuda/moe/detail/wgmma.hpp"
+#include "kernels/cuda/moe/moe.hpp"
 
 namespace deltaserve::kernels::cuda {
 namespace {
@@ -55,7 +57,6 @@ struct GroupedArgs {
   int64_t b_rows;  // weight rows per expert (2I or W)
   int glu_situ;
   float beta, beta_linear;
-  int full_tiles;  // 1: every warp runs every m16 tile, even past the expert's end (the previous behaviour)
 };
 
 constexpr size_t smem_bytes(int bm, int bn, int bk, int stages) {
@@ -240,7 +241,7 @@ __global__ void __launch_bounds__(kThreads, BN >= 256 ? 1 : 2) moe_grouped_gemm_
       }
     }
   };
-  if (active_mi == kMi || p.full_tiles) {
+  if (active_mi == kMi) {
     main_loop(std::false_type{});
   } else {
     main_loop(std::true_type{});
@@ -316,8 +317,7 @@ Status launch_grouped(const MoeFfnParams& params, cudaStream_t stream) {
                            0,
                            params.glu == GluKind::kSitu ? 1 : 0,
                            params.situ_beta,
-                           params.situ_linear_beta,
-                           params.full_row_tiles || moe_grouped_full_row_tiles_forced() ? 1 : 0};
+                           params.situ_linear_beta};
   constexpr size_t kSmem = smem_bytes(BM, BN, BK, STAGES);
   // Above the default 48 KiB the opt-in is needed; it is a per-function attribute (no stream work), so the
   // launches stay graph-capturable.
@@ -355,30 +355,6 @@ Status launch_grouped(const MoeFfnParams& params, cudaStream_t stream) {
 }
 
 }  // namespace
-
-bool moe_reference_ffn_forced() {
-  static const bool forced = [] {
-    const char* value = std::getenv("DELTASERVE_MOE_REFERENCE_FFN");
-    return value != nullptr && value[0] != '\0' && std::string(value) != "0";
-  }();
-  return forced;
-}
-
-bool moe_grouped_full_row_tiles_forced() {
-  static const bool forced = [] {
-    const char* value = std::getenv("DELTASERVE_MOE_GROUPED_FULL_TILES");
-    return value != nullptr && value[0] != '\0' && std::string(value) != "0";
-  }();
-  return forced;
-}
-
-int moe_grouped_auto_k_tile() {
-  static const int k_tile = [] {
-    const char* value = std::getenv("DELTASERVE_MOE_GROUPED_K_TILE");
-    return value != nullptr && std::string(value) == "32" ? 32 : kMoeGroupedWideKTile;
-  }();
-  return k_tile;
-}
 
 int moe_grouped_row_tile(int64_t rows, int num_experts) {
   const int64_t e = num_experts;
@@ -425,66 +401,57 @@ Status validate_moe_ffn_buffers(const MoeFfnParams& params, const char* who) {
 
 }  // namespace detail
 
-Status moe_expert_ffn_grouped(const MoeFfnParams& params, cudaStream_t stream) {
+namespace {
+
+// The launcher checks of moe_expert_ffn_grouped; ok with *nothing_to_do set when R == 0.
+Status validate_grouped(const MoeFfnParams& params, const char* who, bool* nothing_to_do) {
   const MoeExpertWeights& w = params.weights;
   const int64_t W = w.width, I = w.intermediate, R = params.rows;
-  DS_RETURN_IF_ERROR(detail::validate_moe_ffn_sizes(params, "moe_expert_ffn_grouped"));
+  DS_RETURN_IF_ERROR(detail::validate_moe_ffn_sizes(params, who));
   if (R < 0 || R > 0x7fffffff || R * W > (int64_t{1} << 62) / 4 || R * I > (int64_t{1} << 62) / 4) {
-    return invalid_argument("moe_expert_ffn_grouped: rows out of range");
+    return invalid_argument(std::string(who) + ": rows out of range");
   }
-  DS_RETURN_IF_ERROR(detail::validate_moe_ffn_glu(params, "moe_expert_ffn_grouped"));
-  if (params.row_tile != 0 && params.row_tile != 32 && params.row_tile != 64 && params.row_tile != 128) {
-    return invalid_argument("moe_expert_ffn_grouped: row_tile must be 0 (automatic), 32, 64 or 128 (got " +
-                            std::to_string(params.row_tile) + ")");
-  }
-  if (params.col_tile != 0 && params.col_tile != 128 && params.col_tile != 256) {
-    return invalid_argument("moe_expert_ffn_grouped: col_tile must be 0 (automatic), 128 or 256 (got " +
-                            std::to_string(params.col_tile) + ")");
-  }
+  DS_RETURN_IF_ERROR(detail::validate_moe_ffn_glu(params, who));
+  *nothing_to_do = R == 0;
   if (R == 0) return Status::ok();
-  DS_RETURN_IF_ERROR(detail::validate_moe_ffn_buffers(params, "moe_expert_ffn_grouped"));
-  if (params.k_tile != 0 && params.k_tile != 32 && params.k_tile != 64) {
-    return invalid_argument("moe_expert_ffn_grouped: k_tile must be 0 (automatic), 32 or 64 (got " +
-                            std::to_string(params.k_tile) + ")");
-  }
-  // Selector (moe_prefill_path, moe.hpp): prefill-sized batches with automatic tiles go to the wgmma kernels or the
-  // cuBLAS grouped path; the mma.sync kernels below run if the chosen path declines.
-  const bool automatic = params.row_tile == 0 && params.col_tile == 0 && params.k_tile == 0 && !params.full_row_tiles;
-  const MoePrefillPath path = moe_prefill_path();
-  if (automatic && path == MoePrefillPath::kWgmma && R > kMoeWgmmaMinRowsPerExpert * w.num_experts) {
-    const Status wgmma = moe_expert_ffn_wgmma(params, stream);
-    if (wgmma.code() != StatusCode::kInvalidArgument && wgmma.code() != StatusCode::kUnimplemented) return wgmma;
-  }
-  if (automatic && path == MoePrefillPath::kCublasGrouped && R > kMoeCublasGroupedMinRowsPerExpert * w.num_experts) {
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(stream, &capture) == cudaSuccess && capture == cudaStreamCaptureStatusNone) {
-      const Status cublas = moe_expert_ffn_cublas_grouped(params, nullptr, nullptr, stream);
-      if (cublas.code() != StatusCode::kInvalidArgument && cublas.code() != StatusCode::kUnimplemented) return cublas;
-    }
-  }
-  const int bm = params.row_tile != 0 ? params.row_tile : moe_grouped_row_tile(R, w.num_experts);
-  const int bn = params.col_tile != 0 ? params.col_tile : (bm == 128 ? kMoeGroupedWideColTile : 128);
-  if (bn == 256 && bm != 128) {
-    return invalid_argument("moe_expert_ffn_grouped: col_tile 256 needs row_tile 128 (got " + std::to_string(bm) + ")");
-  }
-  const int bk = params.k_tile != 0 ? params.k_tile : (bm == 128 ? moe_grouped_auto_k_tile() : 32);
-  if (bk == 64 && bm != 128) {
-    return invalid_argument("moe_expert_ffn_grouped: k_tile 64 needs row_tile 128 (got " + std::to_string(bm) + ")");
-  }
-  switch (bm) {
+  return detail::validate_moe_ffn_buffers(params, who);
+}
+
+// The mma.sync kernels at the row tile of moe_grouped_row_tile (validated params, R > 0).
+Status run_mma_sync(const MoeFfnParams& params, cudaStream_t stream) {
+  switch (moe_grouped_row_tile(params.rows, params.weights.num_experts)) {
     case 32:
       return launch_grouped<32, 128, 32, 3>(params, stream);
     case 64:
       return launch_grouped<64, 128, 32, 3>(params, stream);
     default:
-      if (bk == 64) {
-        // 3 stages of 64: 162 KB (128 x 256, one CTA per SM) or 108 KB (128 x 128, two per SM).
-        return bn == 256 ? launch_grouped<128, 256, 64, 3>(params, stream)
-                         : launch_grouped<128, 128, 64, 3>(params, stream);
-      }
-      return bn == 256 ? launch_grouped<128, 256, 32, 4>(params, stream)
-                       : launch_grouped<128, 128, 32, 3>(params, stream);
+      return launch_grouped<128, 256, 64, 3>(params, stream);
   }
 }
+
+}  // namespace
+
+Status moe_expert_ffn_grouped(const MoeFfnParams& params, cudaStream_t stream) {
+  bool nothing_to_do = false;
+  DS_RETURN_IF_ERROR(validate_grouped(params, "moe_expert_ffn_grouped", &nothing_to_do));
+  if (nothing_to_do) return Status::ok();
+  if (params.rows > kMoeWgmmaMinRowsPerExpert * params.weights.num_experts) {
+    const Status wgmma = moe_expert_ffn_wgmma(params, stream);
+    if (wgmma.code() != StatusCode::kInvalidArgument && wgmma.code() != StatusCode::kUnimplemented) return wgmma;
+    // Declined before launching anything (not Hopper, TMA coordinates out of range): the mma.sync kernels run.
+  }
+  return run_mma_sync(params, stream);
+}
+
+namespace detail {
+
+Status moe_expert_ffn_grouped_mma_sync(const MoeFfnParams& params, cudaStream_t stream) {
+  bool nothing_to_do = false;
+  DS_RETURN_IF_ERROR(validate_grouped(params, "moe_expert_ffn_grouped", &nothing_to_do));
+  if (nothing_to_do) return Status::ok();
+  return run_mma_sync(params, stream);
+}
+
+}  // namespace detail
 
 }  // namespace deltaserve::kernels::cuda

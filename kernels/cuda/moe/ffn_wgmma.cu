@@ -1,4 +1,4 @@
-// MoE expert FFN on Hopper tensor cores (contract: moe_wgmma.hpp): TMA loads into a 4-stage mbarrier pipeline,
+// MoE expert FFN on Hopper tensor cores (contract: detail/wgmma.hpp): TMA loads into a 4-stage mbarrier pipeline,
 // wgmma.mma_async m64n256k16 (bf16 in, fp32 accumulators in registers), epilogue from registers.
 //   1. gate/up + glu: a CTA tile is 128 rows of x_sorted (one expert's row tile) x 256 weight rows: the gate rows
 //      j0 .. j0 + 127 and the up rows I + j0 .. I + j0 + 127 (two TMA boxes of 128 rows per stage, stacked in
@@ -11,11 +11,11 @@
 // Stage: k 64 = one 128-byte swizzle row per tile row; A 128 x 64 (16 KiB) + B 256 x 64 (32 KiB), 4 stages =
 // 192 KiB, one CTA per SM.
 // Schedule: persistent CTAs (grid = SMs) walk tiles t = blockIdx.x, + gridDim.x, ...; tile t is global row tile
-// g = t / n_tiles (row tiles numbered expert by expert as in moe_ffn_grouped.cu) and column tile t % n_tiles. Each
+// g = t / n_tiles (row tiles numbered expert by expert as in ffn_grouped.cu) and column tile t % n_tiles. Each
 // CTA scans the E counts once into shared memory (offsets and row-tile prefix) and finds a tile's expert by binary
 // search. Why persistent rather than one CTA per tile: the producer runs ahead into the next tile while the
 // consumers store the previous one (the epilogue of a down tile writes 128 KiB), and the per-CTA setup (barrier
-// init, schedule scan, descriptor prefetch) is paid once per SM instead of once per ~10-25 us tile; neighbouring t
+// init, schedule scan, descriptor prefetch) is paid once per SM instead of once per tile; neighbouring t
 // (the column tiles of one row tile, then the row tiles of one expert) run at about the same time on different SMs,
 // so each weight box is fetched from HBM about once per expert and each A row tile once per column sweep.
 // Rows: a tile's A box starts at the expert's row tile start; rows past the expert's end (the next expert's rows,
@@ -29,9 +29,9 @@
 
 #include "kernels/cuda/common/detail/activations.cuh"
 #include "kernels/cuda/common/detail/mma_sm80.cuh"
-#include "kernels/cuda/moe/detail/wgmma.hpp"
 #include "kernels/cuda/common/detail/sm90_ptx.cuh"
 #include "kernels/cuda/common/tensor_map.hpp"
+#include "kernels/cuda/moe/detail/wgmma.hpp"
 
 namespace deltaserve::kernels::cuda {
 namespace {

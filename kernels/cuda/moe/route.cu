@@ -1,12 +1,12 @@
-// Fused MoE router (contract in moe.hpp): one warp per token, the selection in moe_route.cuh (shared with the
+// Fused MoE router (contract in moe.hpp): one warp per token, the selection in detail/route.cuh (shared with the
 // small-batch decode layer). The warps of a CTA each hold their token's scores in their own slice of shared memory.
 #include <algorithm>
 #include <cmath>
 #include <string>
 
 #include "kernels/cuda/common/launch_status.hpp"
-#include "kernels/cuda/moe/moe.hpp"
 #include "kernels/cuda/moe/detail/route.cuh"
+#include "kernels/cuda/moe/moe.hpp"
 
 namespace deltaserve::kernels::cuda {
 namespace {

@@ -1,71 +1,33 @@
-// Small-batch MoE decode layer (contract in moe.hpp, "small-batch decode layer"): three launches per layer, two
-// generations of kernels. This file: validation, dispatch and v2's launch 1; v2's launches 2 and 3 are in
-// moe_small_batch_pipeline.cu, the v1 kernels in moe_small_batch_v1.cu, what they share in moe_small_batch.cuh.
+// Small-batch MoE decode layer (contract in moe.hpp, "small-batch decode layer"): validation, launch shapes and
+// launch 1; launches 2 and 3 are in small_batch_pipeline.cu, what they share in detail/small_batch.cuh.
 //
-// Why this shape. At batch 1 the layer reads 8 routed + 1 shared experts (Kimi-Linear-48B: 9 x 14.2 MB = 127 MB,
-// 30 us at 4.26 TB/s) plus the fp32 router (2.4 MB); the previous chain spent ~100 us in 12 dependent launches, most
-// of which streamed little or nothing. The dependencies leave three launches: routing, gate/up of the chosen
-// experts, down of them (which needs all of an expert's activations).
-//
-// ---- v1 (moe_small_batch_v1.cu has its design) ----
-// Measured on the H200 (MoeDecodeLayerGpu.Timing, 2026-12-01): 65.6 / 102 / 160 / 282 / 503 us at T = 1 / 2 / 4 /
-// 8 / 16, 0.46 / 0.56 / 0.56 / 0.57 / 0.52 of the touched bytes at 4.26 TB/s. Where it loses, read from the code
-// (not profiled): (a) nothing streams while launch 1's last CTA routes (the shared gate/up ends about when the
-// router does), and every launch boundary drains the GPU and ramps it up again; (b) in launches 2 and 3 each warp
-// issues its loads, waits a full memory round trip with nothing else in flight, computes, and only then issues
-// more (launch 2: one column per warp and CTA lifetime, after a dependent L2 read of the active list; launch 3: U
-// experts at a time), and slots past the active count still occupy CTA slots; (c) from T = 4 the CUDA-core dot
-// products (bf16 unpacking per token) cost about as many issue slots as the bytes allow.
-//
-// ---- v2 (the default) ----
-// The same three launches and the same routing and plan (bit for bit), with:
-//   * programmatic dependent launch on all three: each grid becomes resident while the one before it drains,
-//     issues what does not depend on it (launch 1: the router rows and the correction bias; launch 2: x and the
-//     shared expert's gate/up; launch 3: the first stages' down rows of the routed and shared experts, the routing
-//     being launch 1's) and then waits for it (griddepcontrol.wait) before reading its output; it starts its own
+// Why this shape. At batch 1 the layer reads 8 routed + 1 shared experts (Kimi-Linear-48B: 9 x 14.2 MB) plus the
+// fp32 router (2.4 MB); a chain of router GEMM, route, plan, gather, expert FFN, combine and shared FFN spends most
+// of its time in a dozen dependent launches that stream little or nothing. The dependencies leave three launches:
+// routing, gate/up of the chosen experts, down of them (which needs all of an expert's activations).
+//   * Programmatic dependent launch on all three: each grid becomes resident while the one before it drains, issues
+//     what does not depend on it (launch 1: the router rows and the correction bias; launch 2: x and the shared
+//     expert's gate/up; launch 3: the first stages' down rows of the routed and shared experts, the routing being
+//     launch 1's) and then waits for it (griddepcontrol.wait) before reading its output; it starts its own
 //     dependents only after that wait, so a grid that starts early still runs after everything before the previous
-//     one (launch 3's early reads of launch 1's routing rely on it);
-//   * the shared expert's gate/up moved from launch 1 to launch 2, ahead of the routed items: its 9.4 MB stream
-//     while launch 1's last CTA routes (then an L2 prefetch of the shared down rows, launch 3's first item), and
-//     launch 1 carries only the 2.4 MB router, so the routing ends sooner;
-//   * launches 2 and 3 stream through shared-memory rings filled by bulk copies (a producer warp, 3-4 stages of
-//     16 rows, 70-150 KB of ring per SM, well above the ~30 KB per SM that 4.26 TB/s needs at ~1 us latency),
-//     persistent over balanced work lists, and multiply on tensor cores (mma.sync m16n8k16: a weight row's bytes
-//     cost two ldmatrix and one mma per 16 k instead of 16 fma and 16 unpacks per token), which also removes (c);
-//   * launch 1's last CTA routes from shared memory (its token's logits and the bias), without reading back its
-//     own global writes; ungrouped routing (both Kimi configs) by the whole CTA (route_parallel), not a warp a token.
-// Measured on the H200 (MoeDecodeLayerGpu.Timing, 2026-12-01): 60.2 us at T = 1 with the split down launch (v1
-// 65.5, the byte limit 30.5); launch 1 alone takes 16.9 us, not the ~4 us estimated when this was written. Nsight
-// Compute (cold caches, T = 1): the gate/up kernel at 66 % of DRAM peak with ~148 KB of ring per SM, the unsplit
-// down at 35 % with ~64 KB. Deeper rings did not lift it at T = 1: the down split over twice the CTAs gained 2.8 us
-// (63.0 -> 60.2), a fifth gate/up stage (37 KB more per SM, tried at 8880893) nothing (60.6 against 60.1 us; the
-// 48B step 2.889 against 2.873 ms). A fifth down stage did help at T = 16 (480 against 522 us), which the engine
-// does not run through this layer.
-// Where launch 1's 17 us went (globaltimer stamps, bench/gpu/moe_layer_trace.py, T = 1, the layer alone in a graph):
-// the router's dot products done 4.4 us after the first CTA started, the last CTA known at 4.8, the warp routing done
-// 10.6-10.9 us later (k dependent selection rounds plus the sigmoid of every expert, all in one warp), the plan 2.1
-// us after that, launch 2's tables loaded 1.5-3 us later. The CTA-wide routing (route_parallel, d4cb5c7) takes 6.6
-// us there; each of its phases (a few hundred instructions) takes about 1 us, which is not understood yet (not
-// instruction fetch: a warm-up run before the router's wait left it as slow). Launch 1 alone 16.8 -> 10.7 us at
-// T = 1 (T = 4: 20.1 -> 17.4); the layer 61.6 -> 58.7 us; the 48B decode step at B = 1 / 2 / 4 2.954 / 4.123 /
-// 5.719 -> 2.811 / 3.994 / 5.675 ms (one binary, DELTASERVE_MOE_PARALLEL_ROUTE=0 for the warp routing;
-// bench/results/engine_gpu_ab.jsonl). At T = 16 it is slower (launch 1 alone 43.8 against 39.4 us), which the engine
-// does not run through this layer.
-// Launches 2 and 3 were held back by the rate of one thread issuing bulk copies; issued from 16 lanes, with whole-row
-// down stages and the down launch unsplit, the layer takes 51.6 / 84.1 / 125.0 us at T = 1 / 2 / 4 (was 66.6 / 109.1
-// / 163.0 in the same session; moe_small_batch_pipeline.cu has the measurements). Launch 1 alone is unchanged
-// (10.4 us at T = 1) and now ~20 % of the layer: the next thing to shorten.
+//     one (launch 3's early reads of launch 1's routing rely on it).
+//   * The shared expert's gate/up runs in launch 2, ahead of the routed items: it streams while launch 1's last CTA
+//     routes, and launch 1 carries only the router, so the routing ends sooner.
+//   * Launches 2 and 3 stream through shared-memory rings filled by bulk copies, persistent over balanced work
+//     lists, and multiply on tensor cores (small_batch_pipeline.cu).
+//   * Launch 1's last CTA routes from shared memory (its token's logits and the bias), without reading back its own
+//     global writes; ungrouped routing (both Kimi configs) by the whole CTA (route_parallel), whose phases are each a
+//     few hundred instructions where one warp a token runs k dependent selection rounds and the sigmoid of every
+//     expert; small plans by one warp (build_plan_warp).
 #include <algorithm>
 #include <climits>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include "kernels/cuda/common/launch_status.hpp"
-#include "kernels/cuda/moe/moe.hpp"
 #include "kernels/cuda/moe/detail/route.cuh"
 #include "kernels/cuda/moe/detail/small_batch.cuh"
+#include "kernels/cuda/moe/moe.hpp"
 
 namespace deltaserve::kernels::cuda {
 namespace {
@@ -80,10 +42,8 @@ using moe_small_batch_detail::kMaxTokens;
 using moe_small_batch_detail::kRouterGroup;
 using moe_small_batch_detail::kSharedLimit;
 using moe_small_batch_detail::kThreads;
-using moe_small_batch_detail::kTriggerAfterLoads;
 using moe_small_batch_detail::kTriggerAfterRouting;
 using moe_small_batch_detail::kTriggerAfterWait;
-using moe_small_batch_detail::kTriggerAtExit;
 using moe_small_batch_detail::kWarps;
 using moe_small_batch_detail::LayerArgs;
 using moe_small_batch_detail::load_router_group;
@@ -92,12 +52,12 @@ using moe_small_batch_detail::store_router_partials;
 
 constexpr int kRouterTargetCtas = 128;  // router CTAs aimed at (slices of the hidden dimension fill them up)
 constexpr int kMaxRouterSlices = 4;
-constexpr int kLogitBatch = 8;  // experts per lane whose partial sums v2's routing warps load at once
+constexpr int kLogitBatch = 8;  // experts per lane whose partial sums the routing warps load at once
 constexpr int kPairBatch = 4;   // (token, expert) pairs per thread whose partial sums route_parallel loads at once
 
-// ---- launch 1 of v2: router, route, plan ------------------------------------------------------------------------
+// ---- launch 1: router, route, plan --------------------------------------------------------------------------------
 
-// Dynamic shared memory of the v2 router kernel: the routing region (route_region_floats: per routing warp
+// Dynamic shared memory of the router kernel: the routing region (route_region_floats: per routing warp
 // [route scratch | the token's logits (E)], or the parallel routing's [probs (P E, rounded up to even) | candidate
 // keys (P C, 8 bytes each)]), then the correction bias [E], ids [kMaxAssignments], sorted [kMaxAssignments],
 // counts [E].
@@ -119,7 +79,7 @@ __device__ __forceinline__ RouterSmem router_smem_layout(const LayerArgs& a, uns
   return s;
 }
 
-// Logit (t, e): the slices' partial sums added in slice order (as v1). Written by other CTAs: read from L2.
+// Logit (t, e): the slices' partial sums added in slice order. Written by other CTAs: read from L2.
 __device__ __forceinline__ float router_logit(const LayerArgs& a, int t, int e) {
   float v[kMaxRouterSlices];
 #pragma unroll
@@ -168,7 +128,6 @@ __device__ void route_parallel(const LayerArgs& a, const RouterSmem& s) {
         }
       }
     }
-    if (a.router_trigger == kTriggerAfterLoads && t0 == 0) allow_dependent_grids();
     __syncthreads();
     for (int task = warp; task < tokens * chunks; task += kWarps) {
       const int tt = task / chunks, chunk = task - tt * chunks, e = chunk * 32 + lane;
@@ -246,19 +205,17 @@ __device__ void build_plan_warp(const LayerArgs& a, const int* ids_s) {
   }
   if (leader) {
     a.active[slot] = id;
-    if (a.slot_first != nullptr) {
-      a.slot_first[slot] = below;
-      a.slot_count[slot] = __popc(same);
-    }
+    a.slot_first[slot] = below;
+    a.slot_count[slot] = __popc(same);
   }
   if (lane == 0) *a.num_active = __popc(leaders);
 }
 
-// v2: logits, routing, plan; run by the last router CTA only. Ungrouped: route_parallel. Grouped: each routing
+// Logits, routing, plan; run by the last router CTA only. Ungrouped: route_parallel. Grouped: each routing
 // warp adds its token's partial sums into its own shared-memory row (and the logits output) and routes from there
 // with the bias from shared memory (loaded before the router's wait), so no step waits on the CTA's own global
 // writes.
-__device__ void finish_route_v2(const LayerArgs& a, const RouterSmem& s) {
+__device__ void finish_route(const LayerArgs& a, const RouterSmem& s) {
   if (a.route_pass_tokens > 0) {
     route_parallel(a, s);
     if (a.router_trigger == kTriggerAfterRouting) allow_dependent_grids();
@@ -294,13 +251,13 @@ __device__ void finish_route_v2(const LayerArgs& a, const RouterSmem& s) {
       rd::route_token(a.route, logits, a.bias != nullptr ? s.bias : nullptr, scratch, s.ids + t * k, a.weights + t * k);
     }
   }
-  // The warp routing loads and routes token by token: both later triggers fire once every token is routed.
-  if (a.router_trigger == kTriggerAfterLoads || a.router_trigger == kTriggerAfterRouting) allow_dependent_grids();
+  // The warp routing routes token by token: the later trigger fires once every token is routed.
+  if (a.router_trigger == kTriggerAfterRouting) allow_dependent_grids();
   __syncthreads();
   build_plan(a, s.ids, s.sorted, s.counts);
 }
 
-// Router partial sums as launch 1 of v1 (no shared-expert CTAs: v2 runs the shared expert's gate/up in launch 2).
+// Router partial sums (slice `slice` of the hidden dimension, expert e per warp), then the last CTA to finish routes.
 // Launched with programmatic dependent launch: the router rows of the first group and the correction bias are
 // weights, loaded before waiting for the previous grid; x_f32 and every write come after the wait.
 __global__ void __launch_bounds__(kThreads, 2) small_batch_router_kernel(const __grid_constant__ LayerArgs a) {
@@ -324,12 +281,6 @@ __global__ void __launch_bounds__(kThreads, 2) small_batch_router_kernel(const _
   }
   grid_dependency_wait();
   if (a.router_trigger == kTriggerAfterWait) allow_dependent_grids();
-  // The split down launch's arrival counts (launch 3 starts after this grid completes).
-  if (a.down_arrivals != nullptr) {
-    for (int i = static_cast<int>(blockIdx.x) * kThreads + tid; i < a.down_tiles; i += a.router_ctas * kThreads) {
-      a.down_arrivals[i] = 0u;
-    }
-  }
 
   // The fused input norm: every CTA takes the rows' 1 / rms itself (the rows are in L2: a few KB a token).
   const bool normed = a.norm_weight != nullptr;
@@ -358,7 +309,7 @@ __global__ void __launch_bounds__(kThreads, 2) small_batch_router_kernel(const _
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  finish_route_v2(a, s);
+  finish_route(a, s);
   if (tid == 0) atomicExch(a.counter, 0u);
 }
 
@@ -387,7 +338,7 @@ size_t round16(size_t bytes) {
   return (bytes + 15) / 16 * 16;
 }
 
-// Dynamic shared memory of the v2 router kernel with a routing region of `region_floats` (RouterSmem).
+// Dynamic shared memory of the router kernel with a routing region of `region_floats` (RouterSmem).
 size_t router_smem_bytes(const MoeRoutingConfig& r, size_t region_floats) {
   return (region_floats + r.num_experts) * sizeof(float) + (2 * kMaxAssignments + r.num_experts) * sizeof(int);
 }
@@ -402,123 +353,13 @@ size_t parallel_route_floats(const MoeRoutingConfig& r, int pass_tokens) {
   return probs + 2 * candidates * pass_tokens;
 }
 
-// Static shared memory of the v2 router kernel (block-scan totals, the last-CTA flag).
+// Static shared memory of the router kernel (block-scan totals, the last-CTA flag, the fused norm's sums).
 constexpr size_t kRouterStaticSmem = kWarps * sizeof(int) + sizeof(int) + kMaxTokens * 9 * sizeof(float);
 
-bool env_disabled(const char* name) {
-  const char* value = std::getenv(name);
-  return value != nullptr && (std::strcmp(value, "0") == 0 || std::strcmp(value, "off") == 0);
-}
-bool env_enabled(const char* name) {
-  const char* value = std::getenv(name);
-  return value != nullptr && (std::strcmp(value, "1") == 0 || std::strcmp(value, "on") == 0);
-}
-
-constexpr MoeSmallBatchKernel kKernels[] = {MoeSmallBatchKernel::kV1, MoeSmallBatchKernel::kV2};
-
-// DELTASERVE_MOE_PARALLEL_ROUTE=0 (or off), read once: v2's launch 1 routes ungrouped tokens one warp each (as
-// grouped ones) instead of with the whole CTA.
-bool environment_allows_parallel_route() {
-  static const bool allowed = !env_disabled("DELTASERVE_MOE_PARALLEL_ROUTE");
-  return allowed;
-}
-
-// DELTASERVE_MOE_WARP_PLAN=0 (or off), read once: v2's launch 1 builds the plan with the whole CTA at any size.
-bool environment_allows_warp_plan() {
-  static const bool allowed = !env_disabled("DELTASERVE_MOE_WARP_PLAN");
-  return allowed;
-}
-
-// DELTASERVE_MOE_DOWN_SPLIT=1 (or on), read once: v2's down launch split up to kMoeSmallBatchSplitTokens (the
-// default before the copies were issued from 16 lanes; unsplit with whole-row stages has been faster since: the 48B
-// step at B = 1 / 2 / 4 2.596 / 3.553 / 5.446 against 2.684 / 3.686 / 5.588 ms, bench/results/engine_gpu_ab.jsonl).
-bool environment_allows_down_split() {
-  static const bool allowed = env_enabled("DELTASERVE_MOE_DOWN_SPLIT");
-  return allowed;
-}
-
-// DELTASERVE_MOE_LANE_ISSUE=0 (or off), read once: lane 0 of v2's producer warps issues a stage's 16 weight-row
-// copies in a loop (the earlier behaviour) instead of 16 lanes at once.
-bool environment_allows_lane_issue() {
-  static const bool allowed = !env_disabled("DELTASERVE_MOE_LANE_ISSUE");
-  return allowed;
-}
-
-// DELTASERVE_MOE_DOWN_MIN_STAGES (2..kPipelineMaxStages, default kDownMinStagesDefault), read once: the fewest
-// stages of v2's down ring; 3 keeps the unsplit down launch at 1 KB half rows.
-int environment_down_min_stages() {
-  static const int stages = [] {
-    const char* value = std::getenv("DELTASERVE_MOE_DOWN_MIN_STAGES");
-    const int v = value != nullptr ? std::atoi(value) : moe_small_batch_detail::kDownMinStagesDefault;
-    return v >= 2 && v <= moe_small_batch_detail::kPipelineMaxStages ? v
-                                                                     : moe_small_batch_detail::kDownMinStagesDefault;
-  }();
-  return stages;
-}
-
-// DELTASERVE_MOE_ROUTER_TRIGGER=wait|loads|routing|exit (read once): when v2's launch 1 lets launch 2 start
-// (RouterTrigger in moe_small_batch.cuh). Unset or anything else: router_trigger_for.
-int environment_router_trigger() {
-  static const int trigger = [] {
-    const char* value = std::getenv("DELTASERVE_MOE_ROUTER_TRIGGER");
-    if (value == nullptr) return -1;
-    if (std::strcmp(value, "wait") == 0) return static_cast<int>(kTriggerAfterWait);
-    if (std::strcmp(value, "loads") == 0) return static_cast<int>(kTriggerAfterLoads);
-    if (std::strcmp(value, "routing") == 0) return static_cast<int>(kTriggerAfterRouting);
-    if (std::strcmp(value, "exit") == 0) return static_cast<int>(kTriggerAtExit);
-    return -1;
-  }();
-  return trigger;
-}
-
-// The trigger by token count, as measured on the H200 (48B decode step at 4k, two runs each, 2026-12-02,
-// bench/results/engine_gpu_ab.jsonl): at one token the early trigger (B = 1 2.532 / 2.530 ms; after the routing 2.533
-// / 2.536, at exit 2.554); from two tokens after the routing (B = 2 3.514 / 3.524 against 3.530 / 3.529, B = 4 5.338 /
-// 5.340 against 5.400 / 5.401, B = 8 8.424 / 8.405 against 8.431 / 8.423). Why the two differ is not measured.
+// When launch 1 lets launch 2 start (RouterTrigger): right after the wait at one token, after the routing from two
+// tokens on, each the faster at its token counts in the decode step.
 int router_trigger_for(int tokens) {
-  const int environment = environment_router_trigger();
-  if (environment >= 0) return environment;
   return tokens >= 2 ? kTriggerAfterRouting : kTriggerAfterWait;
-}
-
-// Tiles of v2's down launch and the bytes of the split's exchange area (plan-row outputs, then arrival counts).
-int down_tiles(int64_t hidden) {
-  return static_cast<int>((hidden + moe_small_batch_detail::kDownTileColumns - 1) /
-                          moe_small_batch_detail::kDownTileColumns);
-}
-size_t down_ys_bytes(int64_t tokens, int top_k, int64_t hidden) {
-  return round16(static_cast<size_t>(down_tiles(hidden)) * static_cast<size_t>(tokens * top_k + tokens) *
-                 moe_small_batch_detail::kDownTileColumns * sizeof(float));
-}
-size_t down_split_bytes(int64_t tokens, int top_k, int64_t hidden) {
-  if (tokens > kMoeSmallBatchSplitTokens) return 0;
-  return down_ys_bytes(tokens, top_k, hidden) + round16(static_cast<size_t>(down_tiles(hidden)) * sizeof(unsigned));
-}
-
-// DELTASERVE_MOE_SMALL_BATCH_KERNEL, read once per process: kDefault when unset or empty; `valid` false for an
-// unknown name.
-struct EnvironmentKernel {
-  MoeSmallBatchKernel kernel = MoeSmallBatchKernel::kDefault;
-  bool valid = true;
-  std::string value;
-};
-
-const EnvironmentKernel& environment_kernel() {
-  static const EnvironmentKernel parsed = [] {
-    EnvironmentKernel result;
-    const char* value = std::getenv("DELTASERVE_MOE_SMALL_BATCH_KERNEL");
-    if (value == nullptr || *value == '\0') return result;
-    result.value = value;
-    result.valid = false;
-    for (const MoeSmallBatchKernel kernel : kKernels) {
-      if (std::strcmp(value, moe_small_batch_kernel_name(kernel)) == 0) {
-        result.kernel = kernel;
-        result.valid = true;
-      }
-    }
-    return result;
-  }();
-  return parsed;
 }
 
 Status check(const MoeSmallBatchParams& p, const char* who) {
@@ -530,16 +371,12 @@ Status check(const MoeSmallBatchParams& p, const char* who) {
   if (!moe_small_batch_fits(p.tokens, k, E, p.hidden, w.intermediate,
                             p.shared_gate_up != nullptr ? p.shared_intermediate : 0)) {
     return invalid_argument(name + ": shapes outside the small-batch path (T " + std::to_string(p.tokens) +
-                            " <= 16, T * top_k <= 256, hidden and intermediates positive multiples of 8)");
+                            " <= 16, T * top_k <= 256, hidden and intermediates positive multiples of 8, staged "
+                            "rows within the shared-memory budgets)");
   }
   if (w.num_experts != E || w.width != p.hidden) {
     return invalid_argument(name + ": experts must have num_experts = routing.num_experts and width = hidden");
   }
-  if (p.kernel != MoeSmallBatchKernel::kDefault && p.kernel != MoeSmallBatchKernel::kV1 &&
-      p.kernel != MoeSmallBatchKernel::kV2) {
-    return invalid_argument(name + ": unknown kernel");
-  }
-  if (p.down_split < 0 || p.down_split > 2) return invalid_argument(name + ": down_split must be 0, 1 or 2");
   if (p.glu == GluKind::kSitu && !(p.situ_beta > 0.0f && p.situ_linear_beta > 0.0f)) {
     return invalid_argument(name + ": SiTU betas must be positive");
   }
@@ -563,10 +400,13 @@ Status check(const MoeSmallBatchParams& p, const char* who) {
   if (p.shared_gate_up != nullptr && (p.shared_down == nullptr || p.shared_activated == nullptr)) {
     return invalid_argument(name + ": a shared expert needs shared_down and shared_activated");
   }
+  // The activation rows are bulk-copied by launch 3: 16-byte aligned as well.
   if (!aligned16(p.x_f32) || !aligned16(p.router) || !aligned16(p.x) || !aligned16(w.gate_up) || !aligned16(w.down) ||
-      !aligned16(p.shared_gate_up) || !aligned16(p.shared_down) || !aligned16(p.x_sorted) || !aligned16(p.workspace)) {
+      !aligned16(p.shared_gate_up) || !aligned16(p.shared_down) || !aligned16(p.x_sorted) || !aligned16(p.workspace) ||
+      !aligned16(p.activated) || !aligned16(p.shared_activated)) {
     return invalid_argument(name +
-                            ": x_f32, router, x, expert weights, x_sorted and workspace must be 16-byte aligned");
+                            ": x_f32, router, x, expert weights, x_sorted, workspace, activated and shared_activated "
+                            "must be 16-byte aligned");
   }
   const size_t needed = moe_small_batch_workspace_bytes(p.tokens, k, E, p.hidden);
   if (p.workspace_bytes < needed) {
@@ -576,8 +416,8 @@ Status check(const MoeSmallBatchParams& p, const char* who) {
   return Status::ok();
 }
 
-// Kernel arguments and launch shapes from validated params, for kernel kV1 or kV2.
-LayerArgs make_args(const MoeSmallBatchParams& p, MoeSmallBatchKernel kernel) {
+// Kernel arguments and launch shapes from validated params.
+LayerArgs make_args(const MoeSmallBatchParams& p) {
   LayerArgs a{};
   const MoeRoutingConfig& r = p.routing;
   a.T = static_cast<int>(p.tokens);
@@ -599,24 +439,20 @@ LayerArgs make_args(const MoeSmallBatchParams& p, MoeSmallBatchKernel kernel) {
   a.slice_chunks = (chunks + a.router_slices - 1) / a.router_slices;
   a.expert_blocks = expert_blocks(a.E);
   a.router_ctas = a.expert_blocks * a.router_slices;
-  const bool v2 = kernel == MoeSmallBatchKernel::kV2;
-  if (v2) {
-    if (r.num_groups == 1 && environment_allows_parallel_route()) {
-      // As many tokens a pass as fit (all of them, for the models' expert counts).
-      a.route_pass_tokens = std::max(a.T, 1);
-      while (a.route_pass_tokens > 1 &&
-             router_smem_bytes(r, parallel_route_floats(r, a.route_pass_tokens)) + kRouterStaticSmem > kSharedLimit) {
-        --a.route_pass_tokens;
-      }
-      a.route_region_floats = static_cast<int>(parallel_route_floats(r, a.route_pass_tokens));
-    } else {
-      const size_t fixed = router_smem_bytes(r, 0) + kRouterStaticSmem;
-      const size_t warp_bytes = warp_route_floats(r, 1) * sizeof(float);
-      a.route_warps = static_cast<int>(std::clamp<size_t>((kSharedLimit - fixed) / warp_bytes, 1, kWarps));
-      a.route_region_floats = static_cast<int>(warp_route_floats(r, a.route_warps));
+  if (r.num_groups == 1) {
+    // The CTA-wide routing, as many tokens a pass as fit (all of them, for the models' expert counts).
+    a.route_pass_tokens = std::max(a.T, 1);
+    while (a.route_pass_tokens > 1 &&
+           router_smem_bytes(r, parallel_route_floats(r, a.route_pass_tokens)) + kRouterStaticSmem > kSharedLimit) {
+      --a.route_pass_tokens;
     }
+    a.route_region_floats = static_cast<int>(parallel_route_floats(r, a.route_pass_tokens));
   } else {
-    a.route_warps = moe_small_batch_detail::v1_route_warps(r);
+    // Grouped routing: one warp a token, as many routing warps as fit.
+    const size_t fixed = router_smem_bytes(r, 0) + kRouterStaticSmem;
+    const size_t warp_bytes = warp_route_floats(r, 1) * sizeof(float);
+    a.route_warps = static_cast<int>(std::clamp<size_t>((kSharedLimit - fixed) / warp_bytes, 1, kWarps));
+    a.route_region_floats = static_cast<int>(warp_route_floats(r, a.route_warps));
   }
   a.partials = static_cast<float*>(p.workspace);
   a.x = p.x;
@@ -633,7 +469,7 @@ LayerArgs make_args(const MoeSmallBatchParams& p, MoeSmallBatchKernel kernel) {
   a.sorted = p.plan.sorted_assignments;
   a.pos = p.plan.assignment_pos;
   a.x_sorted = p.x_sorted;
-  a.warp_plan = a.route_pass_tokens > 0 && a.R <= 32 && p.x_sorted == nullptr && environment_allows_warp_plan() ? 1 : 0;
+  a.warp_plan = a.route_pass_tokens > 0 && a.R <= 32 && p.x_sorted == nullptr ? 1 : 0;
   a.activated = p.activated;
   a.shared_activated = p.shared_activated;
   a.residual = p.residual;
@@ -643,97 +479,38 @@ LayerArgs make_args(const MoeSmallBatchParams& p, MoeSmallBatchKernel kernel) {
   a.active = reinterpret_cast<int32_t*>(ws + partial_bytes);
   a.active_capacity = std::min(a.E, a.R);
   a.num_active = a.active + a.active_capacity;
-  a.slot_first = v2 ? a.num_active + 1 : nullptr;
-  a.slot_count = v2 ? a.slot_first + a.active_capacity : nullptr;
+  a.slot_first = a.num_active + 1;
+  a.slot_count = a.slot_first + a.active_capacity;
   a.counter = p.counter;
-  // The split down launch (v2, few tokens): its exchange area follows the active list.
-  const bool split = v2 && a.T <= kMoeSmallBatchSplitTokens &&
-                     (p.down_split == 2 || (p.down_split == 0 && environment_allows_down_split()));
-  a.down_split = split ? 2 : 1;
-  a.down_tiles = down_tiles(p.hidden);
-  a.lane_issue = environment_allows_lane_issue() ? 1 : 0;
-  a.down_min_stages = environment_down_min_stages();
   a.router_trigger = router_trigger_for(a.T);
-  a.down_ys = nullptr;
-  a.down_arrivals = nullptr;
-  if (split) {
-    char* area = ws + partial_bytes + round16(static_cast<size_t>(3 * a.active_capacity + 1) * sizeof(int32_t));
-    a.down_ys = reinterpret_cast<float*>(area);
-    a.down_arrivals = reinterpret_cast<unsigned int*>(area + down_ys_bytes(a.T, a.k, p.hidden));
-  }
   return a;
 }
 
-// The kernels validated params run: p.kernel, kDefault resolved through the environment (kV2 when unset), and kV2
-// falling back to kV1 for shapes its expert launches do not take. Launch 1 differs between the two (v1 computes the
-// shared expert's gate/up there, v2 in launch 2), so route and experts both ask this of the same params.
-Status select_kernel(const MoeSmallBatchParams& p, const char* who, MoeSmallBatchKernel* kernel) {
-  MoeSmallBatchKernel selected = p.kernel;
-  if (selected == MoeSmallBatchKernel::kDefault) {
-    const EnvironmentKernel& environment = environment_kernel();
-    if (!environment.valid) {
-      return invalid_argument(std::string(who) + ": DELTASERVE_MOE_SMALL_BATCH_KERNEL must be v1 or v2, got '" +
-                              environment.value + "'");
-    }
-    selected = environment.kernel == MoeSmallBatchKernel::kDefault ? MoeSmallBatchKernel::kV2 : environment.kernel;
-  }
-  if (selected == MoeSmallBatchKernel::kV2 &&
-      !moe_small_batch_detail::pipeline_fits(make_args(p, MoeSmallBatchKernel::kV2))) {
-    selected = MoeSmallBatchKernel::kV1;
-  }
-  if (selected == MoeSmallBatchKernel::kV1 && p.norm_weight != nullptr) {
-    return unimplemented(std::string(who) + ": the fused input norm (norm_weight) needs the v2 kernels");
-  }
-  *kernel = selected;
-  return Status::ok();
-}
-
 }  // namespace
-
-const char* moe_small_batch_kernel_name(MoeSmallBatchKernel kernel) {
-  switch (kernel) {
-    case MoeSmallBatchKernel::kV1:
-      return "v1";
-    case MoeSmallBatchKernel::kV2:
-      return "v2";
-    case MoeSmallBatchKernel::kDefault:
-      break;
-  }
-  return "default";
-}
-
-MoeSmallBatchKernel moe_small_batch_kernel_for(const MoeSmallBatchParams& params) {
-  MoeSmallBatchKernel kernel = MoeSmallBatchKernel::kDefault;
-  if (!check(params, "moe_small_batch_kernel_for") || !select_kernel(params, "moe_small_batch_kernel_for", &kernel)) {
-    return MoeSmallBatchKernel::kDefault;
-  }
-  return kernel;
-}
 
 bool moe_small_batch_fits(int64_t tokens, int top_k, int num_experts, int64_t hidden, int64_t intermediate,
                           int64_t shared_intermediate) {
   const auto multiple_of_8 = [](int64_t v) { return v >= 8 && v % 8 == 0 && v <= (int64_t{1} << 20); };
   return tokens >= 0 && tokens <= kMoeSmallBatchMaxTokens && top_k >= 1 && num_experts >= 1 &&
          tokens * top_k <= kMoeSmallBatchMaxAssignments && multiple_of_8(hidden) && multiple_of_8(intermediate) &&
-         (shared_intermediate == 0 || multiple_of_8(shared_intermediate));
+         (shared_intermediate == 0 || multiple_of_8(shared_intermediate)) &&
+         moe_small_batch_detail::pipeline_fits(static_cast<int>(tokens), top_k, num_experts, static_cast<int>(hidden),
+                                               static_cast<int>(intermediate), static_cast<int>(shared_intermediate));
 }
 
 size_t moe_small_batch_workspace_bytes(int64_t tokens, int top_k, int num_experts, int64_t hidden) {
   if (tokens < 0 || top_k < 1 || num_experts < 1 || hidden < 4) return 0;
   const int slices = router_slices(num_experts, hidden);
-  // The active list, its count, and v2's first row and row count per active slot.
+  // The active list, its count, and the first row and row count per active slot.
   const int64_t capacity = std::min<int64_t>(num_experts, tokens * top_k);
   return round16(static_cast<size_t>(slices * tokens * num_experts) * sizeof(float)) +
-         round16(static_cast<size_t>(3 * capacity + 1) * sizeof(int32_t)) + down_split_bytes(tokens, top_k, hidden);
+         round16(static_cast<size_t>(3 * capacity + 1) * sizeof(int32_t));
 }
 
 Status moe_small_batch_route(const MoeSmallBatchParams& params, cudaStream_t stream) {
   Status status = check(params, "moe_small_batch_route");
   if (!status || params.tokens == 0) return status;
-  MoeSmallBatchKernel kernel = MoeSmallBatchKernel::kDefault;
-  DS_RETURN_IF_ERROR(select_kernel(params, "moe_small_batch_route", &kernel));
-  const LayerArgs a = make_args(params, kernel);
-  if (kernel == MoeSmallBatchKernel::kV1) return moe_small_batch_detail::launch_v1_route(a, params.routing, stream);
+  const LayerArgs a = make_args(params);
   return moe_small_batch_detail::launch_with_pdl(small_batch_router_kernel, static_cast<unsigned>(a.router_ctas),
                                                  kThreads, router_smem_bytes(params.routing, a.route_region_floats),
                                                  stream, "moe_small_batch_route", a);
@@ -742,27 +519,13 @@ Status moe_small_batch_route(const MoeSmallBatchParams& params, cudaStream_t str
 Status moe_small_batch_experts(const MoeSmallBatchParams& params, cudaStream_t stream) {
   Status status = check(params, "moe_small_batch_experts");
   if (!status || params.tokens == 0) return status;
-  MoeSmallBatchKernel kernel = MoeSmallBatchKernel::kDefault;
-  DS_RETURN_IF_ERROR(select_kernel(params, "moe_small_batch_experts", &kernel));
-  const LayerArgs a = make_args(params, kernel);
-  if (kernel == MoeSmallBatchKernel::kV1) return moe_small_batch_detail::launch_v1_experts(a, stream);
-  return moe_small_batch_detail::launch_pipeline_experts(a, stream);
+  return moe_small_batch_detail::launch_pipeline_experts(make_args(params), stream);
 }
 
 Status moe_small_batch_layer(const MoeSmallBatchParams& params, cudaStream_t stream) {
   Status status = moe_small_batch_route(params, stream);
   if (!status) return status;
   return moe_small_batch_experts(params, stream);
-}
-
-bool moe_small_batch_enabled() {
-  static const bool enabled = !env_disabled("DELTASERVE_MOE_SMALL_BATCH");
-  return enabled;
-}
-
-bool moe_small_batch_fused_norm_enabled() {
-  static const bool enabled = !env_disabled("DELTASERVE_MOE_FUSED_NORM");
-  return enabled;
 }
 
 }  // namespace deltaserve::kernels::cuda

@@ -1,14 +1,17 @@
-// Launches 2 and 3 of the small-batch MoE layer, v2 (contract in moe.hpp; launch 1, v1 and the design notes with
-// the measured figures in moe_small_batch.cu).
+// Launches 2 and 3 of the small-batch MoE layer (contract in moe.hpp; launch 1 and the design of the whole layer in
+// small_batch.cu).
 //
 // Both kernels stream weight rows through a ring of shared-memory stages: one producer warp issues bulk copies
 // (cp.async.bulk, L2 evict-first: the weights are read once per step) of 16 weight-row segments per stage, lane r
-// the copy of row r, and tracks them with mbarriers (lane 0 waits, expects the bytes and issues the activation
-// rows); eight consumer warps split each stage's k16 steps among themselves and run
-// mma.sync m16n8k16 (bf16 in, fp32 accumulators) with the weight rows as A and up to 16 token rows as B (one or two
-// n tiles, rows past the item's count read a zero row), then add their partial tiles in warp order through shared
-// memory (deterministic). Staged rows are padded to an odd number of 16-byte chunks (conflict-free ldmatrix); a
-// row ending on a half k16 step has that step's upper k half zeroed in A and B.
+// the copy of row r (one issuing thread cannot keep enough copies in flight), and tracks them with mbarriers (lane 0
+// waits, expects the bytes and issues the activation rows); eight consumer warps split each stage's k16 steps among
+// themselves and run mma.sync m16n8k16 (bf16 in, fp32 accumulators) with the weight rows as A and up to 16 token
+// rows as B (one or two n tiles, rows past the item's count read a zero row), then add their partial tiles in warp
+// order through shared memory (deterministic). Tensor cores rather than CUDA-core dot products: a weight row's bytes
+// cost two ldmatrix and one mma per 16 k instead of 16 fma and 16 unpacks per token. Staged rows are padded to an
+// odd number of 16-byte chunks (conflict-free ldmatrix); a row ending on a half k16 step has that step's upper k half
+// zeroed in A and B. The rings hold 3-4 stages of 16 rows, 70-150 KB per SM, well above the bytes in flight that the
+// copy rate needs at the memory latency.
 //
 // Launch 2 (gate/up + GLU), one CTA per SM, persistent: the work items are the shared expert's column blocks, then
 // every active expert's (8 gate rows + the matching 8 up rows = one m16 tile, so a lane holds gate and up of the
@@ -22,32 +25,12 @@
 //
 // Launch 3 (down + combine), one CTA per 16 output columns (two per SM): the items are the shared expert (its down
 // rows prefetched into L2 by launch 2) and every active expert, each a stage of its 16 down rows plus its
-// activation rows (contiguous plan rows), per k segment. The routing is launch 1's output, complete before this
-// grid starts (launch 2 starts its dependents only after waiting for launch 1), so the producer reads it and issues
-// the first stages' weight rows before the grid waits for launch 2; the activation rows of those stages follow the
-// wait. The expert outputs y[row, d] stay in shared memory until the combine adds them to the residual (the order
-// of v1 and moe_combine); the routing weights, plan positions and residual values it needs are loaded when the CTA
-// starts, so its tail is the store only.
-// Split (T <= kMoeSmallBatchSplitTokens): two CTAs a tile, each streaming half of the items (the shared expert and
-// the active slots, whole items, in the same order), so that twice the CTAs keep weight bytes in flight (one CTA a
-// tile reached 1.7 TB/s with 144 CTAs, one per SM for most SMs, the consumers waiting on the full barriers). Each
-// writes its items' y rows to the workspace; the second to arrive reads the other's and combines. Each y row is the
-// same sum as unsplit and the combine the same order: bitwise the unsplit result. Measured on the H200 at Kimi-48B
-// dims (MoeDecodeLayerGpu.Timing, the whole layer, graph replays): 60.4 against 63.2 us at T=1, 91.7 against 100.1
-// at T=2, 131.8 against 147.2 at T=4. The down kernel alone at T=1 (Nsight Compute, cold caches) stays at ~38 % of
-// DRAM peak (23-24 us against 25.7 unsplit): more CTAs in flight were not what it lacked most.
-//
-// What it lacked was the rate at which one thread issues bulk copies. bench/gpu/dram_pattern_bench.cu streams the
-// same rings with nothing else running (H200, 2026-12-01, bench/results/kernels_gpu.jsonl): 16 copies of 2 KB a
-// stage issued by one lane reached 0.38-0.77 of the copy bandwidth (it varied between two machines of the same
-// kind), the same 32 KB as one copy 1.07-1.10, and the 16 copies issued by 16 lanes at once 1.07; launch 3's
-// stages as they were (16 half rows of 1 KB, two or three CTAs an SM) 0.38-0.52 from one lane and 1.06 from 16.
-// So the producers issue from 16 lanes, and the down ring takes whole 2 KB rows in two stages, unsplit (144 CTAs):
-// the layer at T = 1 / 2 / 4 51.6 / 84.1 / 125.0 us (was 66.6 / 109.1 / 163.0 in the run that measured the change;
-// v1 65.7 / 102.5 / 160.4), the 48B decode step at B = 1 / 2 / 4 2.590 / 3.556 / 5.427 ms against 2.939 / 4.151 /
-// 6.308 with one issuing lane (bench/results/engine_gpu_ab.jsonl). The split launch is still there
-// (DELTASERVE_MOE_DOWN_SPLIT=1 or down_split 2): with 16-lane issue it is the slower one (2.680 ms at B = 1). Copying
-// rows in an order rotated by the CTA, against channel conflicts, streamed at less than half the rate.
+// activation rows (contiguous plan rows), per k segment; whole 2 KB rows (I = 1024) in two stages. The routing is
+// launch 1's output, complete before this grid starts (launch 2 starts its dependents only after waiting for
+// launch 1), so the producer reads it and issues the first stages' weight rows before the grid waits for launch 2;
+// the activation rows of those stages follow the wait. The expert outputs y[row, d] stay in shared memory until
+// the combine adds them to the residual (the order of moe_combine); the routing weights, plan positions and residual
+// values it needs are loaded when the CTA starts, so its tail is the store only.
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -57,8 +40,8 @@
 
 #include "kernels/cuda/common/detail/bf16_stream.cuh"
 #include "kernels/cuda/common/detail/mma_sm80.cuh"
-#include "kernels/cuda/moe/detail/small_batch.cuh"
 #include "kernels/cuda/common/detail/sm90_ptx.cuh"
+#include "kernels/cuda/moe/detail/small_batch.cuh"
 
 namespace deltaserve::kernels::cuda::moe_small_batch_detail {
 namespace {
@@ -70,17 +53,15 @@ constexpr int kPipelineThreads = kConsumerThreads + 32;
 constexpr int kConsumerBarrier = 1;             // named barrier of the consumer warps (0: __syncthreads)
 constexpr int kTileRows = 16;                   // weight rows per stage: one m16 tile
 constexpr int kColumnsPerItem = kTileRows / 2;  // gate/up: 8 gate rows and the 8 matching up rows
-constexpr int kMaxStages = kPipelineMaxStages;
-constexpr int kMinStages = 3;            // gate/up (the down ring's: LayerArgs::down_min_stages)
+constexpr int kMaxStages = 4;                   // the deepest ring
+constexpr int kMinStages = 3;                   // the shallowest gate/up ring
+constexpr int kDownMinStages = 2;        // the shallowest down ring: whole 2 KB rows in two stages beat halves in four
 constexpr int kGateUpMaxSegment = 1152;  // k elements per staged row segment (hidden 2304: two)
 constexpr int kDownMaxSegment = 1024;
 constexpr size_t kGateUpSmemBudget = 180 * 1024;  // one CTA per SM, room for a launch-1 CTA beside it
 constexpr size_t kDownSmemBudget = 112 * 1024;    // two CTAs per SM (144 CTAs at hidden 2304, 132 SMs)
-// The split down launch (two CTAs a tile: 288 at hidden 2304) fits three CTAs per SM so that it runs in one wave.
-constexpr size_t kDownSplitSmemBudget = 74 * 1024;
-static_assert(kTileRows == kDownTileColumns, "a down tile is one m16 tile of weight rows");
 
-// Launch shape and shared-memory layout of one v2 expert launch (byte offsets from the dynamic base).
+// Launch shape and shared-memory layout of one expert launch (byte offsets from the dynamic base).
 //   [barriers: full[kMaxStages], empty[kMaxStages], x_full, tables_ready] [tables] [reduce: 2 buffers]
 //   [gate/up: x rows (T + 1, the last one zero) | down: ys (R + T rows of 16 floats), zero row, the routing weights
 //   and plan positions (R each)] [stages]
@@ -250,35 +231,22 @@ __device__ __forceinline__ float reduced_register(const float* buffer, int r, in
 
 // ---- launch 2: gate/up + GLU ----------------------------------------------------------------------------------
 
-// The producer lanes that issue a stage's weight-row copies and the rows each copies: the whole warp, lane r the
-// row r (the ring's waits and the expected bytes are lane 0's, the rest wait on the same barriers), or lane 0 all of
-// them (LayerArgs::lane_issue 0).
-struct IssueRows {
-  unsigned lanes;   // the issuing lanes (the mask of the warp-level syncs between them)
-  bool issues;      // whether the calling lane is one of them
-  int first, step;  // the calling lane copies rows first, first + step, ...
-};
-__device__ __forceinline__ IssueRows issue_rows(const PipelineArgs& p) {
-  const int lane = threadIdx.x & 31;
-  return p.a.lane_issue ? IssueRows{0xffffffffu, true, lane, 32} : IssueRows{1u, lane == 0, 0, 1};
-}
-
 // Stages of one gate/up item: rows j0..j0+7 (gate) and inter+j0..inter+j0+7 (up) of `w` ([2 inter, hidden]), one
-// stage per k segment. Called by the issuing lanes of the producer warp (issue_rows).
+// stage per k segment. Called by the whole producer warp: lane r copies row r, lane 0 also waits for the stage and
+// expects its bytes (the others wait on the same barriers).
 __device__ void issue_gate_up_item(const PipelineArgs& p, uint32_t base, Ring& ring, const __nv_bfloat16* w, int inter,
                                    int j0, uint64_t policy) {
   const LayerArgs& a = p.a;
   const Pipeline& pipe = p.pipe;
   const int lane = threadIdx.x & 31;
-  const IssueRows issue = issue_rows(p);
   for (int k0 = 0; k0 < a.hidden; k0 += pipe.segment) {
     const uint32_t bytes = 2u * static_cast<uint32_t>(min(pipe.segment, a.hidden - k0));
     const uint32_t full = full_barrier(base, ring.stage);
     sm90::mbarrier_wait(empty_barrier(base, ring.stage), ring.phase ^ 1u);
     if (lane == 0) sm90::mbarrier_arrive_expect_tx(full, kTileRows * bytes);
-    __syncwarp(issue.lanes);
+    __syncwarp();
     const uint32_t dst = stage_address(base, pipe, ring.stage);
-    for (int r = issue.first; r < kTileRows; r += issue.step) {
+    for (int r = lane; r < kTileRows; r += 32) {
       const int row = r < kColumnsPerItem ? j0 + r : inter + j0 + r - kColumnsPerItem;
       detail::bulk_copy_to_shared(dst + r * pipe.row_bytes, w + static_cast<int64_t>(row) * a.hidden + k0, bytes, full,
                                   policy);
@@ -288,8 +256,8 @@ __device__ void issue_gate_up_item(const PipelineArgs& p, uint32_t base, Ring& r
 }
 
 // This CTA's share (a contiguous 1 / gridDim.x of the bytes) of the shared expert's down matrix into L2: launch 3
-// reads it first, and nothing else is known to stream while launch 1 routes. (Prefetching the next layer's first
-// weights here as well, 24 MB of them, made the 48B step slower: bench/results/engine_gpu_ab.jsonl.)
+// reads it first, and nothing else is known to stream while launch 1 routes. (The next layer's first weights are not
+// prefetched as well: that made the decode step slower.)
 __device__ void prefetch_shared_down(const LayerArgs& a) {
   constexpr int64_t kPiece = 32 * 1024;
   const int64_t chunks = static_cast<int64_t>(a.hidden) * a.shared_inter / 8;  // 16-byte chunks
@@ -309,7 +277,6 @@ __device__ void gate_up_producer(const PipelineArgs& p, uint32_t base, const Tab
   Ring ring;
   int item = static_cast<int>(blockIdx.x);
   const uint64_t policy = detail::l2_evict_first_policy();
-  const bool issues = issue_rows(p).issues;
   if (lane == 0) {
     // x was written before launch 1 started (launch 1 starts its dependents after its own wait): complete now. With
     // the fused norm the consumers stage x themselves.
@@ -322,17 +289,14 @@ __device__ void gate_up_producer(const PipelineArgs& p, uint32_t base, const Tab
       }
     }
   }
-  if (issues) {
-    for (; item < p.shared_items; item += ctas) {
-      issue_gate_up_item(p, base, ring, a.shared_gate_up, a.shared_inter, kColumnsPerItem * item, policy);
-    }
+  for (; item < p.shared_items; item += ctas) {
+    issue_gate_up_item(p, base, ring, a.shared_gate_up, a.shared_inter, kColumnsPerItem * item, policy);
   }
   if (lane == 0 && a.shared_down != nullptr) prefetch_shared_down(a);
   __syncwarp();
   grid_dependency_wait();  // launch 1: the routing
   if (lane == 0) allow_dependent_grids();
   load_tables(a, t, true);
-  if (!issues) return;
   if (lane == 0) sm90::mbarrier_arrive(tables_barrier(base));
   const int items = p.shared_items + *t.num_active * p.column_blocks;
   for (; item < items; item += ctas) {
@@ -506,28 +470,9 @@ __device__ __forceinline__ int down_item_first_fill(const PipelineArgs& p, int i
   return min(item, has_shared) * shared_down_segments(p) + max(0, item - has_shared) * routed_down_segments(p);
 }
 
-// The tile of this CTA and its items [first, last): all of them unsplit, half of them (whole items) split.
-struct DownShare {
-  int tile, first, last;
-};
-__device__ __forceinline__ DownShare down_share(const PipelineArgs& p, int num_active) {
-  const int split = p.a.down_split, half = static_cast<int>(blockIdx.x) % split;
-  const int items = (p.a.shared_down != nullptr ? 1 : 0) + num_active;
-  return {static_cast<int>(blockIdx.x) / split, items * half / split, items * (half + 1) / split};
-}
-
-// First plan row (ys row) and row count of item `item`.
-__device__ __forceinline__ void down_item_rows(const PipelineArgs& p, const Tables& t, int item, int& row0,
-                                               int& count) {
-  const bool has_shared = p.a.shared_down != nullptr;
-  if (has_shared && item == 0) {
-    row0 = p.a.R;
-    count = p.a.T;
-  } else {
-    const int slot = item - (has_shared ? 1 : 0);
-    row0 = t.first[slot];
-    count = t.count[slot];
-  }
+// Items of a down CTA (every CTA takes all of them for its 16-column tile): the shared expert, then the active slots.
+__device__ __forceinline__ int down_items(const PipelineArgs& p, int num_active) {
+  return (p.a.shared_down != nullptr ? 1 : 0) + num_active;
 }
 
 __device__ void issue_down_activations(const PipelineArgs& p, uint32_t base, const DownFill& fill, int stage) {
@@ -551,14 +496,10 @@ __device__ void down_producer(const PipelineArgs& p, uint32_t base, const Tables
   // Launch 1 completed before this grid started (launch 2 starts its dependents after waiting for it).
   load_tables(a, t, false);
   const int lane = threadIdx.x & 31;
-  const IssueRows issue = issue_rows(p);
-  if (!issue.issues) return;
   if (lane == 0) sm90::mbarrier_arrive(tables_barrier(base));
-  const DownShare share = down_share(p, *t.num_active);
-  const int d0 = share.tile * kTileRows, rows = min(kTileRows, a.hidden - d0);
+  const int d0 = static_cast<int>(blockIdx.x) * kTileRows, rows = min(kTileRows, a.hidden - d0);
   const uint64_t policy = detail::l2_evict_first_policy();
-  const int first_fill = down_item_first_fill(p, share.first);
-  const int fills = down_item_first_fill(p, share.last) - first_fill;
+  const int fills = down_item_first_fill(p, down_items(p, *t.num_active));
   // The weight rows of the first `stages` fills go out before the wait, their activation rows after it.
   bool waited = false;
   Ring ring;
@@ -566,17 +507,17 @@ __device__ void down_producer(const PipelineArgs& p, uint32_t base, const Tables
     if (f == pipe.stages) {
       wait_for_activations();
       if (lane == 0) {
-        for (int g = 0; g < pipe.stages; ++g) issue_down_activations(p, base, down_fill(p, t, first_fill + g, d0), g);
+        for (int g = 0; g < pipe.stages; ++g) issue_down_activations(p, base, down_fill(p, t, g, d0), g);
       }
       waited = true;
     }
-    const DownFill fill = down_fill(p, t, first_fill + f, d0);
+    const DownFill fill = down_fill(p, t, f, d0);
     const uint32_t full = full_barrier(base, ring.stage);
     sm90::mbarrier_wait(empty_barrier(base, ring.stage), ring.phase ^ 1u);
     if (lane == 0) sm90::mbarrier_arrive_expect_tx(full, static_cast<uint32_t>(rows + fill.count) * fill.bytes);
-    __syncwarp(issue.lanes);
+    __syncwarp();
     const uint32_t dst = stage_address(base, pipe, ring.stage);
-    for (int m = issue.first; m < rows; m += issue.step) {
+    for (int m = lane; m < rows; m += 32) {
       detail::bulk_copy_to_shared(dst + m * pipe.row_bytes, fill.weights + static_cast<int64_t>(m) * fill.k_total,
                                   fill.bytes, full, policy);
     }
@@ -586,50 +527,16 @@ __device__ void down_producer(const PipelineArgs& p, uint32_t base, const Tables
   if (!waited) {
     wait_for_activations();
     if (lane == 0) {
-      for (int g = 0; g < fills; ++g) issue_down_activations(p, base, down_fill(p, t, first_fill + g, d0), g);
+      for (int g = 0; g < fills; ++g) issue_down_activations(p, base, down_fill(p, t, g, d0), g);
     }
   }
-}
-
-// Split down launch, consumer threads, after every ys row of this CTA's items is in shared memory: publishes them to
-// the tile's exchange rows; the CTA that arrives second loads the other items' rows into ys and returns true (it
-// combines), the first returns false (done).
-__device__ bool exchange_down_rows(const PipelineArgs& p, const Tables& t, const DownShare& share, float* ys) {
-  __shared__ int combines_here;
-  const LayerArgs& a = p.a;
-  const int tid = threadIdx.x;
-  const int items = (a.shared_down != nullptr ? 1 : 0) + *t.num_active;
-  float* exchange = a.down_ys + static_cast<int64_t>(share.tile) * (a.R + a.T) * kTileRows;
-  for (int item = share.first; item < share.last; ++item) {
-    int row0 = 0, count = 0;
-    down_item_rows(p, t, item, row0, count);
-    for (int i = tid; i < count * kTileRows; i += kConsumerThreads) {
-      __stcg(exchange + row0 * kTileRows + i, ys[row0 * kTileRows + i]);
-    }
-  }
-  __threadfence();
-  consumer_barrier();
-  if (tid == 0) combines_here = atomicAdd(a.down_arrivals + share.tile, 1u) == static_cast<unsigned>(a.down_split - 1);
-  consumer_barrier();
-  if (!combines_here) return false;
-  __threadfence();
-  for (int item = 0; item < items; ++item) {
-    if (item >= share.first && item < share.last) continue;
-    int row0 = 0, count = 0;
-    down_item_rows(p, t, item, row0, count);
-    for (int i = tid; i < count * kTileRows; i += kConsumerThreads) {
-      ys[row0 * kTileRows + i] = __ldcg(exchange + row0 * kTileRows + i);
-    }
-  }
-  consumer_barrier();
-  return true;
 }
 
 __device__ void down_consumer(const PipelineArgs& p, uint32_t base, unsigned char* smem, const Tables& t) {
   const LayerArgs& a = p.a;
   const Pipeline& pipe = p.pipe;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int d0 = static_cast<int>(blockIdx.x) / a.down_split * kTileRows, rows = min(kTileRows, a.hidden - d0);
+  const int d0 = static_cast<int>(blockIdx.x) * kTileRows, rows = min(kTileRows, a.hidden - d0);
   float* reduce = reinterpret_cast<float*>(smem + pipe.reduce);
   float* ys = reinterpret_cast<float*>(smem + pipe.extra);  // [R + T][16]: routed rows by plan row, then shared
   const bool has_shared = a.shared_down != nullptr;
@@ -646,14 +553,14 @@ __device__ void down_consumer(const PipelineArgs& p, uint32_t base, unsigned cha
   float* residual = a.residual + combine_token * a.residual_stride + d0 + combine_m;
   const float residual_in = combines ? *residual : 0.0f;
   sm90::mbarrier_wait(tables_barrier(base), 0);
-  const DownShare share = down_share(p, *t.num_active);
+  const int items = down_items(p, *t.num_active);
   const int n = b_lane_row();
   const uint32_t a_offset = a_lane_offset(pipe.row_bytes), b_k_offset = b_lane_k_offset();
   Ring ring;
   int parity = 0;
   // Items in fill order: the shared expert (item 0 when there is one), then the active slots.
   const int first_slot_item = has_shared ? 1 : 0;
-  for (int item = share.first; item < share.last; ++item) {
+  for (int item = 0; item < items; ++item) {
     const bool routed = item >= first_slot_item;
     const int slot = item - first_slot_item;
     const int k_total = routed ? a.inter : a.shared_inter;
@@ -683,7 +590,6 @@ __device__ void down_consumer(const PipelineArgs& p, uint32_t base, unsigned cha
     }
   }
   consumer_barrier();  // every ys row written (and the weights and positions, long since)
-  if (a.down_split > 1 && !exchange_down_rows(p, t, share, ys)) return;
 
   // Combine: token t, column d0 + m: (residual + Σ_j w[t, j] · y[pos[t, j]], j in order) + y_shared.
   if (combines) {
@@ -714,8 +620,17 @@ __global__ void __launch_bounds__(kPipelineThreads, 3) pipeline_down_kernel(cons
 
 // ---- host side ------------------------------------------------------------------------------------------------
 
+// The shapes the layouts depend on (shared_inter 0: no shared expert).
+struct Shape {
+  int T, R, active_capacity, hidden, inter, shared_inter;
+};
+
+Shape shape_of(const LayerArgs& a) {
+  return {a.T, a.R, a.active_capacity, a.hidden, a.inter, a.shared_down != nullptr ? a.shared_inter : 0};
+}
+
 // The layout for `segment` and `stages`.
-Pipeline layout(const LayerArgs& a, bool down, int segment, int stages) {
+Pipeline layout(const Shape& a, bool down, int segment, int stages) {
   Pipeline p;
   p.stages = stages;
   p.segment = segment;
@@ -747,11 +662,11 @@ Pipeline layout(const LayerArgs& a, bool down, int segment, int stages) {
 
 // The largest segment (<= the maximum, a multiple of 16, the k extent split into equal parts) with the most stages
 // (the launch's minimum..kMaxStages) that fits the launch's shared-memory budget; stages = 0 if none does.
-Pipeline plan_pipeline(const LayerArgs& a, bool down) {
-  const int k = down ? std::max(a.inter, a.shared_down != nullptr ? a.shared_inter : 0) : a.hidden;
+Pipeline plan_pipeline(const Shape& a, bool down) {
+  const int k = down ? std::max(a.inter, a.shared_inter) : a.hidden;
   const int max_segment = down ? kDownMaxSegment : kGateUpMaxSegment;
-  const size_t budget = down ? (a.down_split > 1 ? kDownSplitSmemBudget : kDownSmemBudget) : kGateUpSmemBudget;
-  const int min_stages = down ? a.down_min_stages : kMinStages;
+  const size_t budget = down ? kDownSmemBudget : kGateUpSmemBudget;
+  const int min_stages = down ? kDownMinStages : kMinStages;
   for (int parts = (k + max_segment - 1) / max_segment; parts <= k; ++parts) {
     const int segment = ((k + parts - 1) / parts + 15) / 16 * 16;
     for (int stages = kMaxStages; stages >= min_stages; --stages) {
@@ -761,10 +676,6 @@ Pipeline plan_pipeline(const LayerArgs& a, bool down) {
     if (segment == 16) break;  // the smallest; more parts only repeat it
   }
   return Pipeline{};
-}
-
-bool aligned16(const void* p) {
-  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
 }
 
 // Of the current device; only the gate/up grid size depends on it (each item's sums do not).
@@ -790,32 +701,32 @@ Status set_smem(const void* kernel, uint32_t bytes, const char* who) {
 
 }  // namespace
 
-bool pipeline_fits(const LayerArgs& a) {
-  // The bulk copies of activation rows need 16-byte aligned rows (the weights and x are checked for every kernel).
-  return aligned16(a.activated) && aligned16(a.shared_activated) && plan_pipeline(a, false).stages > 0 &&
-         plan_pipeline(a, true).stages > 0;
+bool pipeline_fits(int tokens, int top_k, int num_experts, int hidden, int intermediate, int shared_intermediate) {
+  const int R = tokens * top_k;
+  const Shape shape{tokens, R, std::min(num_experts, R), hidden, intermediate, shared_intermediate};
+  return plan_pipeline(shape, false).stages > 0 && plan_pipeline(shape, true).stages > 0;
 }
 
 Status launch_pipeline_experts(const LayerArgs& a, cudaStream_t stream) {
-  const char* who_gate_up = "moe_small_batch_experts gate/up (v2)";
-  const char* who_down = "moe_small_batch_experts down (v2)";
-  PipelineArgs gate_up{a, plan_pipeline(a, false), a.shared_down != nullptr ? a.shared_inter / kColumnsPerItem : 0,
+  const char* who_gate_up = "moe_small_batch_experts gate/up";
+  const char* who_down = "moe_small_batch_experts down";
+  const Shape shape = shape_of(a);
+  PipelineArgs gate_up{a, plan_pipeline(shape, false), a.shared_down != nullptr ? a.shared_inter / kColumnsPerItem : 0,
                        a.inter / kColumnsPerItem};
-  PipelineArgs down{a, plan_pipeline(a, true), 0, 0};
+  PipelineArgs down{a, plan_pipeline(shape, true), 0, 0};
   if (gate_up.pipe.stages == 0 || down.pipe.stages == 0) {
-    return internal_error("moe_small_batch_experts: shapes outside the v2 kernels (select_kernel should run v1)");
+    return internal_error("moe_small_batch_experts: shapes outside the kernels (moe_small_batch_fits should say no)");
   }
   // Grid: one CTA per SM, fewer when there are fewer items than SMs even with every slot active.
   const int64_t max_items = gate_up.shared_items + static_cast<int64_t>(a.active_capacity) * gate_up.column_blocks;
   const unsigned gate_up_ctas = static_cast<unsigned>(std::min<int64_t>(sm_count(), max_items));
-  const unsigned down_ctas = static_cast<unsigned>(a.down_tiles * a.down_split);
+  const unsigned down_ctas = static_cast<unsigned>((a.hidden + kTileRows - 1) / kTileRows);  // one per 16 columns
   // Per call (the attribute is per device): a host-side call, legal during graph capture.
   DS_RETURN_IF_ERROR(
       set_smem(reinterpret_cast<const void*>(pipeline_gate_up_kernel), gate_up.pipe.smem_bytes, who_gate_up));
   DS_RETURN_IF_ERROR(set_smem(reinterpret_cast<const void*>(pipeline_down_kernel), down.pipe.smem_bytes, who_down));
-  // Launch 2 starts early (programmatic dependent launch) although its streams slow launch 1's routing ~2x: started
-  // only after launch 1 had ended it was slower (the 48B step 2.547 against 2.536 ms at B = 1, the layer 54.5
-  // against 52.4 us; bench/results/engine_gpu_ab.jsonl at f50016c).
+  // Launch 2 starts early (programmatic dependent launch) although its streams slow launch 1's routing: started only
+  // after launch 1 had ended, the layer was slower.
   DS_RETURN_IF_ERROR(launch_with_pdl(pipeline_gate_up_kernel, gate_up_ctas, kPipelineThreads, gate_up.pipe.smem_bytes,
                                      stream, who_gate_up, gate_up));
   return launch_with_pdl(pipeline_down_kernel, down_ctas, kPipelineThreads, down.pipe.smem_bytes, stream, who_down,

@@ -84,7 +84,7 @@ struct KdaPrepParams {
   __nv_bfloat16* q = nullptr;
   __nv_bfloat16* k = nullptr;
   __nv_bfloat16* v = nullptr;
-  // Force the per-channel reference kernel (also forced by DELTASERVE_KDA_PREP=reference); otherwise a
+  // Force the per-channel reference kernel (the tests compare the two); otherwise a
   // vectorised kernel runs when head_dim % 4 == 0, in_stride % 4 == 0 and the rows are aligned (same results up to
   // fp32 summation order in the L2 norms; tails bit-identical).
   bool reference_kernel = false;

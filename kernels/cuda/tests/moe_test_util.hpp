@@ -1,6 +1,6 @@
-// Helpers shared by the GPU MoE tests (moe_test.cpp, moe_small_batch_test.cpp): error reports with the worst
-// element, NaN/sentinel poison values, fast bf16 weight fills, cached expert weights and the device buffers of a
-// plan.
+// Helpers shared by the GPU MoE tests (moe_*_test.cpp): error reports with the worst element, NaN/sentinel poison
+// values, fast bf16 weight fills, cached expert weights, the device buffers of a plan, and the cuBLAS reference of
+// the expert FFN.
 #pragma once
 
 #include <algorithm>
@@ -11,11 +11,13 @@
 #include <string>
 #include <vector>
 
+#include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <gtest/gtest.h>
 
-#include "kernels/cuda/tests/kda_test_util.hpp"
+#include "kernels/cpu/basic_ops.hpp"
 #include "kernels/cuda/moe/moe.hpp"
+#include "kernels/cuda/tests/kda_test_util.hpp"
 
 namespace deltaserve::kernels::cuda::test {
 
@@ -131,5 +133,73 @@ struct PlanBuffers {
     plan.assignment_pos = pos.get();
   }
 };
+
+// The expert FFN through cuBLAS, the reference the GPU paths are compared with on every row: per expert with rows,
+// H = x_sorted · gate_up_e^T (cublasGemmEx, bf16 in, fp32 compute and out), the GLU on the host (cpu::swiglu /
+// cpu::situ_glu in fp32, rounded once to bf16 into `activated`), y_sorted = activated · down_e^T (fp32 out).
+// host_offsets: the plan's expert offsets [E + 1] (read back by the caller). Row-major data in column-major cuBLAS:
+// a row-major [m, n] matrix is the column-major [n, m] one, so H^T (2I x n_e) = op_T(GU as W x 2I) · X^T (W x n_e)
+// and Y^T (W x n_e) = op_T(D as I x W) · A^T (I x n_e). Synchronises `stream`; writes rows [0, offsets[E]) only.
+inline Status cublas_reference_ffn(const MoeFfnParams& p, const std::vector<int32_t>& host_offsets,
+                                   cublasHandle_t handle, cudaStream_t stream) {
+  const MoeExpertWeights& w = p.weights;
+  const int64_t W = w.width, I = w.intermediate;
+  const int E = w.num_experts;
+  const int64_t used = host_offsets[E];
+  if (used == 0) return Status::ok();
+  auto check = [](const char* what, cublasStatus_t status) {
+    return status == CUBLAS_STATUS_SUCCESS
+               ? Status::ok()
+               : internal_error(std::string("cublas_reference_ffn: ") + what + ": cuBLAS status " +
+                                std::to_string(static_cast<int>(status)));
+  };
+  DS_RETURN_IF_ERROR(check("set stream", cublasSetStream(handle, stream)));
+  DS_RETURN_IF_ERROR(check("set pointer mode", cublasSetPointerMode(handle, CUBLAS_POINTER_MODE_HOST)));
+  DeviceBuffer<float> h(static_cast<size_t>(used * 2 * I));
+  if (h.get() == nullptr) return internal_error("cublas_reference_ffn: no device memory for the gate/up product");
+  const float one = 1.0f, zero = 0.0f;
+  const int w32 = static_cast<int>(W), i32 = static_cast<int>(I), gu32 = static_cast<int>(2 * I);
+  for (int e = 0; e < E; ++e) {
+    const int begin = host_offsets[e], n = host_offsets[e + 1] - begin;
+    if (n == 0) continue;
+    DS_RETURN_IF_ERROR(check("gate/up GEMM", cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, gu32, n, w32, &one,
+                                                          w.gate_up + static_cast<int64_t>(e) * 2 * I * W, CUDA_R_16BF,
+                                                          w32, p.x_sorted + static_cast<int64_t>(begin) * W,
+                                                          CUDA_R_16BF, w32, &zero, h.get() + int64_t{begin} * 2 * I,
+                                                          CUDA_R_32F, gu32, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)));
+  }
+  std::vector<float> h_host(static_cast<size_t>(used * 2 * I));
+  if (cudaMemcpyAsync(h_host.data(), h.get(), h_host.size() * sizeof(float), cudaMemcpyDeviceToHost, stream) !=
+          cudaSuccess ||
+      cudaStreamSynchronize(stream) != cudaSuccess) {
+    return internal_error("cublas_reference_ffn: copying the gate/up product back failed");
+  }
+  std::vector<float> act(static_cast<size_t>(I));
+  std::vector<__nv_bfloat16> activated(static_cast<size_t>(used * I));
+  for (int64_t r = 0; r < used; ++r) {
+    const float* gate = &h_host[r * 2 * I];
+    if (p.glu == GluKind::kSitu) {
+      cpu::situ_glu(gate, gate + I, act.data(), I, p.situ_beta, p.situ_linear_beta);
+    } else {
+      cpu::swiglu(gate, gate + I, act.data(), I);
+    }
+    for (int64_t j = 0; j < I; ++j) activated[r * I + j] = __float2bfloat16(act[j]);
+  }
+  if (cudaMemcpyAsync(p.activated, activated.data(), activated.size() * sizeof(__nv_bfloat16), cudaMemcpyHostToDevice,
+                      stream) != cudaSuccess) {
+    return internal_error("cublas_reference_ffn: copying the activations failed");
+  }
+  for (int e = 0; e < E; ++e) {
+    const int begin = host_offsets[e], n = host_offsets[e + 1] - begin;
+    if (n == 0) continue;
+    DS_RETURN_IF_ERROR(check("down GEMM", cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, w32, n, i32, &one,
+                                                       w.down + static_cast<int64_t>(e) * W * I, CUDA_R_16BF, i32,
+                                                       p.activated + static_cast<int64_t>(begin) * I, CUDA_R_16BF, i32,
+                                                       &zero, p.y_sorted + static_cast<int64_t>(begin) * W, CUDA_R_32F,
+                                                       w32, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)));
+  }
+  return cudaStreamSynchronize(stream) == cudaSuccess ? Status::ok()
+                                                      : internal_error("cublas_reference_ffn: down GEMMs failed");
+}
 
 }  // namespace deltaserve::kernels::cuda::test

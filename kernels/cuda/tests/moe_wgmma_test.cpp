@@ -1,5 +1,5 @@
-// moe_expert_ffn_wgmma (Hopper TMA + wgmma expert FFN) vs moe_expert_ffn_grouped (itself tested against the CPU in
-// moe_test.cpp) and vs a direct host reference, ctest label gpu.
+// moe_expert_ffn_wgmma (Hopper TMA + wgmma expert FFN) vs the mma.sync kernels of moe_expert_ffn_grouped (themselves
+// tested against the CPU in moe_ffn_*_test.cpp) and vs a direct host reference, ctest label gpu.
 // Host reference, on chosen rows (each expert's first and last row, the rows around the 64- and 128-row tile edges,
 // every n-th row): gate and up in double from the same bf16 inputs, rounded to fp32, the glu of kernels/cpu
 // (cpu::swiglu / cpu::situ_glu), rounded to bf16 like the GPU; y in double from the GPU's own `activated` row, so
@@ -13,8 +13,6 @@
 // Poison: x_sorted rows past offsets[E] are NaN (the kernel reads them inside a row tile, never stores them);
 // activated and y_sorted start as all-ones bytes (NaN), rows < offsets[E] must come back finite and rows past
 // offsets[E] bit-identical to the poison.
-#include "kernels/cuda/moe/detail/wgmma.hpp"
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -27,9 +25,10 @@
 #include <vector>
 
 #include "kernels/cpu/basic_ops.hpp"
+#include "kernels/cuda/moe/detail/wgmma.hpp"
+#include "kernels/cuda/moe/moe.hpp"
 #include "kernels/cuda/tests/gpu_test_graph.hpp"
 #include "kernels/cuda/tests/kda_test_util.hpp"
-#include "kernels/cuda/moe/moe.hpp"
 
 namespace deltaserve::kernels::cuda::test {
 namespace {
@@ -298,11 +297,9 @@ void run_case(const WgmmaCase& c) {
   grouped.poison();
   const Status s_wg = moe_expert_ffn_wgmma(wg.params(w, c.glu), 0);
   ASSERT_TRUE(s_wg) << s_wg.to_string();
-  // Explicit tiles: the mma.sync kernels themselves (with automatic tiles the selector would hand prefill-sized
-  // batches to the wgmma path under test).
-  MoeFfnParams grouped_params = grouped.params(w, c.glu);
-  grouped_params.row_tile = moe_grouped_row_tile(grouped_params.rows, grouped_params.weights.num_experts);
-  const Status s_grouped = moe_expert_ffn_grouped(grouped_params, 0);
+  // The mma.sync kernels themselves (moe_expert_ffn_grouped would hand prefill-sized batches to the wgmma path under
+  // test).
+  const Status s_grouped = detail::moe_expert_ffn_grouped_mma_sync(grouped.params(w, c.glu), 0);
   ASSERT_TRUE(s_grouped) << s_grouped.to_string();
   DS_CUDA_OK(cudaDeviceSynchronize());
   const Outputs out = download(wg);
@@ -442,9 +439,9 @@ TEST(MoeWgmmaGpu, RejectsBadInputs) {
   DS_CUDA_OK(cudaGetLastError());
 }
 
-// Kimi-Linear-48B prefill chunks (E = 256, k = 8, W = 2304, I = 1024) under uniform random routing: the new kernels
-// and moe_expert_ffn_grouped, each captured once in a CUDA graph and replayed kReps times. Prints per stage the
-// time, TFLOP/s and its ratio to 873 (the H200's measured cuBLAS bf16 peak), and the bytes the stage must move
+// Kimi-Linear-48B prefill chunks (E = 256, k = 8, W = 2304, I = 1024) under uniform random routing: the wgmma
+// kernels and the mma.sync kernels, each captured once in a CUDA graph and replayed kReps times. Prints per stage the
+// time, TFLOP/s and its ratio to 873 (the H200's cuBLAS bf16 peak), and the bytes the stage must move
 // (weights once, x or activated once, outputs once) as a ratio to 4.26 TB/s. Asserts only correctness.
 TEST(MoeWgmmaGpu, Timing) {
   constexpr int E = 256, kTopK = 8, kReps = 20;
@@ -471,7 +468,7 @@ TEST(MoeWgmmaGpu, Timing) {
     const double weight_bytes = 2.0 * E * 3 * I * W;
     const double gate_up_bytes = 2.0 * E * 2 * I * W + 2.0 * R * W + 2.0 * R * I;
     const double down_bytes = 2.0 * E * I * W + 2.0 * R * I + 4.0 * R * W;
-    // variant 0..2: wgmma both / gate_up / down; 3: grouped both (its automatic prefill tiles).
+    // variant 0..2: wgmma both / gate_up / down; 3: the mma.sync kernels, both (their automatic prefill tiles).
     const char* names[] = {"wgmma gate_up+down", "wgmma gate_up", "wgmma down", "grouped gate_up+down"};
     double ms_of[4] = {};
     for (int variant = 0; variant < 4; ++variant) {
@@ -485,11 +482,8 @@ TEST(MoeWgmmaGpu, Timing) {
             return moe_expert_ffn_wgmma(p, s, MoeWgmmaStage::kGateUp);
           case 2:
             return moe_expert_ffn_wgmma(p, s, MoeWgmmaStage::kDown);
-          default: {  // the mma.sync kernels (explicit tiles bypass the selector)
-            MoeFfnParams q = p;
-            q.row_tile = moe_grouped_row_tile(q.rows, q.weights.num_experts);
-            return moe_expert_ffn_grouped(q, s);
-          }
+          default:  // the mma.sync kernels (without the hand-off to the wgmma kernels)
+            return detail::moe_expert_ffn_grouped_mma_sync(p, s);
         }
       };
       if (variant == 0 || variant == 3) b.poison();

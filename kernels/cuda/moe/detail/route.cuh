@@ -1,5 +1,5 @@
 // Device side of the MoE router (contract in moe.hpp, reference cpu::moe_route), shared by moe_route (one warp per
-// token) and the small-batch decode layer (moe_small_batch.cu), so the expert selection exists once.
+// token) and the small-batch decode layer (small_batch.cu), so the expert selection exists once.
 // One warp routes one token: the choice scores live in the warp's slice of shared memory; each lane keeps the best
 // untaken entry of its own experts (e = lane + 32 i), so a selection round is two warp reductions (redux.sync: the
 // best score key, then the lowest index holding it) plus a rescan by the winner's lane only. Grouped top-k

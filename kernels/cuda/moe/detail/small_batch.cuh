@@ -1,7 +1,6 @@
 // Internals of the small-batch MoE decode layer (contract in moe.hpp, "small-batch decode layer") shared by its
-// files: moe_small_batch.cu (validation, dispatch, v2's launch 1), moe_small_batch_v1.cu (the v1 kernels) and
-// moe_small_batch_pipeline.cu (v2's launches 2 and 3). Kernel arguments, the GLU, warp sums, the router partial
-// sums and the plan (launch 1 of both generations), programmatic dependent launch.
+// files: small_batch.cu (validation, launch 1) and small_batch_pipeline.cu (launches 2 and 3). Kernel arguments, the
+// GLU, warp sums, the router partial sums and the plan (launch 1), programmatic dependent launch.
 #pragma once
 
 #include <cstddef>
@@ -14,23 +13,18 @@
 #include "common/status.hpp"
 #include "kernels/cuda/common/detail/activations.cuh"
 #include "kernels/cuda/common/detail/bf16_stream.cuh"
-#include "kernels/cuda/common/launch_status.hpp"
-#include "kernels/cuda/moe/moe.hpp"
-#include "kernels/cuda/moe/detail/route.cuh"
 #include "kernels/cuda/common/detail/rms_norm_order.cuh"
+#include "kernels/cuda/common/launch_status.hpp"
+#include "kernels/cuda/moe/detail/route.cuh"
+#include "kernels/cuda/moe/moe.hpp"
 
 namespace deltaserve::kernels::cuda::moe_small_batch_detail {
 
-constexpr int kThreads = 256;  // launch 1 and the v1 expert launches
+constexpr int kThreads = 256;  // launch 1
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxTokens = static_cast<int>(kMoeSmallBatchMaxTokens);
 constexpr int kMaxAssignments = static_cast<int>(kMoeSmallBatchMaxAssignments);
 constexpr size_t kSharedLimit = 48 * 1024;  // default dynamic + static limit of launch 1: no opt-in attribute
-constexpr int kDownTileColumns = 16;        // output columns of one v2 down tile (an m16 tile of weight rows)
-constexpr int kPipelineMaxStages = 4;       // the deepest ring of v2's launches 2 and 3
-// The fewest stages v2's down ring may have by default: whole 2 KB rows (inter 1024) in two stages beat 1 KB halves
-// in four (bench/results/engine_gpu_ab.jsonl, 2026-12-01).
-constexpr int kDownMinStagesDefault = 2;
 
 struct GluArgs {
   int situ;
@@ -56,15 +50,15 @@ struct LayerArgs {
   moe_route_device::RouteConfig route;
   const float* x_f32;
   int64_t x_f32_stride;
-  const float* norm_weight;  // v2: x_f32 is normalised in the kernels (MoeSmallBatchParams::norm_weight), or null
+  const float* norm_weight;  // x_f32 is normalised in the kernels (MoeSmallBatchParams::norm_weight), or null
   float norm_eps;
   const float* router;
   const float* bias;
   int router_slices, slice_chunks, expert_blocks, router_ctas, route_warps;
-  // v2's launch 1: tokens per pass of the CTA-wide routing (ungrouped; 0: one warp a token, route_warps of them)
-  // and the floats of its shared-memory routing region.
+  // Launch 1: tokens per pass of the CTA-wide routing (ungrouped; 0: one warp a token, route_warps of them) and the
+  // floats of its shared-memory routing region.
   int route_pass_tokens, route_region_floats;
-  // v2's launch 1: the plan by one warp (build_plan_warp: R <= 32, no gather) instead of the whole CTA.
+  // Launch 1: the plan by one warp (build_plan_warp: CTA-wide routing, R <= 32, no gather) instead of the whole CTA.
   int warp_plan;
   float* partials;  // [slices, T, E]
   // experts
@@ -88,37 +82,28 @@ struct LayerArgs {
   float* residual;
   int64_t residual_stride;
   // Workspace after the router partials: the active experts in id order [active_capacity = min(E, R)], their
-  // count [1], and (v2 only) each active slot's first plan row and row count [active_capacity] each.
+  // count [1], and each active slot's first plan row and row count [active_capacity] each.
   int32_t* active;
   int active_capacity;
   int32_t* num_active;
   int32_t* slot_first;
   int32_t* slot_count;
   unsigned int* counter;
-  // v2's split down launch (down_split 2; 1: unsplit, the pointers null): per 16-column tile of the output, every
-  // plan row's expert output [tiles][R + T][16] as the CTA that computed it wrote it, and the tile's arrival count
-  // [tiles] (zeroed by launch 1 after its wait).
-  int down_split, down_tiles;
-  float* down_ys;
-  unsigned int* down_arrivals;
-  // v2's launches 2 and 3: 1 when lane r of the producer warp issues weight row r of a stage (0: lane 0 issues all
-  // 16), and the fewest stages of the down ring (2..kPipelineMaxStages).
-  int lane_issue, down_min_stages;
-  // v2's launch 1: when it lets launch 2 become resident (RouterTrigger; by token count unless the environment says).
+  // Launch 1: when it lets launch 2 become resident (RouterTrigger, by token count).
   int router_trigger;
 };
 
-// When v2's launch 1 lets launch 2 (programmatic dependent launch) start. Launch 2's early CTAs stream the shared
+// When launch 1 lets launch 2 (programmatic dependent launch) start. Launch 2's early CTAs stream the shared
 // expert's gate/up, and beside those streams the routing CTA's first L2 reads and its phases take about twice as
-// long (seventh session); the later triggers trade some of that early stream for a faster routing.
+// long; the later trigger trades some of that early stream for a faster routing (a gain from two tokens on, a loss
+// at one).
 enum RouterTrigger : int {
-  kTriggerAfterWait = 0,     // every CTA right after its grid-dependency wait
-  kTriggerAfterLoads = 1,    // the routing CTA once it has loaded the router's partial sums (the others at exit)
-  kTriggerAfterRouting = 2,  // the routing CTA once the ids and weights are written, before the plan
-  kTriggerAtExit = 3,        // no explicit trigger: when every CTA has exited
+  kTriggerAfterWait = 0,     // every CTA right after its grid-dependency wait (one token)
+  kTriggerAfterRouting = 1,  // the routing CTA once the ids and weights are written, before the plan (the others at
+                             // exit; two tokens and more)
 };
 
-// ---- launch 1: router partial sums and the plan (both generations) ----------------------------------------------
+// ---- launch 1: router partial sums and the plan ---------------------------------------------------------------
 
 // acc + dot of 4 fp32 pairs, in element order.
 __device__ __forceinline__ float dot4(const uint4& w, const float4& x, float acc) {
@@ -243,8 +228,8 @@ __device__ inline int block_exclusive_scan(int* values, int n, int* warp_totals)
 }
 
 // The plan of the routed ids ids_s[0, R) (shared memory), run by the whole CTA: expert_ids, expert_offsets and the
-// active-expert list (with slot_first / slot_count when the args carry them), the position of each assignment (the
-// stable order of moe_plan) and the optional gather. counts_s: E ints of shared memory, zeroed by the caller with a
+// active-expert list with slot_first / slot_count, the position of each assignment (the stable order of moe_plan)
+// and the optional gather. counts_s: E ints of shared memory, zeroed by the caller with a
 // block barrier since.
 __device__ inline void build_plan(const LayerArgs& a, const int* ids_s, int* sorted_s, int* counts_s) {
   __shared__ int warp_totals[kWarps];
@@ -276,10 +261,8 @@ __device__ inline void build_plan(const LayerArgs& a, const int* ids_s, int* sor
       if (rows[i] > 0) {
         const int slot = counts_s[e] >> 16;
         a.active[slot] = e;
-        if (a.slot_first != nullptr) {
-          a.slot_first[slot] = first;
-          a.slot_count[slot] = rows[i];
-        }
+        a.slot_first[slot] = first;
+        a.slot_count[slot] = rows[i];
       }
     }
   }
@@ -311,8 +294,9 @@ __device__ inline void build_plan(const LayerArgs& a, const int* ids_s, int* sor
 
 // ---- programmatic dependent launch (sm_90) ------------------------------------------------------------------
 // Waits until the grid before this one on the stream has completed and its writes are visible; a no-op for a grid
-// launched without the attribute. Every v2 kernel calls it before it reads anything the previous grid writes and
-// before allow_dependent_grids, so a grid that starts early still runs after everything before the previous one.
+// launched without the attribute. Every kernel of the layer calls it before it reads anything the previous grid
+// writes and before allow_dependent_grids, so a grid that starts early still runs after everything before the
+// previous one.
 __device__ __forceinline__ void grid_dependency_wait() {
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 }
@@ -321,26 +305,18 @@ __device__ __forceinline__ void allow_dependent_grids() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
 
-// Every launch of v2 uses programmatic dependent launch (launch_status.hpp).
+// Every launch of the layer uses programmatic dependent launch (launch_status.hpp).
 template <typename... Params, typename... Args>
 Status launch_with_pdl(void (*kernel)(Params...), unsigned grid, unsigned threads, size_t smem, cudaStream_t stream,
                        const char* who, Args... args) {
   return launch_kernel_ex(true, kernel, dim3(grid), dim3(threads), smem, stream, who, args...);
 }
 
-// ---- v1 (moe_small_batch_v1.cu) --------------------------------------------------------------------------------
-// Routing warps of v1's launch 1 (what its shared-memory layout leaves room for).
-int v1_route_warps(const MoeRoutingConfig& routing);
-// Launch 1 of v1: router, route, plan, and the shared expert's gate/up in the same grid.
-Status launch_v1_route(const LayerArgs& a, const MoeRoutingConfig& routing, cudaStream_t stream);
-// Launches 2 and 3 of v1.
-Status launch_v1_experts(const LayerArgs& a, cudaStream_t stream);
-
-// ---- v2 expert launches (moe_small_batch_pipeline.cu) ---------------------------------------------------------
-// Whether the v2 expert launches take these shapes (their shared-memory stages and staged x rows fit); otherwise
-// the layer runs v1 throughout, so launch 1 must ask the same question.
-bool pipeline_fits(const LayerArgs& a);
-// Launches 2 and 3 of v2 (after the v2 launch 1 on the same stream).
+// ---- launches 2 and 3 (small_batch_pipeline.cu) ---------------------------------------------------------------
+// Whether launches 2 and 3 take these shapes (their shared-memory stages and staged x rows fit their budgets);
+// moe_small_batch_fits asks it.
+bool pipeline_fits(int tokens, int top_k, int num_experts, int hidden, int intermediate, int shared_intermediate);
+// Launches 2 and 3 (after launch 1 on the same stream).
 Status launch_pipeline_experts(const LayerArgs& a, cudaStream_t stream);
 
 }  // namespace deltaserve::kernels::cuda::moe_small_batch_detail
