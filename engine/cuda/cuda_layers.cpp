@@ -9,12 +9,12 @@
 #include <vector>
 
 #include "engine/cuda/cuda_model.hpp"
+#include "kernels/cuda/gemm/small_batch.hpp"
 #include "kernels/cuda/kda/kda.hpp"
 #include "kernels/cuda/kda/kda_generic.hpp"
 #include "kernels/cuda/mla/mla.hpp"
 #include "kernels/cuda/moe/moe.hpp"
 #include "kernels/cuda/ops/ops.hpp"
-#include "kernels/cuda/gemm/small_batch.hpp"
 
 namespace deltaserve::engine::cuda {
 

@@ -5,8 +5,8 @@
 #include <optional>
 #include <string>
 
-#include "kernels/cuda/tests/gpu_test_graph.hpp"
 #include "kernels/cuda/kda/kda.hpp"
+#include "kernels/cuda/tests/gpu_test_graph.hpp"
 #include "kernels/cuda/tests/kda_decode_test_util.hpp"
 #include "kernels/cuda/tests/kda_test_util.hpp"
 

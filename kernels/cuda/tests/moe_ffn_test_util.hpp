@@ -318,7 +318,7 @@ inline void run_layer_case(const LayerCase& c) {
     DS_CUDA_OK(cudaEventCreate(&start));
     DS_CUDA_OK(cudaEventCreate(&stop));
     const double flops = 6.0 * static_cast<double>(R) * static_cast<double>(W) * static_cast<double>(I);
-    const char* names[] = {"moe_expert_ffn_grouped", "mma.sync kernels", "cuBLAS per expert (host GLU)"};
+    const char* names[] = {"moe_expert_ffn_grouped", "mma.sync kernels", "cuBLAS per expert + ops glu"};
     for (const int variant : {0, 1, 2}) {
       constexpr int kReps = 5;
       auto run_once = [&] {

@@ -17,6 +17,7 @@
 
 #include "kernels/cpu/basic_ops.hpp"
 #include "kernels/cuda/moe/moe.hpp"
+#include "kernels/cuda/ops/ops.hpp"
 #include "kernels/cuda/tests/kda_test_util.hpp"
 
 namespace deltaserve::kernels::cuda::test {
@@ -135,8 +136,8 @@ struct PlanBuffers {
 };
 
 // The expert FFN through cuBLAS, the reference the GPU paths are compared with on every row: per expert with rows,
-// H = x_sorted · gate_up_e^T (cublasGemmEx, bf16 in, fp32 compute and out), the GLU on the host (cpu::swiglu /
-// cpu::situ_glu in fp32, rounded once to bf16 into `activated`), y_sorted = activated · down_e^T (fp32 out).
+// H = x_sorted · gate_up_e^T (cublasGemmEx, bf16 in, fp32 compute and out), the GLU by kernels::cuda::glu (fp32,
+// rounded once to bf16 into `activated`), y_sorted = activated · down_e^T (fp32 out).
 // host_offsets: the plan's expert offsets [E + 1] (read back by the caller). Row-major data in column-major cuBLAS:
 // a row-major [m, n] matrix is the column-major [n, m] one, so H^T (2I x n_e) = op_T(GU as W x 2I) · X^T (W x n_e)
 // and Y^T (W x n_e) = op_T(D as I x W) · A^T (I x n_e). Synchronises `stream`; writes rows [0, offsets[E]) only.
@@ -168,27 +169,9 @@ inline Status cublas_reference_ffn(const MoeFfnParams& p, const std::vector<int3
                                                           CUDA_R_16BF, w32, &zero, h.get() + int64_t{begin} * 2 * I,
                                                           CUDA_R_32F, gu32, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)));
   }
-  std::vector<float> h_host(static_cast<size_t>(used * 2 * I));
-  if (cudaMemcpyAsync(h_host.data(), h.get(), h_host.size() * sizeof(float), cudaMemcpyDeviceToHost, stream) !=
-          cudaSuccess ||
-      cudaStreamSynchronize(stream) != cudaSuccess) {
-    return internal_error("cublas_reference_ffn: copying the gate/up product back failed");
-  }
-  std::vector<float> act(static_cast<size_t>(I));
-  std::vector<__nv_bfloat16> activated(static_cast<size_t>(used * I));
-  for (int64_t r = 0; r < used; ++r) {
-    const float* gate = &h_host[r * 2 * I];
-    if (p.glu == GluKind::kSitu) {
-      cpu::situ_glu(gate, gate + I, act.data(), I, p.situ_beta, p.situ_linear_beta);
-    } else {
-      cpu::swiglu(gate, gate + I, act.data(), I);
-    }
-    for (int64_t j = 0; j < I; ++j) activated[r * I + j] = __float2bfloat16(act[j]);
-  }
-  if (cudaMemcpyAsync(p.activated, activated.data(), activated.size() * sizeof(__nv_bfloat16), cudaMemcpyHostToDevice,
-                      stream) != cudaSuccess) {
-    return internal_error("cublas_reference_ffn: copying the activations failed");
-  }
+  // The GLU by the ops kernel (tested against cpu::swiglu / cpu::situ_glu in ops_test), so the reference stays on
+  // the device: a host round trip of R x 2I floats made the large cases take seconds.
+  DS_RETURN_IF_ERROR(glu(h.get(), used, I, p.glu, p.situ_beta, p.situ_linear_beta, p.activated, stream));
   for (int e = 0; e < E; ++e) {
     const int begin = host_offsets[e], n = host_offsets[e + 1] - begin;
     if (n == 0) continue;
