@@ -36,6 +36,8 @@ Result<std::unique_ptr<Model>> open_model(const std::filesystem::path& directory
   DS_ASSIGN_OR_RETURN(const int device, parse_device(options.device));
   if (device < 0) {
     if (options.random_weights) return invalid_argument("random_weights: needs a GPU device (--device cuda)");
+    if (!options.cuda_graphs) return invalid_argument("cuda_graphs: false needs a GPU device (--device cuda)");
+    if (options.cuda_profile) return invalid_argument("cuda_profile: needs a GPU device (--device cuda)");
     return Model::load(directory);
   }
   if (!(options.gpu_memory_fraction > 0.0 && options.gpu_memory_fraction <= 1.0)) {

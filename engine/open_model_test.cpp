@@ -42,6 +42,18 @@ TEST(OpenModel, CpuLoadsTheCheckpointAndRejectsGpuOnlyOptions) {
   ASSERT_FALSE(rejected.is_ok());
   EXPECT_NE(rejected.status().message().find("random_weights"), std::string::npos);
 
+  // The GPU-pass switches would be ignored on the CPU: refused, naming the option.
+  DeviceOptions no_graphs;
+  no_graphs.cuda_graphs = false;
+  auto graphs_rejected = open_model(dir.path(), no_graphs);
+  ASSERT_FALSE(graphs_rejected.is_ok());
+  EXPECT_NE(graphs_rejected.status().message().find("cuda_graphs"), std::string::npos);
+  DeviceOptions profile;
+  profile.cuda_profile = true;
+  auto profile_rejected = open_model(dir.path(), profile);
+  ASSERT_FALSE(profile_rejected.is_ok());
+  EXPECT_NE(profile_rejected.status().message().find("cuda_profile"), std::string::npos);
+
   DeviceOptions bad_device;
   bad_device.device = "tpu";
   EXPECT_EQ(open_model(dir.path(), bad_device).status().code(), StatusCode::kInvalidArgument);
