@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <tuple>
 
+#include "kvstore/cache/prefill_plan.hpp"
+
 namespace deltaserve::router {
 
 std::string PrefillChoice::describe() const {
@@ -12,7 +14,7 @@ std::string PrefillChoice::describe() const {
 }
 
 int64_t usable_blocks(int64_t prompt_tokens, int64_t block_tokens) {
-  return prompt_tokens > 0 ? (prompt_tokens - 1) / block_tokens : 0;
+  return kvstore::usable_prompt_blocks(prompt_tokens, block_tokens);
 }
 
 int64_t index_lookup_blocks(const PlacementOptions& options, int64_t prompt_tokens) {

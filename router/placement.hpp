@@ -70,7 +70,8 @@ struct DecodeCandidate {
   int64_t assigned = 0;   // requests this router placed there that have not finished
 };
 
-// The full blocks of prompt[0, N−1): the deepest prefix a prefill can serve from a cache, in blocks.
+// The full blocks of prompt[0, N−1): the deepest prefix a prefill can serve from a cache, in blocks (the prefill
+// worker's own count: kvstore::usable_prompt_blocks).
 int64_t usable_blocks(int64_t prompt_tokens, int64_t block_tokens);
 
 // How many of the prompt's block hashes to look up in the prefix index: usable_blocks() under the cache-aware

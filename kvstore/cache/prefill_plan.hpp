@@ -15,6 +15,13 @@
 
 namespace deltaserve::kvstore {
 
+// Full blocks of prompt[0, N−1): the deepest prefix a prefill can serve from a cache, in blocks (the decode worker
+// feeds the last prompt token). 0 for an empty prompt or block_tokens <= 0 (no cache). The router's placement and
+// the prefill worker both count usable blocks with this.
+constexpr int64_t usable_prompt_blocks(int64_t prompt_tokens, int64_t block_tokens) {
+  return prompt_tokens > 0 && block_tokens > 0 ? (prompt_tokens - 1) / block_tokens : 0;
+}
+
 class PrefillPlan {
  public:
   // prompt_tokens >= 1, chunk_tokens >= 1; block_tokens >= 1 with a prefix cache, 0 without (chunks then
@@ -26,7 +33,7 @@ class PrefillPlan {
 
   // Full blocks of prompt[0, N−1): the deepest hit a lookup may use, the boundaries that may get a checkpoint
   // (1..full_blocks) and those registered at the end. 0 without a cache.
-  int64_t full_blocks() const { return block_tokens_ > 0 ? (prompt_tokens_ - 1) / block_tokens_ : 0; }
+  int64_t full_blocks() const { return usable_prompt_blocks(prompt_tokens_, block_tokens_); }
 
   // The end of the chunk that starts at `position` (< target()): e = min(position + chunk_tokens, target()),
   // or the last block boundary in (position, e) when there is one and e is not a boundary itself.
