@@ -129,6 +129,7 @@ Result<std::shared_ptr<UcxLink>> UcxLink::create(const UcxLinkConfig& config) {
   engine_config.tls = config.tls;
   engine_config.net_devices = config.net_devices;
   engine_config.detect_peer_failure = network_transport(config.tls) && !shared_memory_transport(config.tls);
+  engine_config.carrier = xfer::carrier_for_transports(config.tls);
   engine_config.progress_thread = true;
   engine_config.faults = config.faults;
   auto engine = xfer::TransferEngine::create(engine_config);

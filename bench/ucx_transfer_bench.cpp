@@ -8,15 +8,18 @@
 //
 // Output: one JSON object per line on stdout (bench/ucx_transfer.sh turns them into results lines).
 // Usage: ucx_transfer_bench [--tls posix,self] [--net-devices lo] [--iters 7] [--warmup 2]
-//                           [--cases name,...] [--presum] [--put]
+//                           [--cases name,...] [--presum] [--put | --message]
 //   --presum: the sender passes checksums computed once up front (a producer that checksums a layer
 //             when it writes it, or immutable prefix-cache pages), instead of checksumming per send.
-//   --put:    EngineConfig::direct_copy = false (always ucp_put_nbx + flush, also over shared memory).
+//   --put:     EngineConfig::direct_copy = false (always ucp_put_nbx + flush, also over shared memory).
+//   --message: direct_copy = false, carrier = kMessage (every piece's bytes inside its notice).
+//   Neither:   direct copy where the region is mapped, else carrier_for_transports(--tls).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -163,6 +166,7 @@ void measure_checksum() {
 
 int main(int argc, char** argv) {
   Options o;
+  std::optional<EngineConfig::PieceCarrier> carrier;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -179,9 +183,13 @@ int main(int argc, char** argv) {
       o.warmup = std::stoi(next());
     else if (a == "--presum")
       o.presum = true;
-    else if (a == "--put")
+    else if (a == "--put") {
       o.engine.direct_copy = false;
-    else if (a == "--cases") {
+      carrier = EngineConfig::PieceCarrier::kPut;
+    } else if (a == "--message") {
+      o.engine.direct_copy = false;
+      carrier = EngineConfig::PieceCarrier::kMessage;
+    } else if (a == "--cases") {
       std::string list = next();
       for (size_t p = 0; p <= list.size();) {
         const size_t comma = std::min(list.find(',', p), list.size());
@@ -191,6 +199,7 @@ int main(int argc, char** argv) {
     } else
       die("unknown argument " + a);
   }
+  o.engine.carrier = carrier.value_or(carrier_for_transports(o.engine.tls));
   std::vector<Case> cases;
   for (const Case& c : all_cases()) {
     if (o.only.empty() || std::find(o.only.begin(), o.only.end(), c.name) != o.only.end()) cases.push_back(c);

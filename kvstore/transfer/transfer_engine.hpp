@@ -9,8 +9,9 @@
 //             send_piece(id, seq, src) for each piece as soon as its bytes are final (e.g. per layer);
 //                                        queued until kAccept, then written straight into the
 //                                        receiver's region (over shared memory a CPU copy fused with
-//                                        the checksum; otherwise one-sided puts + an endpoint flush),
-//                                        then a kPiece notice (seq, bytes, checksum64)
+//                                        the checksum; otherwise one-sided puts + an endpoint flush,
+//                                        then a kPiece notice (seq, bytes, checksum64); or, with
+//                                        PieceCarrier::kMessage, inside the notice itself)
 //             finish_send(id)          -> a kFinish notice after the last piece's notice
 //   both      wait(id) / try_take(id) / on_done callback -> the final Status
 // The receiver verifies each piece's checksum over the bytes in its own memory when the notice arrives,
@@ -52,6 +53,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/status.hpp"
@@ -71,10 +73,26 @@ struct EngineConfig {
   // with the CPU and checksum it in the same pass instead of posting puts (ucx_transfer_bench shows
   // the difference; docs/transfer.md). false = always ucp_put_nbx.
   bool direct_copy = true;
+  // How a piece's bytes travel when they are not copied directly (above):
+  //   kPut      one-sided puts into the receiver's region, an endpoint flush, then the kPiece notice. For
+  //             transports with native RMA (rc, dc, shared memory, cuda_ipc).
+  //   kMessage  inside the notice (one eager active message per piece, kPieceData); the receiver copies them
+  //             into place and checksums them in the same pass.
+  // Over tcp and ud UCX emulates puts with active messages, and the receiver acknowledges each one; when the
+  // sender died between its put and that acknowledgement, UCX aborts the receiving process (ucs_fatal in
+  // ucp_request_try_send; UCX 1.13 and current UCX alike). kMessage asks nothing back, so there a sender's
+  // death costs the receiver only the transfer: use it unless the transport has native RMA.
+  enum class PieceCarrier { kPut, kMessage };
+  PieceCarrier carrier = PieceCarrier::kPut;
   std::chrono::milliseconds finish_grace{200};  // receiver: wait for late notices after kFinish
   bool progress_thread = false;                 // run progress() on a library thread
   std::string faults;  // fault_injection.hpp spec; rejected unless built with DELTASERVE_TRANSFER_FAULTS
 };
+
+// The carrier for a UCX_TLS list: kMessage when some peer may be reached over a transport without native RMA
+// (the list names tcp, ud or ud_*, is "all", an exclusion "^...", or "" = UCX's choice), else kPut
+// ("rc,sm,self", "posix,self", "cuda_ipc,rc,self").
+EngineConfig::PieceCarrier carrier_for_transports(std::string_view tls);
 
 // What the UCX build can register and move (ucp_context_query memory types).
 struct MemoryInfo {

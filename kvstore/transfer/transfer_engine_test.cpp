@@ -3,6 +3,7 @@
 #include "kvstore/transfer/transfer_engine.hpp"
 
 #include <cstring>
+#include <tuple>
 
 #include <gtest/gtest.h>
 
@@ -23,10 +24,14 @@ std::byte pattern(uint64_t i, uint64_t seed) {
   return static_cast<std::byte>(x >> (8 * (i % 8)));
 }
 
+// How the sender moves piece bytes: a CPU copy into the mapped region, puts, or inside the notice.
+enum class Path { kDirect, kPut, kMessage };
+
 std::unique_ptr<TransferEngine> make_engine(const std::string& faults = "", bool progress_thread = false,
-                                            bool direct_copy = true) {
+                                            Path path = Path::kDirect) {
   EngineConfig config;
-  config.direct_copy = direct_copy;
+  config.direct_copy = path == Path::kDirect;
+  config.carrier = path == Path::kMessage ? EngineConfig::PieceCarrier::kMessage : EngineConfig::PieceCarrier::kPut;
   config.tls = "posix,self";
   config.faults = faults;
   config.progress_thread = progress_thread;
@@ -57,9 +62,9 @@ struct Pair {
   TransferId send_id = 0;
 
   explicit Pair(const std::string& sender_faults = "", std::chrono::milliseconds deadline = 5000ms,
-                bool direct_copy = true) {
+                Path path = Path::kDirect) {
     receiver = make_engine();
-    sender = make_engine(sender_faults, false, direct_copy);
+    sender = make_engine(sender_faults, false, path);
     destination = receiver->allocate_region(kPieces * kPiece).value();
     source = sender->allocate_region(kPieces * kPiece).value();
     auto src = sender->region_data(source);
@@ -137,7 +142,7 @@ TEST(TransferEngine, ScatterGatherPiecesArriveVerified) {
 
 // The same with ucp_put_nbx (direct_copy off): puts, an endpoint flush per piece, then the notice.
 TEST(TransferEngine, PutPathPiecesArriveVerified) {
-  Pair pair("", 5000ms, /*direct_copy=*/false);
+  Pair pair("", 5000ms, Path::kPut);
   ASSERT_TRUE(pair.send_all().is_ok());
   auto [r, s] = pair.run();
   EXPECT_TRUE(r.is_ok()) << r.to_string();
@@ -148,7 +153,7 @@ TEST(TransferEngine, PutPathPiecesArriveVerified) {
 }
 
 TEST(TransferEngine, PutPathCorruptedByteIsDetected) {
-  Pair pair("send.corrupt_byte:0", 5000ms, /*direct_copy=*/false);
+  Pair pair("send.corrupt_byte:0", 5000ms, Path::kPut);
   ASSERT_TRUE(pair.send_all().is_ok());
   auto [r, s] = pair.run();
   EXPECT_EQ(r.code(), StatusCode::kDataLoss) << r.to_string();
@@ -156,6 +161,47 @@ TEST(TransferEngine, PutPathCorruptedByteIsDetected) {
   EXPECT_FALSE(pair.destination_matches());
   expect_released(*pair.receiver, 1);
   expect_released(*pair.sender, 1);
+}
+
+// PieceCarrier::kMessage: each piece's bytes inside its notice, placed and checksummed by the receiver.
+TEST(TransferEngine, MessagePathPiecesArriveVerified) {
+  Pair pair("", 5000ms, Path::kMessage);
+  ASSERT_TRUE(pair.send_all().is_ok());
+  auto [r, s] = pair.run();
+  EXPECT_TRUE(r.is_ok()) << r.to_string();
+  EXPECT_TRUE(s.is_ok()) << s.to_string();
+  EXPECT_TRUE(pair.destination_matches());
+  EXPECT_EQ(pair.receiver->stats().bytes_received, kPieces * kPiece);
+  EXPECT_EQ(pair.sender->stats().bytes_sent, kPieces * kPiece);
+  expect_released(*pair.receiver, 1);
+  expect_released(*pair.sender, 1);
+}
+
+TEST(TransferEngine, MessagePathFaultsEndInCleanErrors) {
+  for (const auto& [faults, code, part] :
+       {std::tuple{"send.corrupt_byte:2", StatusCode::kDataLoss, "piece 2: checksum mismatch"},
+        std::tuple{"send.drop_piece:1", StatusCode::kDataLoss, "never arrived"},
+        std::tuple{"send.delay_piece:4:60000", StatusCode::kDeadlineExceeded, "deadline"}}) {
+    SCOPED_TRACE(faults);
+    Pair pair(faults, 1000ms, Path::kMessage);
+    ASSERT_TRUE(pair.send_all().is_ok());
+    auto [r, s] = pair.run();
+    EXPECT_EQ(r.code(), code) << r.to_string();
+    EXPECT_NE(r.message().find(part), std::string::npos) << r.to_string();
+    EXPECT_FALSE(s.is_ok());
+    expect_released(*pair.receiver, 1);
+    expect_released(*pair.sender, 1);
+  }
+}
+
+TEST(TransferEngine, CarrierFollowsTheTransports) {
+  using C = EngineConfig::PieceCarrier;
+  for (const char* tls : {"tcp,self", "tcp", "ud,self", "ud_verbs,sm", "rc,tcp,self", "all", "", "^rc"}) {
+    EXPECT_EQ(carrier_for_transports(tls), C::kMessage) << tls;
+  }
+  for (const char* tls : {"rc,sm,self", "posix,self", "rc_mlx5,dc_mlx5,self", "cuda_ipc,cuda_copy,rc,self", "sm"}) {
+    EXPECT_EQ(carrier_for_transports(tls), C::kPut) << tls;
+  }
 }
 
 TEST(TransferEngine, SourcesOutsideRegisteredMemoryWork) {

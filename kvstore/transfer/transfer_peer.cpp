@@ -6,6 +6,7 @@
 //                                  allocates a region, expects <pieces> equal pieces, prints
 //                                  "descriptor <hex>", waits, checks the payload, prints "result ...".
 // Options: --tls X  --net-devices X  --detect-peer-failure  --faults SPEC  --seed N  --deadline-ms N
+//          --carrier put|message (default: carrier_for_transports of --tls)
 //          --stall-after N (send: after N pieces print "stalled" and sleep; recv: print the descriptor
 //          and sleep without progressing, as a hung receiver)
 #include <chrono>
@@ -127,6 +128,7 @@ int main(int argc, char** argv) {
   if (argc < 2) die("usage: transfer_peer send|recv ...");
   const std::string mode = argv[1];
   Options o;
+  std::string carrier;
   std::vector<std::string> positional;
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
@@ -148,8 +150,17 @@ int main(int argc, char** argv) {
       o.deadline_ms = static_cast<uint32_t>(std::stoul(next()));
     else if (a == "--stall-after")
       o.stall_after = std::stoll(next());
+    else if (a == "--carrier")
+      carrier = next();
     else
       positional.push_back(a);
+  }
+  if (carrier.empty()) {
+    o.engine.carrier = carrier_for_transports(o.engine.tls);
+  } else if (carrier == "put" || carrier == "message") {
+    o.engine.carrier = carrier == "put" ? EngineConfig::PieceCarrier::kPut : EngineConfig::PieceCarrier::kMessage;
+  } else {
+    die("--carrier: put or message, not '" + carrier + "'");
   }
   if (mode == "send") return run_send(o);
   if (mode == "recv" && positional.size() == 2) {

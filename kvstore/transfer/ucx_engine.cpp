@@ -382,10 +382,15 @@ void UcxEngine::complete_op(Op* op, ucs_status_t status) {
 }
 
 void UcxEngine::send_message(const std::shared_ptr<Peer>& peer, const Message& message) {
+  send_encoded(peer, encode_message(message));
+}
+
+// Eager only: a rendezvous active message would move its bytes with (emulated) RMA, see PieceCarrier.
+void UcxEngine::send_encoded(const std::shared_ptr<Peer>& peer, std::vector<std::byte> encoded) {
   if (!peer || peer->ep == nullptr || !peer->failure.is_ok()) return;
   auto* op = new_op(this, OpKind::kMessage);
   op->peer = peer.get();
-  op->buffer = encode_message(message);
+  op->buffer = std::move(encoded);
   ucp_request_param_t param{};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
   param.cb.send = on_request_done;
@@ -504,7 +509,7 @@ void UcxEngine::check_timers() {
           ++it;
           continue;
         }
-        send_message(t.peer, it->message);
+        send_encoded(t.peer, std::move(it->message));
         ++t.notices_sent;
         it = t.delayed.erase(it);
       }
@@ -660,6 +665,20 @@ EngineStats UcxEngine::stats() const {
 }
 
 }  // namespace ucx_impl
+
+EngineConfig::PieceCarrier carrier_for_transports(std::string_view tls) {
+  if (tls.empty()) return EngineConfig::PieceCarrier::kMessage;
+  size_t start = 0;
+  while (start <= tls.size()) {
+    const size_t end = std::min(tls.find(',', start), tls.size());
+    const std::string_view name = tls.substr(start, end - start);
+    if (name.starts_with('^') || name == "all" || name == "tcp" || name == "ud" || name.starts_with("ud_")) {
+      return EngineConfig::PieceCarrier::kMessage;
+    }
+    start = end + 1;
+  }
+  return EngineConfig::PieceCarrier::kPut;
+}
 
 Result<std::unique_ptr<TransferEngine>> TransferEngine::create(const EngineConfig& config) {
   auto engine = std::make_unique<ucx_impl::UcxEngine>(config);

@@ -99,7 +99,7 @@ struct QueuedPiece {
 
 struct DelayedNotice {
   Clock::time_point due;
-  Message message;
+  std::vector<std::byte> message;  // encoded
 };
 
 struct Transfer {
@@ -193,6 +193,8 @@ class UcxEngine final : public TransferEngine {
   void issue_queued_pieces();
   bool issue_piece_direct(Transfer& t, uint32_t seq, std::span<const std::span<const std::byte>> sources,
                           std::optional<uint64_t> checksum);
+  void issue_piece_message(Transfer& t, uint32_t seq, std::span<const std::span<const std::byte>> sources,
+                           std::optional<uint64_t> checksum);
   void issue_piece(Transfer& t, uint32_t seq, std::span<const std::span<const std::byte>> sources,
                    std::optional<uint64_t> checksum);
   Result<ucp_rkey_h> acquire_rkey(Peer& peer, const RkeyKey& key);
@@ -200,6 +202,7 @@ class UcxEngine final : public TransferEngine {
   void purge_rkeys_of(const Peer& peer);
   void submit(ucs_status_ptr_t request, Op* op);
   void send_message(const std::shared_ptr<Peer>& peer, const Message& message);
+  void send_encoded(const std::shared_ptr<Peer>& peer, std::vector<std::byte> encoded);
   Message message_for(const Transfer& t, MessageKind kind) const;
   ucp_mem_h memh_containing(const std::byte* p, uint64_t bytes) const;
   const Fault* fault(FaultPoint point, uint32_t seq) const;
@@ -209,6 +212,7 @@ class UcxEngine final : public TransferEngine {
   void handle_failed_peers();
   void fail_peer(const std::shared_ptr<Peer>& peer, Status reason);
   void emit_notice(Transfer& t, uint32_t seq, uint64_t bytes, uint64_t checksum);
+  void emit_encoded_notice(Transfer& t, uint32_t seq, std::vector<std::byte> encoded);
   void maybe_send_finish(Transfer& t);
   void verify_piece(Transfer& t, const Message& m);
   void decide(Transfer& t, Status status, bool notify_peer);

@@ -87,8 +87,16 @@ void UcxEngine::verify_piece(Transfer& t, const Message& m) {
     return;
   }
   Checksum64 checksum;
-  for (const LocalSegment& s : t.local_pieces[m.seq]) {
-    checksum.update({regions_[s.region].base + s.offset, s.bytes});
+  if (m.kind == MessageKind::kPieceData) {  // place the carried bytes, checksumming them on the way
+    uint64_t at = 0;
+    for (const LocalSegment& s : t.local_pieces[m.seq]) {
+      checksum.copy_and_update(regions_[s.region].base + s.offset, m.payload.subspan(at, s.bytes));
+      at += s.bytes;
+    }
+  } else {
+    for (const LocalSegment& s : t.local_pieces[m.seq]) {
+      checksum.update({regions_[s.region].base + s.offset, s.bytes});
+    }
   }
   const uint64_t received = checksum.finish();
   if (received != m.checksum) {
@@ -144,6 +152,7 @@ void UcxEngine::handle_message(const Message& m) {
       send_message(t->peer, message_for(*t, MessageKind::kAccept));
       return;
     case MessageKind::kPiece:
+    case MessageKind::kPieceData:
       return verify_piece(*t, m);
     case MessageKind::kFinish:
       if (m.seq != t->num_pieces) {
@@ -301,6 +310,22 @@ bool UcxEngine::issue_piece_direct(Transfer& t, uint32_t seq, std::span<const st
   return true;
 }
 
+// PieceCarrier::kMessage: the bytes travel inside the notice; nothing is written into the receiver's memory
+// from here, so a failed or late transfer can never touch its region.
+void UcxEngine::issue_piece_message(Transfer& t, uint32_t seq, std::span<const std::span<const std::byte>> sources,
+                                    std::optional<uint64_t> checksum) {
+  Message m = message_for(t, MessageKind::kPieceData);
+  m.seq = seq;
+  m.bytes = piece_bytes(t.remote_pieces[seq]);
+  std::vector<std::byte> encoded = encode_piece_data(m, sources, checksum);
+  if (fault(FaultPoint::kCorruptByte, seq) != nullptr) {
+    std::byte& byte = encoded[encoded.size() - m.bytes + t.remote_pieces[seq].front().bytes / 2];
+    byte = ~byte;
+  }
+  bytes_sent_ += m.bytes;
+  emit_encoded_notice(t, seq, std::move(encoded));
+}
+
 void UcxEngine::issue_piece(Transfer& transfer, uint32_t seq, std::span<const std::span<const std::byte>> sources,
                             std::optional<uint64_t> checksum) {
   Transfer* t = &transfer;
@@ -308,6 +333,7 @@ void UcxEngine::issue_piece(Transfer& transfer, uint32_t seq, std::span<const st
   const uint64_t bytes = piece_bytes(t->remote_pieces[seq]);
   const std::shared_ptr<Peer> peer = t->peer;
   if (config_.direct_copy && issue_piece_direct(*t, seq, sources, checksum)) return;
+  if (config_.carrier == EngineConfig::PieceCarrier::kMessage) return issue_piece_message(*t, seq, sources, checksum);
   auto put = [&](const std::byte* source, uint64_t length, uint64_t remote, ucp_rkey_h rkey, Op* op) {
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -380,11 +406,15 @@ void UcxEngine::emit_notice(Transfer& t, uint32_t seq, uint64_t bytes, uint64_t 
   m.seq = seq;
   m.bytes = bytes;
   m.checksum = checksum;
+  emit_encoded_notice(t, seq, encode_message(m));
+}
+
+void UcxEngine::emit_encoded_notice(Transfer& t, uint32_t seq, std::vector<std::byte> encoded) {
   if (const Fault* f = fault(FaultPoint::kDelayPiece, seq)) {
-    t.delayed.push_back({Clock::now() + std::chrono::milliseconds(f->delay_ms), std::move(m)});
+    t.delayed.push_back({Clock::now() + std::chrono::milliseconds(f->delay_ms), std::move(encoded)});
     return;
   }
-  send_message(t.peer, m);
+  send_encoded(t.peer, std::move(encoded));
   ++t.notices_sent;
   maybe_send_finish(t);
 }

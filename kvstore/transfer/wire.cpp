@@ -2,6 +2,8 @@
 
 #include <cstring>
 
+#include "kvstore/transfer/checksum.hpp"
+
 namespace deltaserve::kvstore::transfer {
 namespace {
 
@@ -18,6 +20,7 @@ class Writer {
     u32(static_cast<uint32_t>(b.size()));
     put(b.data(), b.size());
   }
+  void bytes(std::span<const std::byte> b) { put(b.data(), b.size()); }
   std::vector<std::byte> take() { return std::move(out_); }
 
  private:
@@ -190,7 +193,32 @@ std::vector<std::byte> encode_message(const Message& m) {
   w.u64(m.bytes);
   w.u64(m.checksum);
   w.blob(m.blob);
+  if (m.kind == MessageKind::kPieceData) w.bytes(m.payload);
   return w.take();
+}
+
+std::vector<std::byte> encode_piece_data(Message m, std::span<const std::span<const std::byte>> sources,
+                                         std::optional<uint64_t> checksum) {
+  m.kind = MessageKind::kPieceData;
+  m.checksum = 0;
+  m.payload = {};
+  std::vector<std::byte> out = encode_message(m);
+  const size_t header = out.size();
+  constexpr size_t kChecksumOffset = 4 + 1 + 8 + 8 + 4 + 8;  // magic, kind, transfer_id, token, seq, bytes
+  out.resize(header + m.bytes);
+  std::byte* destination = out.data() + header;
+  Checksum64 sum;
+  for (const auto& source : sources) {
+    if (checksum) {
+      std::memcpy(destination, source.data(), source.size());
+    } else {
+      sum.copy_and_update(destination, source);
+    }
+    destination += source.size();
+  }
+  const uint64_t value = checksum ? *checksum : sum.finish();
+  for (size_t i = 0; i < 8; ++i) out[kChecksumOffset + i] = static_cast<std::byte>((value >> (8 * i)) & 0xFF);
+  return out;
 }
 
 Result<Message> decode_message(std::span<const std::byte> bytes) {
@@ -199,7 +227,7 @@ Result<Message> decode_message(std::span<const std::byte> bytes) {
   if (r.u32("magic") != kMessageMagic || !r.ok()) return bad(r.ok() ? "bad magic" : r.error());
   Message m;
   const uint8_t kind = r.u8("kind");
-  if (r.ok() && (kind < 1 || kind > 6)) return bad("unknown kind " + std::to_string(kind));
+  if (r.ok() && (kind < 1 || kind > 7)) return bad("unknown kind " + std::to_string(kind));
   m.kind = static_cast<MessageKind>(kind);
   m.transfer_id = r.u64("transfer_id");
   m.token = r.u64("token");
@@ -208,6 +236,13 @@ Result<Message> decode_message(std::span<const std::byte> bytes) {
   m.checksum = r.u64("checksum");
   m.blob = r.blob("blob", kMaxBlobBytes);
   if (!r.ok()) return bad(r.error());
+  if (m.kind == MessageKind::kPieceData) {
+    if (r.remaining() != m.bytes) {
+      return bad("piece data of " + std::to_string(r.remaining()) + " bytes, announced " + std::to_string(m.bytes));
+    }
+    m.payload = bytes.subspan(bytes.size() - r.remaining());
+    return m;
+  }
   if (r.remaining() != 0) return bad("trailing bytes");
   return m;
 }

@@ -14,6 +14,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -59,14 +60,17 @@ Result<Descriptor> decode_descriptor(std::span<const std::byte> bytes);
 
 uint64_t piece_bytes(const std::vector<Segment>& piece);
 
-// Control messages (one UCX active message each, carried as the AM payload).
+// Control messages (one UCX active message each, carried as the AM payload). Layout: magic "DSTM" | u8 kind
+// | u64 transfer_id | u64 token | u32 seq | u64 bytes | u64 checksum | u32 blob bytes, blob | payload (kPieceData
+// only: exactly `bytes` bytes, the rest of the message).
 enum class MessageKind : uint8_t {
-  kBegin = 1,   // sender → receiver: the sender's worker address follows (for replies)
-  kPiece = 2,   // sender → receiver: piece `seq` was written (all its puts flushed), `checksum` of its bytes
-  kFinish = 3,  // sender → receiver: all `count` pieces were announced
-  kResult = 4,  // receiver → sender: final status (`code`; 0 = every piece verified); text follows
-  kAbort = 5,   // sender → receiver: the sender gave up (`code`); text follows
-  kAccept = 6,  // receiver → sender: kBegin seen; puts may start (the sender's endpoint is wired up)
+  kBegin = 1,      // sender → receiver: the sender's worker address follows (for replies)
+  kPiece = 2,      // sender → receiver: piece `seq` was written (all its puts flushed), `checksum` of its bytes
+  kFinish = 3,     // sender → receiver: all `count` pieces were announced
+  kResult = 4,     // receiver → sender: final status (`code`; 0 = every piece verified); text follows
+  kAbort = 5,      // sender → receiver: the sender gave up (`code`); text follows
+  kAccept = 6,     // receiver → sender: kBegin seen; puts may start (the sender's endpoint is wired up)
+  kPieceData = 7,  // sender → receiver: kPiece that carries the piece's bytes (EngineConfig::PieceCarrier::kMessage)
 };
 
 struct Message {
@@ -77,9 +81,18 @@ struct Message {
   uint64_t bytes = 0;           // kPiece: bytes of the piece
   uint64_t checksum = 0;        // kPiece: checksum64 of the piece's bytes in segment order
   std::vector<std::byte> blob;  // kBegin: sender address; kResult/kAbort: status message text
+  // kPieceData: the piece's bytes in segment order (`bytes` of them). decode_message returns a view into its
+  // input, which must outlive the Message.
+  std::span<const std::byte> payload;
 };
 
 std::vector<std::byte> encode_message(const Message& message);
 Result<Message> decode_message(std::span<const std::byte> bytes);
+
+// A kPieceData message whose payload is the concatenation of `sources` (message.bytes in all, checked by the
+// caller), copied in one pass. message.checksum is replaced by checksum64 of the payload, computed during the
+// copy, unless `checksum` is given. Returns the encoding; its payload is the last message.bytes bytes.
+std::vector<std::byte> encode_piece_data(Message message, std::span<const std::span<const std::byte>> sources,
+                                         std::optional<uint64_t> checksum);
 
 }  // namespace deltaserve::kvstore::transfer

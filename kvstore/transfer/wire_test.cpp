@@ -1,9 +1,12 @@
 #include "kvstore/transfer/wire.hpp"
 
+#include <algorithm>
+#include <array>
 #include <random>
 
 #include <gtest/gtest.h>
 
+#include "kvstore/transfer/checksum.hpp"
 #include "kvstore/transfer/fault_injection.hpp"
 
 namespace deltaserve::kvstore::transfer {
@@ -72,7 +75,7 @@ TEST(TransferWire, RandomMutationsNeverCrash) {
 }
 
 TEST(TransferWire, MessageRoundTripAndRejects) {
-  Message m{MessageKind::kPiece, 3, 99, 7, 4096, 0xFEEDull, {std::byte{5}}};
+  Message m{MessageKind::kPiece, 3, 99, 7, 4096, 0xFEEDull, {std::byte{5}}, {}};
   auto bytes = encode_message(m);
   auto decoded = decode_message(bytes);
   ASSERT_TRUE(decoded.is_ok());
@@ -83,6 +86,40 @@ TEST(TransferWire, MessageRoundTripAndRejects) {
   bytes[4] = std::byte{9};  // unknown kind
   EXPECT_FALSE(decode_message(bytes).is_ok());
   EXPECT_FALSE(decode_message({}).is_ok());
+}
+
+TEST(TransferWire, PieceDataCarriesItsBytesAndChecksum) {
+  std::vector<std::byte> a(100), b(37);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = static_cast<std::byte>(i * 7);
+  for (size_t i = 0; i < b.size(); ++i) b[i] = static_cast<std::byte>(255 - i);
+  std::vector<std::byte> whole(a);
+  whole.insert(whole.end(), b.begin(), b.end());
+  Message header{MessageKind::kPiece, 3, 99, 7, whole.size(), 0, {}, {}};
+  const std::array<std::span<const std::byte>, 2> sources{a, b};
+  auto bytes = encode_piece_data(header, sources, std::nullopt);
+  auto decoded = decode_message(bytes);
+  ASSERT_TRUE(decoded.is_ok()) << decoded.status().to_string();
+  EXPECT_EQ(decoded->kind, MessageKind::kPieceData);
+  EXPECT_EQ(decoded->seq, 7u);
+  EXPECT_EQ(decoded->bytes, whole.size());
+  EXPECT_EQ(decoded->checksum, checksum64(whole));
+  EXPECT_TRUE(std::equal(decoded->payload.begin(), decoded->payload.end(), whole.begin(), whole.end()));
+  // A given checksum is carried as is.
+  EXPECT_EQ(decode_message(encode_piece_data(header, sources, 0x1234ull))->checksum, 0x1234ull);
+  // A payload shorter or longer than announced is rejected, naming it.
+  auto short_bytes = bytes;
+  short_bytes.pop_back();
+  auto rejected = decode_message(short_bytes);
+  ASSERT_FALSE(rejected.is_ok());
+  EXPECT_NE(rejected.status().message().find("piece data of 136 bytes, announced 137"), std::string::npos)
+      << rejected.status().to_string();
+  auto long_bytes = bytes;
+  long_bytes.push_back(std::byte{0});
+  EXPECT_FALSE(decode_message(long_bytes).is_ok());
+  // Other kinds still refuse trailing bytes.
+  auto control = encode_message(Message{MessageKind::kPiece, 3, 99, 7, 5, 0, {}, {}});
+  control.push_back(std::byte{1});
+  EXPECT_FALSE(decode_message(control).is_ok());
 }
 
 TEST(TransferFaults, ParsesNamedPoints) {
