@@ -1,6 +1,7 @@
 #include "actors/cluster_service.hpp"
 
 #include "actors/cluster_service_impl.hpp"
+#include "actors/stream_gate.hpp"
 
 namespace deltaserve::actors {
 namespace {
@@ -9,6 +10,7 @@ struct SinkState {
   std::shared_ptr<router::GenerationSink> sink;
   std::string request_id;
   std::shared_ptr<bool> done;  // shared with the exit functor, which outlives the state
+  StreamGate gate;
 };
 
 using SinkPointer = sink_actor::stateful_pointer<SinkState>;
@@ -35,18 +37,37 @@ sink_actor::behavior_type sink_impl(SinkPointer self, std::shared_ptr<router::Ge
     self->quit();
   });
   return {
-      [self](chunk_atom, router::GenerationChunk& chunk) {
+      [self](chunk_atom, int64_t attempt, router::GenerationChunk& chunk) {
         auto& s = self->state;
         if (*s.done) return;
+        switch (s.gate.admit(attempt, chunk)) {
+          case StreamGate::Verdict::kForward:
+            break;
+          case StreamGate::Verdict::kDrop:
+            return;
+          case StreamGate::Verdict::kDiverged:  // a new attempt computed other tokens: never rewrite the stream
+            *s.done = true;
+            s.sink->on_chunk(error_chunk(
+                s.request_id, Status(StatusCode::kUnavailable,
+                                     "the request moved to another worker, which could not reproduce the stream")));
+            self->quit();
+            return;
+        }
         const bool final = chunk.is_final();
         if (final) *s.done = true;
         s.sink->on_chunk(std::move(chunk));
         if (final) self->quit();
       },
+      [self](attempt_atom, int64_t attempt) { self->state.gate.announce(attempt); },
   };
 }
 
 }  // namespace
+
+sink_actor spawn_stream_sink(caf::actor_system& system, std::shared_ptr<router::GenerationSink> sink,
+                             std::string request_id, router_actor router) {
+  return system.spawn(sink_impl, std::move(sink), std::move(request_id), std::move(router));
+}
 
 ClusterService::ClusterService(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 ClusterService::~ClusterService() = default;
@@ -54,7 +75,7 @@ ClusterService::~ClusterService() = default;
 void ClusterService::submit(router::GenerationRequest request, std::shared_ptr<router::GenerationSink> sink) {
   if (!sink) return;
   const std::string id = request.request_id;
-  auto actor = impl_->system.spawn(sink_impl, sink, id, impl_->router);
+  auto actor = spawn_stream_sink(impl_->system, sink, id, impl_->router);
   caf::anon_send(impl_->router, submit_atom::value, std::move(request), caf::actor_cast<caf::actor>(actor));
 }
 

@@ -14,4 +14,9 @@ struct ClusterService::Impl {
   std::shared_ptr<RouterGauges> gauges;
 };
 
+// The per-request sink actor: forwards the chunks its StreamGate admits to `sink`, exactly one final chunk
+// (an error one if the router or the actor system goes away first), then quits.
+sink_actor spawn_stream_sink(caf::actor_system& system, std::shared_ptr<router::GenerationSink> sink,
+                             std::string request_id, router_actor router);
+
 }  // namespace deltaserve::actors

@@ -1,5 +1,6 @@
 #include "actors/decode_worker.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <deque>
 #include <iostream>
@@ -20,6 +21,7 @@ constexpr size_t kMaxTombstones = 4096;  // cancelled ids whose handoff may stil
 
 struct Active {
   caf::actor sink;
+  int64_t attempt = 0;  // the router's dispatch attempt it belongs to (stream_gate.hpp)
   std::unique_ptr<tokenizer::TextStream> text;
   int64_t prompt_tokens = 0;
   int64_t cached_tokens = 0;
@@ -96,8 +98,8 @@ void report_load(DecodePointer self, bool force) {
   self->send(s.registry, heartbeat_atom::value, s.config.name, load);
 }
 
-void send_chunk(DecodePointer self, const caf::actor& sink, router::GenerationChunk chunk) {
-  self->send(caf::actor_cast<sink_actor>(sink), chunk_atom::value, std::move(chunk));
+void send_chunk(DecodePointer self, const caf::actor& sink, int64_t attempt, router::GenerationChunk chunk) {
+  self->send(caf::actor_cast<sink_actor>(sink), chunk_atom::value, attempt, std::move(chunk));
 }
 
 void schedule_step(DecodePointer self) {
@@ -128,11 +130,13 @@ void admit(DecodePointer self, HandoffEnvelope envelope, engine::RequestState st
   Status added = s.batcher->add(request.request_id, std::move(state), envelope.next_token, params);
   if (!added.is_ok()) {
     ++s.stats.rejected;
-    send_chunk(self, envelope.sink, error_chunk(request.request_id, added.with_context("decode admit")));
+    send_chunk(self, envelope.sink, envelope.attempt,
+               error_chunk(request.request_id, added.with_context("decode admit")));
     return;
   }
   Active a;
   a.sink = envelope.sink;
+  a.attempt = envelope.attempt;
   a.text = std::make_unique<tokenizer::TextStream>(*s.tokenizer, request.stop);
   a.prompt_tokens = static_cast<int64_t>(request.prompt.size());
   a.cached_tokens = envelope.cached_tokens;
@@ -172,7 +176,8 @@ void run_step(DecodePointer self) {
     for (const auto& [id, a] : s.active) ids.push_back(id);
     for (const std::string& id : ids) {
       s.batcher->remove(id);
-      send_chunk(self, s.active[id].sink, error_chunk(id, outputs.status().with_context("decode step")));
+      send_chunk(self, s.active[id].sink, s.active[id].attempt,
+                 error_chunk(id, outputs.status().with_context("decode step")));
       forget(self, id);
     }
   } else {
@@ -207,13 +212,31 @@ void run_step(DecodePointer self) {
         chunk.cached_tokens = a.cached_tokens;
         chunk.completion_tokens = out.completion_tokens;
       }
-      send_chunk(self, a.sink, std::move(chunk));
+      send_chunk(self, a.sink, a.attempt, std::move(chunk));
       if (final) forget(self, out.request_id);
     }
   }
   admit_pending(self);
   schedule_step(self);
   report_load(self, false);
+}
+
+// Removes what this worker holds of request `id` from dispatch attempts up to `attempt`: the router moved
+// the request on. Waiting handoffs go quietly (nothing of them was streamed). A running one may own the
+// client's stream (stream_gate.hpp): it ends with an error chunk of its own attempt, which the sink passes
+// only if that attempt owns the stream (which then cannot continue) and drops otherwise.
+void drop_attempts(DecodePointer self, const std::string& id, int64_t attempt, bool running_too) {
+  auto& s = self->state;
+  s.stats.stale_dropped += static_cast<int64_t>(std::erase_if(s.pending, [&](const Pending& p) {
+    return p.envelope.request.request_id == id && p.envelope.attempt <= attempt;
+  }));
+  auto a = s.active.find(id);
+  if (!running_too || a == s.active.end() || a->second.attempt > attempt) return;
+  s.batcher->remove(id);
+  send_chunk(self, a->second.sink, a->second.attempt,
+             error_chunk(id, Status(StatusCode::kUnavailable, "the request moved to another attempt")));
+  forget(self, id);
+  ++s.stats.stale_dropped;
 }
 
 // The state of `envelope`'s request arrived (CAF message or verified UCX region): decodes it and admits the
@@ -226,14 +249,22 @@ void accept_handoff(DecodePointer self, HandoffEnvelope& envelope, std::span<con
     return;
   }
   if (s.tombstones.erase(id) != 0) {  // cancelled while in transfer
-    send_chunk(self, envelope.sink, abort_chunk(id, static_cast<int64_t>(envelope.request.prompt.size())));
+    send_chunk(self, envelope.sink, envelope.attempt,
+               abort_chunk(id, static_cast<int64_t>(envelope.request.prompt.size())));
     return;
   }
-  if (s.active.count(id) != 0) {
-    ++s.stats.rejected;
-    send_chunk(self, envelope.sink, error_chunk(id, invalid_argument("duplicate request id " + id)));
+  // The same request already here: the router dispatched it again while it could not see this worker
+  // (declared lost during a stall). The later attempt is the router's current one and replaces the earlier
+  // (drop_attempts); an attempt older than the one held is stale.
+  const bool newer_here = (s.active.count(id) != 0 && s.active[id].attempt >= envelope.attempt) ||
+                          std::any_of(s.pending.begin(), s.pending.end(), [&](const Pending& p) {
+                            return p.envelope.request.request_id == id && p.envelope.attempt >= envelope.attempt;
+                          });
+  if (newer_here) {
+    ++s.stats.stale_dropped;
     return;
   }
+  drop_attempts(self, id, envelope.attempt - 1, /*running_too=*/true);
   auto state = engine::decode_state(s.model->config(), bytes);
   if (!state.is_ok()) {
     ++s.stats.rejected;
@@ -242,7 +273,7 @@ void accept_handoff(DecodePointer self, HandoffEnvelope& envelope, std::span<con
       self->send(caf::actor_cast<router_actor>(envelope.router), failed_atom::value, id, envelope.attempt,
                  static_cast<int32_t>(why.code()), why.message());
     } else {
-      send_chunk(self, envelope.sink, error_chunk(id, why));
+      send_chunk(self, envelope.sink, envelope.attempt, error_chunk(id, why));
     }
     return;
   }
@@ -300,7 +331,7 @@ void fail_incoming(DecodePointer self, uint64_t transfer, Status why) {  // by v
   }
   if (s.tombstones.erase(id) != 0) {
     const int64_t prompt = in.envelope ? static_cast<int64_t>(in.envelope->request.prompt.size()) : 0;
-    send_chunk(self, in.sink, abort_chunk(id, prompt));
+    send_chunk(self, in.sink, in.attempt, abort_chunk(id, prompt));
     return;
   }
   const Status status = why.with_context("UCX handoff " + id + " at " + s.config.name);
@@ -308,7 +339,7 @@ void fail_incoming(DecodePointer self, uint64_t transfer, Status why) {  // by v
     self->send(caf::actor_cast<router_actor>(in.router), failed_atom::value, id, in.attempt,
                static_cast<int32_t>(status.code()), status.message());
   } else {
-    send_chunk(self, in.sink, error_chunk(id, status));
+    send_chunk(self, in.sink, in.attempt, error_chunk(id, status));
   }
 }
 
@@ -422,7 +453,7 @@ decode_actor::behavior_type decode_impl(DecodePointer self, std::shared_ptr<cons
         auto& s = self->state;
         if (auto it = s.active.find(id); it != s.active.end()) {
           s.batcher->remove(id);
-          send_chunk(self, it->second.sink, abort_chunk(id, it->second.prompt_tokens));
+          send_chunk(self, it->second.sink, it->second.attempt, abort_chunk(id, it->second.prompt_tokens));
           forget(self, id);
           admit_pending(self);
           report_load(self, false);
@@ -430,7 +461,7 @@ decode_actor::behavior_type decode_impl(DecodePointer self, std::shared_ptr<cons
         }
         for (auto it = s.pending.begin(); it != s.pending.end(); ++it) {
           if (it->envelope.request.request_id != id) continue;
-          send_chunk(self, it->envelope.sink,
+          send_chunk(self, it->envelope.sink, it->envelope.attempt,
                      abort_chunk(id, static_cast<int64_t>(it->envelope.request.prompt.size())));
           s.pending.erase(it);
           report_load(self, false);
@@ -446,6 +477,9 @@ decode_actor::behavior_type decode_impl(DecodePointer self, std::shared_ptr<cons
       },
       [self](drop_atom, const std::string& id, int64_t attempt) {
         auto& s = self->state;
+        drop_attempts(self, id, attempt, /*running_too=*/false);
+        report_load(self, false);
+        // A handoff of such an attempt may still be on its way.
         if (s.dropped.size() >= kMaxTombstones) s.dropped.clear();  // bounded; a stale handoff is then decoded
         s.dropped[id] = std::max(s.dropped[id], attempt);
       },

@@ -105,7 +105,7 @@ void release_job(PrefillState& s, Job& job) {
 void fail_front(PrefillPointer self, Status status) {
   auto& s = self->state;
   Job& job = s.jobs.front();
-  self->send(caf::actor_cast<sink_actor>(job.job.sink), chunk_atom::value,
+  self->send(caf::actor_cast<sink_actor>(job.job.sink), chunk_atom::value, job.job.attempt,
              error_chunk(job.job.request.request_id, std::move(status)));
   release_job(s, job);
   s.jobs.pop_front();
@@ -225,7 +225,8 @@ void hand_off(PrefillPointer self) {
   Status sent = s.transport->send_state(decode_worker, std::move(envelope), std::move(bytes));
   const int64_t micros = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start).count();
   if (!sent.is_ok()) {
-    self->send(caf::actor_cast<sink_actor>(sink), chunk_atom::value, error_chunk(id, sent.with_context("handoff")));
+    self->send(caf::actor_cast<sink_actor>(sink), chunk_atom::value, attempt,
+               error_chunk(id, sent.with_context("handoff")));
     return;
   }
   ++s.stats.handoffs;
@@ -302,7 +303,7 @@ prefill_actor::behavior_type prefill_impl(PrefillPointer self, std::shared_ptr<c
       [self](prefill_atom, PrefillJob& job) {
         auto& s = self->state;
         if (job.request.prompt.empty()) {
-          self->send(caf::actor_cast<sink_actor>(job.sink), chunk_atom::value,
+          self->send(caf::actor_cast<sink_actor>(job.sink), chunk_atom::value, job.attempt,
                      error_chunk(job.request.request_id, invalid_argument("empty prompt")));
           return;
         }
@@ -344,7 +345,7 @@ prefill_actor::behavior_type prefill_impl(PrefillPointer self, std::shared_ptr<c
           chunk.request_id = id;
           chunk.finish_reason = "abort";
           chunk.prompt_tokens = static_cast<int64_t>(it->job.request.prompt.size());
-          self->send(caf::actor_cast<sink_actor>(it->job.sink), chunk_atom::value, std::move(chunk));
+          self->send(caf::actor_cast<sink_actor>(it->job.sink), chunk_atom::value, it->job.attempt, std::move(chunk));
           release_job(s, *it);
           s.jobs.erase(it);
           report_load(self, false);

@@ -10,6 +10,7 @@
 #include <caf/test/dsl.hpp>
 #include <caf/test/unit_test_impl.hpp>
 
+#include "actors/cluster_service_impl.hpp"
 #include "actors/decode_worker.hpp"
 #include "actors/prefill_worker.hpp"
 #include "actors/registry_actor.hpp"
@@ -28,8 +29,19 @@ using Chunks = std::vector<router::GenerationChunk>;
 // A sink that records every chunk into a vector the test owns (and keeps running after a final chunk,
 // so the tests can prove nothing follows it).
 caf::behavior recording_sink(caf::event_based_actor*, std::shared_ptr<Chunks> out) {
-  return {[out](chunk_atom, router::GenerationChunk& chunk) { out->push_back(std::move(chunk)); }};
+  return {[out](chunk_atom, int64_t, router::GenerationChunk& chunk) { out->push_back(std::move(chunk)); },
+          [](attempt_atom, int64_t) {}};
 }
+
+// What a client receives through the real per-request sink actor (spawn_stream_sink).
+class ClientStream final : public router::GenerationSink {
+ public:
+  explicit ClientStream(std::shared_ptr<Chunks> out) : out_(std::move(out)) {}
+  void on_chunk(router::GenerationChunk chunk) override { out_->push_back(std::move(chunk)); }
+
+ private:
+  std::shared_ptr<Chunks> out_;
+};
 
 // Stands in for a prefill worker: records the jobs it gets.
 caf::behavior fake_prefill(caf::event_based_actor*, std::shared_ptr<std::vector<PrefillJob>> jobs,
@@ -573,6 +585,75 @@ CAF_TEST(request_on_a_lost_prefill_worker_is_prefilled_again) {
   CAF_CHECK(out->back().error.is_ok());
   CAF_CHECK(streamed_tokens(*out) == testing::reference_greedy(*tiny.model, req.prompt, 4, 4));
   CAF_CHECK_EQUAL(request<WorkerStats>(decode, stats_atom::value).handoffs, 1);
+}
+
+// The retry race: the router declares decode-0 lost while decode-0 holds the request (its `admitted` for
+// attempt 1 is queued behind `lost`) and streams it. decode-0 comes back, and the router's second attempt
+// reaches it. The client gets exactly the reference stream: no error, no token twice (the second attempt
+// replays the first two tokens, which the sink checks and holds back).
+CAF_TEST(decode_worker_lost_while_streaming_then_the_retry_reaches_it) {
+  std::string error;
+  const auto& tiny = testing::tiny_model(&error);
+  CAF_REQUIRE(tiny.model != nullptr);
+  auto router = spawn_router(sys, RouterConfig{}, registry_actor{}, nullptr);
+  DecodeWorkerConfig config{"decode-0", 4, std::chrono::milliseconds(0), /*self_step=*/false};
+  auto decode = spawn_decode_worker(sys, tiny.model, tiny.tokenizer, registry_actor{}, config);
+  auto jobs = std::make_shared<std::vector<PrefillJob>>();
+  auto cancels = std::make_shared<std::vector<std::string>>();
+  auto silent = sys.spawn(fake_prefill, jobs, cancels);  // attempt 1's prefill: the test hands off for it
+  auto prefill = spawn_prefill_worker(sys, tiny.model, registry_actor{},
+                                      PrefillWorkerConfig{"prefill-b", 4, std::chrono::milliseconds(0)});
+  auto out = std::make_shared<Chunks>();
+  auto sink = spawn_stream_sink(sys, std::make_shared<ClientStream>(out), "r", router);
+  for (const caf::actor& a : {caf::actor_cast<caf::actor>(router), caf::actor_cast<caf::actor>(decode), silent,
+                              caf::actor_cast<caf::actor>(prefill), caf::actor_cast<caf::actor>(sink)}) {
+    kill_at_end(a);
+  }
+  auto step = [&] {
+    self->send(decode, step_atom::value);
+    run();
+  };
+  const caf::actor decode_handle = caf::actor_cast<caf::actor>(decode);
+  self->send(router, workers_atom::value,
+             std::vector<WorkerInfo>{{"decode-0", kDecodeRole, decode_handle, 4, {}},
+                                     {"prefill-a", kPrefillRole, silent, 4, {}}});
+  const auto req = testing::greedy_request("r", {9, 8, 7, 6, 5}, 6);
+  self->send(router, submit_atom::value, req, caf::actor_cast<caf::actor>(sink));
+  run();
+  CAF_REQUIRE_EQUAL(jobs->size(), 1u);
+  CAF_REQUIRE_EQUAL(jobs->at(0).attempt, 1);
+
+  // decode-0 gets attempt 1's state, but the router reads `lost` first (a stalled process).
+  auto handoff = make_handoff(*tiny.model, req, caf::actor_cast<caf::actor>(sink));
+  handoff.envelope.attempt = 1;
+  handoff.envelope.router = caf::actor_cast<caf::actor>(router);
+  self->send(router, lost_atom::value, std::string("decode-0"));
+  self->send(decode, handoff_atom::value, handoff);
+  run();
+  step();
+  step();
+  CAF_REQUIRE_EQUAL(out->size(), 2u);  // the client has two tokens of attempt 1
+
+  // decode-0 reports again (registered anew) and prefill-b is there: attempt 2 goes to decode-0 too.
+  self->send(router, workers_atom::value,
+             std::vector<WorkerInfo>{{"decode-0", kDecodeRole, decode_handle, 4, {}},
+                                     {"prefill-b", kPrefillRole, caf::actor_cast<caf::actor>(prefill), 4, {}}});
+  run();
+  const auto replaced = request<WorkerStats>(decode, stats_atom::value);
+  CAF_CHECK_EQUAL(replaced.handoffs, 2);
+  CAF_CHECK_EQUAL(replaced.stale_dropped, 1);  // attempt 1 gave way to attempt 2
+  CAF_CHECK_EQUAL(replaced.active, 1);
+  CAF_CHECK_EQUAL(out->size(), 2u);  // nothing new reached the client (attempt 1's "moved" error was held back)
+  for (int i = 0; i < 10; ++i) step();
+  CAF_REQUIRE(!out->empty());
+  for (const auto& chunk : *out) CAF_CHECK(chunk.error.is_ok());
+  CAF_CHECK_EQUAL(out->back().finish_reason.value_or(""), "length");
+  CAF_CHECK_EQUAL(out->back().completion_tokens, 6);
+  CAF_CHECK(streamed_tokens(*out) == testing::reference_greedy(*tiny.model, req.prompt, 6, 4));
+  const auto router_stats = request<RouterStats>(router, stats_atom::value);
+  CAF_CHECK_EQUAL(router_stats.retried, 1);
+  CAF_CHECK_EQUAL(router_stats.failed, 0);
+  CAF_CHECK_EQUAL(request<WorkerStats>(decode, stats_atom::value).active, 0);
 }
 
 CAF_TEST_FIXTURE_SCOPE_END()

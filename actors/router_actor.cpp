@@ -61,7 +61,7 @@ void update_gauges(RouterState& s) {
 }
 
 void send_final(RouterPointer self, const caf::actor& sink, router::GenerationChunk chunk) {
-  self->send(caf::actor_cast<sink_actor>(sink), chunk_atom::value, std::move(chunk));
+  self->send(caf::actor_cast<sink_actor>(sink), chunk_atom::value, kRouterChunk, std::move(chunk));
 }
 
 bool debug_enabled() {
@@ -168,6 +168,8 @@ bool try_dispatch_one(RouterPointer self, Entry& entry) {
     std::cerr << "debug: route " << entry.request.request_id << ": " << pick.choice.describe() << "\n";
   }
   ++entry.attempt;
+  // An earlier attempt may still be alive (a stalled worker): the sink lets only one attempt through.
+  if (entry.attempt > 1) self->send(caf::actor_cast<sink_actor>(entry.sink), attempt_atom::value, entry.attempt);
   PrefillJob job{entry.request, decode->handle, entry.sink, caf::actor_cast<caf::actor>(self), entry.attempt};
   job.prompt_hashes = std::move(pick.hashes);
   self->send(caf::actor_cast<prefill_actor>(prefill->handle), prefill_atom::value, std::move(job));
@@ -350,9 +352,7 @@ router_actor::behavior_type router_impl(RouterPointer self, RouterConfig config,
           s.prefill_tokens[e.prefill_worker] =
               std::max<int64_t>(s.prefill_tokens[e.prefill_worker] - e.prefill_tokens, 0);
         }
-        e.stage = Stage::kDecode;
-        e.request.prompt = {};
-        e.request.prompt.shrink_to_fit();
+        e.stage = Stage::kDecode;  // the prompt stays: a lost decode worker means another attempt
         dispatch_waiting(self);
       },
       [self](failed_atom, const std::string& id, int64_t attempt, int32_t code, const std::string& message) {
@@ -399,6 +399,9 @@ router_actor::behavior_type router_impl(RouterPointer self, RouterConfig config,
       },
       [self](lost_atom, const std::string& name) {
         auto& s = self->state;
+        // "Lost" may be a stall, not a death. A request it held that no chunk has shown admitted is prefilled
+        // again; if the old attempt still streams, the sink's gate lets only one of the two through.
+        const bool lost_decode = s.decode_workers.count(name) != 0;
         s.prefill_workers.erase(name);
         s.decode_workers.erase(name);
         std::vector<std::string> again;
@@ -406,20 +409,17 @@ router_actor::behavior_type router_impl(RouterPointer self, RouterConfig config,
           const bool on_prefill = e.stage == Stage::kPrefill && e.prefill_worker == name;
           const bool on_decode = e.stage != Stage::kWaiting && e.decode_worker == name;
           if (!on_prefill && !on_decode) continue;
-          if (e.stage != Stage::kDecode) {  // nothing streamed yet: prefill it again elsewhere
-            if (on_prefill) {  // it may have handed off just before: that decode worker drops the stale handoff
-              if (auto d = s.decode_workers.find(e.decode_worker); d != s.decode_workers.end()) {
-                self->send(caf::actor_cast<decode_actor>(d->second.handle), drop_atom::value, id, e.attempt);
-              }
+          if (on_prefill) {  // it may have handed off just before: that decode worker drops the stale handoff
+            if (auto d = s.decode_workers.find(e.decode_worker); d != s.decode_workers.end()) {
+              self->send(caf::actor_cast<decode_actor>(d->second.handle), drop_atom::value, id, e.attempt);
             }
-            again.push_back(id);
-            continue;
           }
-          ++s.totals.failed;
-          send_final(self, e.sink, error_chunk(id, Status(StatusCode::kUnavailable, "worker " + name + " went down")));
+          again.push_back(id);  // also when streaming: the sink's gate continues the stream from the new attempt
         }
+        const std::string role = lost_decode ? "decode" : "prefill";
         for (const std::string& id : again) {
-          retry(self, id, Status(StatusCode::kUnavailable, "worker " + name + " went down"));
+          // The client may see this reason (after max_attempts): the worker's name would tell it internal hosts.
+          retry(self, id, Status(StatusCode::kUnavailable, "a " + role + " worker was lost"));
         }
         s.prefill_outstanding.erase(name);
         s.prefill_tokens.erase(name);

@@ -14,9 +14,10 @@
 //                                    prefilled again (another attempt, up to max_attempts), else failed.
 //                                    (Transfer deadlines belong to the transport: a transfer that does not
 //                                    complete in time is reported by the decode side as handoff_failed.)
-//   workers(list) / lost(name)       from the registry subscription. Requests not yet admitted by a decode
-//                                    worker survive the loss of their workers: they are prefilled again.
-//                                    Admitted ones may have streamed tokens: they fail with kUnavailable.
+//   workers(list) / lost(name)       from the registry subscription. Requests on a lost worker are prefilled
+//                                    again (another attempt, up to max_attempts), also those already
+//                                    streaming: the sink's StreamGate continues their stream from the new
+//                                    attempt without repeating a token.
 //   cache(CacheEventBatch)           prefix-cache events of a worker (via the registry): applied to the index.
 //   stats()                          -> RouterStats.
 // The router monitors every sink: a sink that goes down ends the request's bookkeeping (and, if the
@@ -24,8 +25,13 @@
 //
 // Replies carry the dispatch attempt they belong to; replies of an earlier attempt are ignored.
 //
-// Sink protocol: chunk(GenerationChunk), in order; the sink quits after the first final chunk and
-// ignores anything else.
+// Sink protocol (stream_gate.hpp):
+//   chunk(attempt, GenerationChunk)  in order per sender; attempt 0 = the router's own chunk. Chunks of an
+//                                    attempt the gate refuses are dropped.
+//   attempt(n)                       from the router before it dispatches attempt n >= 2. The new attempt
+//                                    replays what the client already has (checked, not repeated) and then
+//                                    takes over, or the attempt that owns the stream goes on.
+// The sink quits after the first final chunk it passes, ignoring anything else.
 #pragma once
 
 #include <string>
@@ -39,6 +45,10 @@ using prefilled_atom = caf::atom_constant<caf::atom("prefilled")>;
 using chunk_atom = caf::atom_constant<caf::atom("chunk")>;
 using admitted_atom = caf::atom_constant<caf::atom("admitted")>;
 using failed_atom = caf::atom_constant<caf::atom("hofailed")>;
+using attempt_atom = caf::atom_constant<caf::atom("attempt")>;
+
+// The attempt number of the router's own chunks (stream_gate.hpp).
+inline constexpr int64_t kRouterChunk = 0;
 
 struct RouterStats {
   int64_t running = 0;  // dispatched to workers, not finished
@@ -65,7 +75,8 @@ typename Inspector::result_type inspect(Inspector& f, RouterStats& x) {
            x.index_entries, x.index_bytes);
 }
 
-using sink_actor = caf::typed_actor<caf::reacts_to<chunk_atom, router::GenerationChunk>>;
+using sink_actor = caf::typed_actor<caf::reacts_to<chunk_atom, int64_t, router::GenerationChunk>,
+                                    caf::reacts_to<attempt_atom, int64_t>>;
 
 using router_actor = caf::typed_actor<
     caf::reacts_to<submit_atom, router::GenerationRequest, caf::actor>, caf::reacts_to<cancel_atom, std::string>,

@@ -36,7 +36,7 @@ void report_failure(caf::event_based_actor* self, const HandoffEnvelope& envelop
     self->send(caf::actor_cast<router_actor>(envelope.router), failed_atom::value, id, envelope.attempt,
                static_cast<int32_t>(why.code()), why.message());
   } else if (envelope.sink) {
-    self->send(caf::actor_cast<sink_actor>(envelope.sink), chunk_atom::value, error_chunk(id, why));
+    self->send(caf::actor_cast<sink_actor>(envelope.sink), chunk_atom::value, envelope.attempt, error_chunk(id, why));
   }
 }
 

@@ -150,6 +150,7 @@ struct WorkerStats {
   int64_t handoff_bytes = 0;  // prefill: encoded bytes sent in total
   int64_t handoff_us = 0;     // prefill: microseconds spent encoding + sending, in total
   int64_t rejected = 0;       // decode: handoffs rejected (corrupt state, bad params)
+  int64_t stale_dropped = 0;  // decode: handoffs or requests of attempts the router had moved elsewhere, dropped
   // Prefill workers with a prefix cache (0 otherwise):
   int64_t slots_total = 0, slots_free = 0;        // state slots of the fixed pool
   int64_t pages_total = 0, pages_free = 0;        // MLA page groups of the pool
@@ -163,8 +164,8 @@ struct WorkerStats {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, WorkerStats& x) {
   return f(caf::meta::type_name("WorkerStats"), x.active, x.queued, x.free_slots, x.steps, x.handoffs, x.handoff_bytes,
-           x.handoff_us, x.rejected, x.slots_total, x.slots_free, x.pages_total, x.pages_free, x.cache_entries,
-           x.checkpoints, x.checkpoint_bytes, x.cache_evictions, x.prompt_tokens, x.cached_tokens);
+           x.handoff_us, x.rejected, x.stale_dropped, x.slots_total, x.slots_free, x.pages_total, x.pages_free,
+           x.cache_entries, x.checkpoints, x.checkpoint_bytes, x.cache_evictions, x.prompt_tokens, x.cached_tokens);
 }
 
 // Builds the final chunk of a request that failed outside the decode loop.
