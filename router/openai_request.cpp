@@ -349,14 +349,16 @@ std::optional<ApiError> plan_generation(const OpenAiRequest& request, const toke
   const int64_t room = options.context_length - prompt_tokens;
   const int64_t max_tokens = request.max_tokens.value_or(chat ? room : kDefaultCompletionMaxTokens);
   if (max_tokens < 1 || room < max_tokens) {
-    return ApiError::invalid(
-        prompt_param,
-        "This model's maximum context length is " + std::to_string(options.context_length) +
-            " tokens. However, you requested " + std::to_string(prompt_tokens + std::max<int64_t>(max_tokens, 1)) +
-            " tokens (" + std::to_string(prompt_tokens) + " in the " + prompt_param + ", " +
-            std::to_string(std::max<int64_t>(max_tokens, 1)) +
-            " for the completion). Please reduce the length of the " + prompt_param + " or completion.",
-        "context_length_exceeded");
+    // Unsigned: max_tokens may be as large as INT64_MAX, and the sum of two int64 >= 0 fits in uint64.
+    const uint64_t completion = static_cast<uint64_t>(std::max<int64_t>(max_tokens, 1));
+    return ApiError::invalid(prompt_param,
+                             "This model's maximum context length is " + std::to_string(options.context_length) +
+                                 " tokens. However, you requested " +
+                                 std::to_string(static_cast<uint64_t>(prompt_tokens) + completion) + " tokens (" +
+                                 std::to_string(prompt_tokens) + " in the " + prompt_param + ", " +
+                                 std::to_string(completion) + " for the completion). Please reduce the length of the " +
+                                 prompt_param + " or completion.",
+                             "context_length_exceeded");
   }
   out.max_tokens = max_tokens;
 

@@ -174,6 +174,17 @@ TEST(OpenAiRequestTest, PlanAppliesDefaultsSeedsAndContextCheck) {
   EXPECT_EQ(error->code, "context_length_exceeded");
   EXPECT_EQ(to_http_error(*error).status, 400u);
 
+  // The largest max_tokens the API accepts: the error counts it exactly (no signed overflow).
+  OpenAiRequest huge =
+      parse_ok(Endpoint::kCompletions, R"({"model": "m", "prompt": [1, 2, 3], "max_tokens": 9223372036854775807})");
+  error = plan_generation(huge, tok, options, plan);
+  ASSERT_TRUE(error.has_value());
+  EXPECT_EQ(error->code, "context_length_exceeded");
+  EXPECT_NE(error->status.message().find(
+                "you requested 9223372036854775810 tokens (3 in the prompt, 9223372036854775807 for"),
+            std::string::npos)
+      << error->status.message();
+
   OpenAiRequest long_chat = chat;
   long_chat.messages[0].content = std::string(400, 'z');
   error = plan_generation(long_chat, tok, options, plan);
