@@ -5,9 +5,11 @@
 #include <thread>
 
 #include <caf/io/all.hpp>
+#include <caf/openssl/all.hpp>
 #include <unistd.h>
 
 #include "actors/cluster_service_impl.hpp"
+#include "actors/cluster_tls.hpp"
 #include "actors/decode_worker.hpp"
 #include "actors/prefill_worker.hpp"
 #include "actors/registry_actor.hpp"
@@ -41,6 +43,54 @@ std::string default_worker_name(const char* role) {
   char host[256] = {0};
   if (::gethostname(host, sizeof(host) - 1) != 0) std::snprintf(host, sizeof(host), "localhost");
   return std::string(role) + "@" + host + ":" + std::to_string(::getpid());
+}
+
+// The cluster-port settings of `options`: the checked TLS files, none (plain TCP), or an error when plain TCP
+// would be open to other hosts without cluster_insecure.
+Result<std::optional<ClusterTlsFiles>> cluster_tls(const NodeOptions& options) {
+  const bool publishes = options.role == NodeRole::kRouter && !options.router_joins_registry;
+  const bool joins = options.role == NodeRole::kPrefill || options.role == NodeRole::kDecode ||
+                     (options.role == NodeRole::kRouter && options.router_joins_registry);
+  if (!options.cluster_tls_dir.empty()) {
+    if (!publishes && !joins) {
+      return invalid_argument("cluster_tls_dir (--cluster-tls-dir): the serve role has no cluster port");
+    }
+    auto files = load_cluster_tls_dir(options.cluster_tls_dir, "--cluster-tls-dir");
+    if (!files.is_ok()) return files.status();
+    return std::optional<ClusterTlsFiles>(std::move(files).value());
+  }
+  const std::string& host = publishes ? options.cluster_host : options.join_host;
+  if ((publishes || joins) && !options.cluster_insecure && !is_loopback_host(host)) {
+    return failed_precondition(
+        std::string(publishes ? "cluster host " : "join host ") + host +
+        " is not loopback and no --cluster-tls-dir is given: anyone who reaches the port could " +
+        (publishes ? "join as a worker" : "pose as the router") +
+        "; give --cluster-tls-dir (or DELTASERVE_CLUSTER_TLS_DIR), or --cluster-insecure to accept plain TCP");
+  }
+  return std::optional<ClusterTlsFiles>();
+}
+
+// One attempt to reach the registry published at host:port, over TLS when `tls`. Bounded by `timeout`: a
+// plain-TCP client of a TLS listener (or the reverse, on some paths) waits for a handshake that never comes,
+// and CAF's own remote_actor would wait forever.
+caf::expected<registry_actor> connect_registry(caf::actor_system& sys, bool tls, const std::string& host, uint16_t port,
+                                               std::chrono::milliseconds timeout) {
+  caf::io::middleman_actor middleman = tls ? sys.openssl_manager().actor_handle() : sys.middleman().actor_handle();
+  caf::expected<registry_actor> result{caf::sec::cannot_connect_to_node};
+  caf::scoped_actor self{sys};
+  self->request(middleman, timeout, caf::connect_atom::value, host, port)
+      .receive(
+          [&](caf::node_id&, caf::strong_actor_ptr& actor, std::set<std::string>& interface) {
+            if (!actor) {
+              result = caf::sec::no_actor_published_at_port;
+            } else if (!sys.assignable<registry_actor>(interface)) {
+              result = caf::sec::unexpected_actor_messaging_interface;
+            } else {
+              result = caf::actor_cast<registry_actor>(std::move(actor));
+            }
+          },
+          [&](caf::error& err) { result = std::move(err); });
+  return result;
 }
 
 }  // namespace
@@ -113,6 +163,9 @@ Node::~Node() {
 Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
   auto impl = std::make_unique<Impl>();
   const NodeRole role = options.role;
+  // Before the model loads: a refused cluster setting should not wait for the weights.
+  auto tls = cluster_tls(options);
+  if (!tls.is_ok()) return tls.status();
   const bool needs_model = role == NodeRole::kServe || role == NodeRole::kPrefill || role == NodeRole::kDecode;
   const bool needs_tokenizer = role == NodeRole::kServe || role == NodeRole::kDecode;
   if (needs_model && !options.model) {
@@ -185,6 +238,15 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
   }
 
   impl->config.load<caf::io::middleman>();
+  if (tls->has_value()) {
+    // With these set, CAF's OpenSSL module requires a certificate of the CA on both ends of every connection it
+    // makes or accepts (SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT). Only its publish/connect use TLS:
+    // the plain middleman's would still speak plain TCP.
+    impl->config.load<caf::openssl::manager>();
+    impl->config.openssl_certificate = (*tls)->certificate.string();
+    impl->config.openssl_key = (*tls)->key.string();
+    impl->config.openssl_cafile = (*tls)->ca.string();
+  }
   register_wire_types(impl->config);
   impl->config.set("logger.verbosity", caf::atom("quiet"));
   impl->config.set("logger.file-verbosity", caf::atom("quiet"));
@@ -208,7 +270,10 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
     auto backoff = std::chrono::milliseconds(50);
     std::string last_error;
     while (true) {
-      auto remote = sys.middleman().remote_actor<registry_actor>(options.join_host, options.join_port);
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      auto remote = connect_registry(sys, tls->has_value(), options.join_host, options.join_port,
+                                     std::max(left, std::chrono::milliseconds(1)));
       if (remote) {
         n.registry = *remote;
         break;
@@ -216,8 +281,10 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
       last_error = sys.render(remote.error());
       if (std::chrono::steady_clock::now() + backoff > deadline) {
         n.stop();
-        return Status(StatusCode::kDeadlineExceeded, "cannot join the registry at " + options.join_host + ":" +
-                                                         std::to_string(options.join_port) + ": " + last_error);
+        return Status(StatusCode::kDeadlineExceeded,
+                      "cannot join the registry at " + options.join_host + ":" + std::to_string(options.join_port) +
+                          (tls->has_value() ? " over TLS" : " over plain TCP (a TLS listener never answers it)") +
+                          ": " + last_error);
       }
       std::this_thread::sleep_for(backoff);
       backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
@@ -236,7 +303,9 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
         std::unique_ptr<ClusterService::Impl>(new ClusterService::Impl{sys, n.router, n.gauges}));
   }
   if (role == NodeRole::kRouter && !options.router_joins_registry) {
-    auto port = sys.middleman().publish(n.registry, options.cluster_port, options.cluster_host.c_str(), true);
+    auto port = tls->has_value()
+                    ? caf::openssl::publish(n.registry, options.cluster_port, options.cluster_host.c_str(), true)
+                    : sys.middleman().publish(n.registry, options.cluster_port, options.cluster_host.c_str(), true);
     if (!port) {
       const std::string why = sys.render(port.error());
       n.stop();
