@@ -21,17 +21,12 @@ constexpr size_t kMaxExpired = 1024;
 
 using RegistryPointer = registry_actor::stateful_pointer<RegistryState>;
 
-// The node a message came from; none for an anonymous message, which therefore holds and matches no name.
-caf::node_id sender_node(RegistryPointer self) {
-  const caf::strong_actor_ptr& sender = self->current_sender();
-  return sender ? sender->node() : caf::node_id();
-}
-
 // Whether the current message comes from the node whose worker holds `info`'s name (the node of the handle
-// it joined with; join checks that this is the joining node).
+// it joined with; join checks that this is the joining node). Anonymous messages hold and match no name. (An
+// actor system without the middleman has the empty node id; its actors all match each other.)
 bool from_holder(RegistryPointer self, const WorkerInfo& info) {
-  const caf::node_id from = sender_node(self);
-  return from != caf::node_id() && info.handle && info.handle.node() == from;
+  const caf::strong_actor_ptr& sender = self->current_sender();
+  return sender && info.handle && info.handle.node() == sender->node();
 }
 
 std::vector<WorkerInfo> snapshot(const RegistryState& state) {
@@ -93,13 +88,13 @@ registry_actor::behavior_type registry_impl(RegistryPointer self, const std::str
   return {
       [self](join_atom, WorkerInfo info) -> caf::result<uint64_t> {
         auto& workers = self->state.workers;
-        const caf::node_id from = sender_node(self);
-        if (from == caf::node_id() || !info.handle || info.handle.node() != from) {
+        const caf::strong_actor_ptr& sender = self->current_sender();
+        if (!sender || !info.handle || info.handle.node() != sender->node()) {
           return caf::make_error(caf::sec::runtime_error,
                                  "join " + info.name + ": the worker's actor must live on the joining node");
         }
         auto it = workers.find(info.name);
-        if (it != workers.end() && it->second.handle.node() != from) {
+        if (it != workers.end() && it->second.handle.node() != sender->node()) {
           // Alive and held by another node: only its holder may replace it. Once it is down or expired (missed
           // heartbeats) the name is free again.
           return caf::make_error(caf::sec::runtime_error,
