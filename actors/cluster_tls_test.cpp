@@ -355,10 +355,12 @@ TEST(ClusterRegistryBindingTest, AnotherNodeCannotEvictATakenNameAndGetsItOnceFr
   another_node_cannot_evict_take_or_speak_for({}, true);
 }
 
-// CAF 0.17.6's OpenSSL module: after a TLS-connected worker node disconnects from the router, the registry
-// no longer answers requests over TLS (from nodes already connected or new ones; the TLS handshake itself
-// still succeeds, and no thread is busy or blocked). Over plain TCP the same sequence works (the test above).
-// Disabled until that is fixed or worked around; a TLS cluster must not be trusted with worker churn before.
+// CAF 0.17.6's OpenSSL module: after a TLS peer of the router disconnects (a worker that leaves, or a refused
+// one: tests/integration/test_cluster_tls.py), the registry no longer answers over the other TLS connections
+// and new ones (the TLS handshake itself still succeeds; no thread is busy or blocked). Over plain TCP the
+// same sequence works (ClusterRegistryBindingTest above). Suspected, not verified: CAF's session never clears
+// the I/O thread's OpenSSL error queue (only its log statements drain it), so a later SSL_get_error on another
+// connection reports the stale error. Disabled until fixed or worked around.
 TEST(ClusterTlsTest, DISABLED_RegistryAnswersAfterATlsWorkerLeaves) {
   TestClusterTls tls;
   ASSERT_TRUE(tls.ok());
