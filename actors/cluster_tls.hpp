@@ -24,7 +24,7 @@ struct ClusterTlsFiles {
   std::filesystem::path key;          // DIR/tls.key
 };
 
-// Checks DIR before CAF sees it (CAF's OpenSSL module throws from its I/O thread on a bad file): each file
+// Checks DIR at start, before anything listens or connects (the tunnel would otherwise fail per connection): each file
 // exists, is readable and parses as PEM; ca.crt holds at least one certificate; tls.key is the key of tls.crt;
 // tls.crt chains to ca.crt. Errors name the file and `option` (the flag or field the directory came from).
 Result<ClusterTlsFiles> load_cluster_tls_dir(const std::filesystem::path& dir, const std::string& option);

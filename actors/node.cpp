@@ -5,7 +5,6 @@
 #include <thread>
 
 #include <caf/io/all.hpp>
-#include <caf/openssl/all.hpp>
 #include <unistd.h>
 
 #include "actors/cluster_service_impl.hpp"
@@ -14,6 +13,7 @@
 #include "actors/prefill_worker.hpp"
 #include "actors/registry_actor.hpp"
 #include "actors/router_actor.hpp"
+#include "actors/tls_tunnel.hpp"
 #include "actors/ucx_transport.hpp"
 #include "engine/prefix_state.hpp"
 
@@ -70,15 +70,14 @@ Result<std::optional<ClusterTlsFiles>> cluster_tls(const NodeOptions& options) {
   return std::optional<ClusterTlsFiles>();
 }
 
-// One attempt to reach the registry published at host:port, over TLS when `tls`. Bounded by `timeout`: a
-// plain-TCP client of a TLS listener (or the reverse, on some paths) waits for a handshake that never comes,
-// and CAF's own remote_actor would wait forever.
-caf::expected<registry_actor> connect_registry(caf::actor_system& sys, bool tls, const std::string& host, uint16_t port,
+// One attempt to reach the registry published at host:port (with TLS: the worker's tunnel end on loopback).
+// Bounded by `timeout`: a plain-TCP client of the TLS port sends nothing until the server's BASP handshake,
+// which never comes, and CAF's own remote_actor would wait forever.
+caf::expected<registry_actor> connect_registry(caf::actor_system& sys, const std::string& host, uint16_t port,
                                                std::chrono::milliseconds timeout) {
-  caf::io::middleman_actor middleman = tls ? sys.openssl_manager().actor_handle() : sys.middleman().actor_handle();
   caf::expected<registry_actor> result{caf::sec::cannot_connect_to_node};
   caf::scoped_actor self{sys};
-  self->request(middleman, timeout, caf::connect_atom::value, host, port)
+  self->request(sys.middleman().actor_handle(), timeout, caf::connect_atom::value, host, port)
       .receive(
           [&](caf::node_id&, caf::strong_actor_ptr& actor, std::set<std::string>& interface) {
             if (!actor) {
@@ -110,6 +109,9 @@ struct Node::Impl {
   bool stopped = false;
   std::vector<std::string> worker_names;  // joined workers of this node
   std::shared_ptr<UcxLink> ucx;           // transport "ucx": this process's transfer engine
+  // cluster_tls_dir set: the cluster port's TLS (router: the TLS listener in front of CAF's loopback port;
+  // workers: the loopback end CAF connects to). Stopped after the actor system: CAF's connections run through it.
+  std::unique_ptr<TlsTunnel> tunnel;
 
   // Joins one worker through a request (so the caller knows the registry has it).
   Status join(const WorkerInfo& info) {
@@ -150,8 +152,9 @@ struct Node::Impl {
     decode.clear();
     router = nullptr;
     registry = nullptr;
-    system.reset();  // blocks until every actor (sinks included) has quit
-    ucx.reset();     // the engine last: cancels what is still in flight
+    system.reset();              // blocks until every actor (sinks included) has quit
+    ucx.reset();                 // the engine last: cancels what is still in flight
+    if (tunnel) tunnel->stop();  // closes the listener and every connection, joins its thread
   }
 };
 
@@ -238,15 +241,6 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
   }
 
   impl->config.load<caf::io::middleman>();
-  if (tls->has_value()) {
-    // With these set, CAF's OpenSSL module requires a certificate of the CA on both ends of every connection it
-    // makes or accepts (SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT). Only its publish/connect use TLS:
-    // the plain middleman's would still speak plain TCP.
-    impl->config.load<caf::openssl::manager>();
-    impl->config.openssl_certificate = (*tls)->certificate.string();
-    impl->config.openssl_key = (*tls)->key.string();
-    impl->config.openssl_cafile = (*tls)->ca.string();
-  }
   register_wire_types(impl->config);
   impl->config.set("logger.verbosity", caf::atom("quiet"));
   impl->config.set("logger.file-verbosity", caf::atom("quiet"));
@@ -265,6 +259,20 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
     n.own_registry = true;
   }
   if (joins_registry) {
+    // With TLS, CAF connects to this process's end of the tunnel (actors/tls_tunnel.hpp), which opens a
+    // mutual-TLS connection to the router for each connection CAF makes.
+    std::string caf_host = options.join_host;
+    uint16_t caf_port = options.join_port;
+    if (tls->has_value()) {
+      auto tunnel = TlsTunnel::connect(**tls, options.join_host, options.join_port);
+      if (!tunnel.is_ok()) {
+        n.stop();
+        return tunnel.status().with_context("cluster TLS tunnel to " + options.join_host);
+      }
+      n.tunnel = std::move(tunnel).value();
+      caf_host = "127.0.0.1";
+      caf_port = n.tunnel->port();
+    }
     // Connect with backoff until the deadline: the router may still be starting.
     const auto deadline = std::chrono::steady_clock::now() + options.join_timeout;
     auto backoff = std::chrono::milliseconds(50);
@@ -272,13 +280,13 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
     while (true) {
       const auto left =
           std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-      auto remote = connect_registry(sys, tls->has_value(), options.join_host, options.join_port,
-                                     std::max(left, std::chrono::milliseconds(1)));
+      auto remote = connect_registry(sys, caf_host, caf_port, std::max(left, std::chrono::milliseconds(1)));
       if (remote) {
         n.registry = *remote;
         break;
       }
       last_error = sys.render(remote.error());
+      if (n.tunnel && !n.tunnel->last_error().empty()) last_error += " (" + n.tunnel->last_error() + ")";
       if (std::chrono::steady_clock::now() + backoff > deadline) {
         n.stop();
         return Status(StatusCode::kDeadlineExceeded,
@@ -303,16 +311,28 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
         std::unique_ptr<ClusterService::Impl>(new ClusterService::Impl{sys, n.router, n.gauges}));
   }
   if (role == NodeRole::kRouter && !options.router_joins_registry) {
-    auto port = tls->has_value()
-                    ? caf::openssl::publish(n.registry, options.cluster_port, options.cluster_host.c_str(), true)
-                    : sys.middleman().publish(n.registry, options.cluster_port, options.cluster_host.c_str(), true);
+    // With TLS, CAF publishes plain BASP on loopback only (an ephemeral port) and the tunnel listens on the
+    // cluster host:port, splicing each authenticated connection to it (actors/tls_tunnel.hpp says why).
+    const bool tunnelled = tls->has_value();
+    auto port = sys.middleman().publish(n.registry, tunnelled ? 0 : options.cluster_port,
+                                        tunnelled ? "127.0.0.1" : options.cluster_host.c_str(), true);
     if (!port) {
       const std::string why = sys.render(port.error());
       n.stop();
-      return Status(StatusCode::kUnavailable, "cannot listen for workers on " + options.cluster_host + ":" +
-                                                  std::to_string(options.cluster_port) + ": " + why);
+      const std::string where = tunnelled ? "127.0.0.1:0 (behind the TLS tunnel)"
+                                          : options.cluster_host + ":" + std::to_string(options.cluster_port);
+      return Status(StatusCode::kUnavailable, "cannot listen for workers on " + where + ": " + why);
     }
     n.cluster_port = *port;
+    if (tunnelled) {
+      auto tunnel = TlsTunnel::serve(**tls, options.cluster_host, options.cluster_port, *port);
+      if (!tunnel.is_ok()) {
+        n.stop();
+        return tunnel.status().with_context("cannot listen for workers over TLS");
+      }
+      n.tunnel = std::move(tunnel).value();
+      n.cluster_port = n.tunnel->port();
+    }
   }
   // Workers: spawned with the registry handle (local or remote), then joined.
   auto add_prefill = [&](const std::string& name) -> Status {

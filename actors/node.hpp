@@ -44,10 +44,11 @@ struct NodeOptions {
   uint16_t join_port = 0;
   std::chrono::milliseconds join_timeout{30000};  // keep retrying the connection until then
   // Mutual TLS of the cluster port (actors/cluster_tls.hpp): a directory with ca.crt, tls.crt and tls.key.
-  // kRouter publishes the registry over TLS and workers (and a router that joins) connect over TLS; a peer
-  // needs a certificate of the same CA or is refused in the handshake. Checked at start (errors name the
-  // file). kServe has no cluster port and refuses it. Empty: plain TCP, which anyone who reaches the port
-  // can join; allowed on loopback hosts only, unless cluster_insecure.
+  // kRouter serves the cluster port over TLS and workers (and a router that joins) connect over TLS, through
+  // the tunnel of actors/tls_tunnel.hpp (CAF itself speaks plain BASP on loopback only); a peer needs a
+  // certificate of the same CA or is refused in the handshake. Checked at start (errors name the file). kServe has no
+  // cluster port and refuses it. Empty: plain TCP, which anyone who reaches the port can join; allowed on loopback
+  // hosts only, unless cluster_insecure.
   std::filesystem::path cluster_tls_dir;
   // Accept plain TCP on a cluster_host (kRouter) or join_host (workers) that is not loopback.
   bool cluster_insecure = false;
