@@ -2,7 +2,7 @@
 with --cluster-tls-dir (a Kubernetes TLS Secret layout made here with the openssl CLI). A decode worker with
 another CA's certificate, or with none, is refused and never gets a request; completions through the TLS
 cluster equal `deltaserve generate`; the cluster port speaks TLS, presents the cluster certificate and
-refuses a client without one.
+refuses a client without one; refused peers, probes and a killed worker leave the cluster serving.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import CLUSTER_RE, DsProcess, require_multi
+from conftest import CLUSTER_RE, DECODE_JOINED_RE, DsProcess, require_multi
 
 OPENSSL_CNF = """[req]
 distinguished_name = dn
@@ -137,20 +137,51 @@ def test_plain_cluster_port_off_loopback_needs_cluster_insecure(ds_env, logdir):
     assert "--cluster-insecure" in p.stderr_tail() and "--cluster-tls-dir" in p.stderr_tail(), p.describe()
 
 
-@pytest.mark.xfail(strict=True, reason="CAF 0.17.6's OpenSSL module: after a TLS peer of the router drops (here a "
-                   "refused worker), the router's other TLS connections stop carrying messages; see "
-                   "actors/cluster_tls_test.cpp DISABLED_RegistryAnswersAfterATlsWorkerLeaves")
-def test_cluster_keeps_serving_after_a_refused_peer(make_cluster, reference, secrets, ds_env, logdir):
+def test_cluster_keeps_serving_through_refused_peers_probes_and_worker_churn(make_cluster, reference, secrets, ds_env,
+                                                                           logdir):
+    """Each TLS connection of the router is independent (the tunnel, actors/tls_tunnel.hpp): a refused worker, a
+    port probe, a certificate-less client and a decode worker killed and replaced leave the cluster serving."""
     right, wrong = secrets
     tls = ["--cluster-tls-dir", right]
     c = make_cluster("multi", router_flags=tls, prefill_flags=tls, decode_flags=tls, decode_workers=1)
     cluster_port = int(c.front.wait_line(CLUSTER_RE, time.monotonic() + 5)[0].group(2))
-    env = dict(ds_env, DELTASERVE_CLUSTER_TLS_DIR=wrong)
-    bad = run_to_exit(f"decode-wrong-ca-b{c.port}", ["decode", "--model", c.model_dir, "--join",
-                                                     f"127.0.0.1:{cluster_port}", "--join-timeout-ms", "1000"],
-                      env, logdir)
-    assert bad.returncode == 1, bad.describe()
+    model = ["--model", c.model_dir]
+    join = ["--join", f"127.0.0.1:{cluster_port}"]
     ref = reference.get("Hello world", 8)
-    resp = c.client(timeout=20.0).completions.create(model=c.model_id, prompt="Hello world", max_tokens=8,
-                                                     temperature=0)
-    assert resp.choices[0].text == ref["text"]
+
+    def served() -> None:
+        resp = c.client(timeout=30.0).completions.create(model=c.model_id, prompt="Hello world", max_tokens=8,
+                                                         temperature=0)
+        assert resp.choices[0].text == ref["text"]
+
+    served()
+    env = dict(ds_env, DELTASERVE_CLUSTER_TLS_DIR=wrong)
+    bad = run_to_exit(f"decode-wrong-ca-b{c.port}", ["decode", *model, *join, "--join-timeout-ms", "1000"], env, logdir)
+    assert bad.returncode == 1, bad.describe()
+    assert "certificate verify failed" in bad.stderr_tail(), bad.describe()
+    served()
+
+    socket.create_connection(("127.0.0.1", cluster_port), timeout=30).close()  # a TCP probe
+    with pytest.raises((ssl.SSLError, ConnectionError)):  # a client without a certificate
+        with socket.create_connection(("127.0.0.1", cluster_port), timeout=30) as raw:
+            with tls_client(right, None).wrap_socket(raw, server_hostname="127.0.0.1") as s:
+                s.sendall(b"\0" * 16)
+                if not s.recv(1):
+                    raise ConnectionError("closed by the server")
+    served()
+
+    # The decode worker dies without leaving (SIGKILL: its TLS connection just drops); a replacement joins.
+    old = next(p for p in c.procs if "decode" in p.name)
+    old.proc.kill()
+    old.wait(30)
+    new = DsProcess(f"multi-decode-new{c.port}", ["decode", *model, *join, *tls], ds_env, logdir)
+    c.procs.append(new)  # stopped with the cluster
+    deadline = time.monotonic() + 60
+    while new.count_lines(DECODE_JOINED_RE) == 0 and c.front.count_lines(DECODE_JOINED_RE) < 2:
+        assert new.alive(), new.describe()
+        assert time.monotonic() < deadline, new.describe()
+        time.sleep(0.05)
+    for _ in range(3):  # the router noticed the dead worker when its connection dropped: no retries needed
+        served()
+    c.procs.remove(old)  # killed on purpose: not a failed stop
+    c.check_alive()
