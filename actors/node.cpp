@@ -8,10 +8,12 @@
 #include <unistd.h>
 
 #include "actors/cluster_service_impl.hpp"
+#include "actors/cluster_tls.hpp"
 #include "actors/decode_worker.hpp"
 #include "actors/prefill_worker.hpp"
 #include "actors/registry_actor.hpp"
 #include "actors/router_actor.hpp"
+#include "actors/tls_tunnel.hpp"
 #include "actors/ucx_transport.hpp"
 #include "engine/prefix_state.hpp"
 
@@ -43,6 +45,53 @@ std::string default_worker_name(const char* role) {
   return std::string(role) + "@" + host + ":" + std::to_string(::getpid());
 }
 
+// The cluster-port settings of `options`: the checked TLS files, none (plain TCP), or an error when plain TCP
+// would be open to other hosts without cluster_insecure.
+Result<std::optional<ClusterTlsFiles>> cluster_tls(const NodeOptions& options) {
+  const bool publishes = options.role == NodeRole::kRouter && !options.router_joins_registry;
+  const bool joins = options.role == NodeRole::kPrefill || options.role == NodeRole::kDecode ||
+                     (options.role == NodeRole::kRouter && options.router_joins_registry);
+  if (!options.cluster_tls_dir.empty()) {
+    if (!publishes && !joins) {
+      return invalid_argument("cluster_tls_dir (--cluster-tls-dir): the serve role has no cluster port");
+    }
+    auto files = load_cluster_tls_dir(options.cluster_tls_dir, "--cluster-tls-dir");
+    if (!files.is_ok()) return files.status();
+    return std::optional<ClusterTlsFiles>(std::move(files).value());
+  }
+  const std::string& host = publishes ? options.cluster_host : options.join_host;
+  if ((publishes || joins) && !options.cluster_insecure && !is_loopback_host(host)) {
+    return failed_precondition(
+        std::string(publishes ? "cluster host " : "join host ") + host +
+        " is not loopback and no --cluster-tls-dir is given: anyone who reaches the port could " +
+        (publishes ? "join as a worker" : "pose as the router") +
+        "; give --cluster-tls-dir (or DELTASERVE_CLUSTER_TLS_DIR), or --cluster-insecure to accept plain TCP");
+  }
+  return std::optional<ClusterTlsFiles>();
+}
+
+// One attempt to reach the registry published at host:port (with TLS: the worker's tunnel end on loopback).
+// Bounded by `timeout`: a plain-TCP client of the TLS port sends nothing until the server's BASP handshake,
+// which never comes, and CAF's own remote_actor would wait forever.
+caf::expected<registry_actor> connect_registry(caf::actor_system& sys, const std::string& host, uint16_t port,
+                                               std::chrono::milliseconds timeout) {
+  caf::expected<registry_actor> result{caf::sec::cannot_connect_to_node};
+  caf::scoped_actor self{sys};
+  self->request(sys.middleman().actor_handle(), timeout, caf::connect_atom::value, host, port)
+      .receive(
+          [&](caf::node_id&, caf::strong_actor_ptr& actor, std::set<std::string>& interface) {
+            if (!actor) {
+              result = caf::sec::no_actor_published_at_port;
+            } else if (!sys.assignable<registry_actor>(interface)) {
+              result = caf::sec::unexpected_actor_messaging_interface;
+            } else {
+              result = caf::actor_cast<registry_actor>(std::move(actor));
+            }
+          },
+          [&](caf::error& err) { result = std::move(err); });
+  return result;
+}
+
 }  // namespace
 
 struct Node::Impl {
@@ -60,6 +109,9 @@ struct Node::Impl {
   bool stopped = false;
   std::vector<std::string> worker_names;  // joined workers of this node
   std::shared_ptr<UcxLink> ucx;           // transport "ucx": this process's transfer engine
+  // cluster_tls_dir set: the cluster port's TLS (router: the TLS listener in front of CAF's loopback port;
+  // workers: the loopback end CAF connects to). Stopped after the actor system: CAF's connections run through it.
+  std::unique_ptr<TlsTunnel> tunnel;
 
   // Joins one worker through a request (so the caller knows the registry has it).
   Status join(const WorkerInfo& info) {
@@ -100,8 +152,9 @@ struct Node::Impl {
     decode.clear();
     router = nullptr;
     registry = nullptr;
-    system.reset();  // blocks until every actor (sinks included) has quit
-    ucx.reset();     // the engine last: cancels what is still in flight
+    system.reset();              // blocks until every actor (sinks included) has quit
+    ucx.reset();                 // the engine last: cancels what is still in flight
+    if (tunnel) tunnel->stop();  // closes the listener and every connection, joins its thread
   }
 };
 
@@ -113,6 +166,9 @@ Node::~Node() {
 Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
   auto impl = std::make_unique<Impl>();
   const NodeRole role = options.role;
+  // Before the model loads: a refused cluster setting should not wait for the weights.
+  auto tls = cluster_tls(options);
+  if (!tls.is_ok()) return tls.status();
   const bool needs_model = role == NodeRole::kServe || role == NodeRole::kPrefill || role == NodeRole::kDecode;
   const bool needs_tokenizer = role == NodeRole::kServe || role == NodeRole::kDecode;
   if (needs_model && !options.model) {
@@ -203,21 +259,40 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
     n.own_registry = true;
   }
   if (joins_registry) {
+    // With TLS, CAF connects to this process's end of the tunnel (actors/tls_tunnel.hpp), which opens a
+    // mutual-TLS connection to the router for each connection CAF makes.
+    std::string caf_host = options.join_host;
+    uint16_t caf_port = options.join_port;
+    if (tls->has_value()) {
+      auto tunnel = TlsTunnel::connect(**tls, options.join_host, options.join_port);
+      if (!tunnel.is_ok()) {
+        n.stop();
+        return tunnel.status().with_context("cluster TLS tunnel to " + options.join_host);
+      }
+      n.tunnel = std::move(tunnel).value();
+      caf_host = "127.0.0.1";
+      caf_port = n.tunnel->port();
+    }
     // Connect with backoff until the deadline: the router may still be starting.
     const auto deadline = std::chrono::steady_clock::now() + options.join_timeout;
     auto backoff = std::chrono::milliseconds(50);
     std::string last_error;
     while (true) {
-      auto remote = sys.middleman().remote_actor<registry_actor>(options.join_host, options.join_port);
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      auto remote = connect_registry(sys, caf_host, caf_port, std::max(left, std::chrono::milliseconds(1)));
       if (remote) {
         n.registry = *remote;
         break;
       }
       last_error = sys.render(remote.error());
+      if (n.tunnel && !n.tunnel->last_error().empty()) last_error += " (" + n.tunnel->last_error() + ")";
       if (std::chrono::steady_clock::now() + backoff > deadline) {
         n.stop();
-        return Status(StatusCode::kDeadlineExceeded, "cannot join the registry at " + options.join_host + ":" +
-                                                         std::to_string(options.join_port) + ": " + last_error);
+        return Status(StatusCode::kDeadlineExceeded,
+                      "cannot join the registry at " + options.join_host + ":" + std::to_string(options.join_port) +
+                          (tls->has_value() ? " over TLS" : " over plain TCP (a TLS listener never answers it)") +
+                          ": " + last_error);
       }
       std::this_thread::sleep_for(backoff);
       backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
@@ -236,14 +311,28 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
         std::unique_ptr<ClusterService::Impl>(new ClusterService::Impl{sys, n.router, n.gauges}));
   }
   if (role == NodeRole::kRouter && !options.router_joins_registry) {
-    auto port = sys.middleman().publish(n.registry, options.cluster_port, options.cluster_host.c_str(), true);
+    // With TLS, CAF publishes plain BASP on loopback only (an ephemeral port) and the tunnel listens on the
+    // cluster host:port, splicing each authenticated connection to it (actors/tls_tunnel.hpp says why).
+    const bool tunnelled = tls->has_value();
+    auto port = sys.middleman().publish(n.registry, tunnelled ? 0 : options.cluster_port,
+                                        tunnelled ? "127.0.0.1" : options.cluster_host.c_str(), true);
     if (!port) {
       const std::string why = sys.render(port.error());
       n.stop();
-      return Status(StatusCode::kUnavailable, "cannot listen for workers on " + options.cluster_host + ":" +
-                                                  std::to_string(options.cluster_port) + ": " + why);
+      const std::string where = tunnelled ? "127.0.0.1:0 (behind the TLS tunnel)"
+                                          : options.cluster_host + ":" + std::to_string(options.cluster_port);
+      return Status(StatusCode::kUnavailable, "cannot listen for workers on " + where + ": " + why);
     }
     n.cluster_port = *port;
+    if (tunnelled) {
+      auto tunnel = TlsTunnel::serve(**tls, options.cluster_host, options.cluster_port, *port);
+      if (!tunnel.is_ok()) {
+        n.stop();
+        return tunnel.status().with_context("cannot listen for workers over TLS");
+      }
+      n.tunnel = std::move(tunnel).value();
+      n.cluster_port = n.tunnel->port();
+    }
   }
   // Workers: spawned with the registry handle (local or remote), then joined.
   auto add_prefill = [&](const std::string& name) -> Status {

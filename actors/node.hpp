@@ -43,6 +43,15 @@ struct NodeOptions {
   std::string join_host = "127.0.0.1";     // kPrefill/kDecode: the registry to join
   uint16_t join_port = 0;
   std::chrono::milliseconds join_timeout{30000};  // keep retrying the connection until then
+  // Mutual TLS of the cluster port (actors/cluster_tls.hpp): a directory with ca.crt, tls.crt and tls.key.
+  // kRouter serves the cluster port over TLS and workers (and a router that joins) connect over TLS, through
+  // the tunnel of actors/tls_tunnel.hpp (CAF itself speaks plain BASP on loopback only); a peer needs a
+  // certificate of the same CA or is refused in the handshake. Checked at start (errors name the file). kServe has no
+  // cluster port and refuses it. Empty: plain TCP, which anyone who reaches the port can join; allowed on loopback
+  // hosts only, unless cluster_insecure.
+  std::filesystem::path cluster_tls_dir;
+  // Accept plain TCP on a cluster_host (kRouter) or join_host (workers) that is not loopback.
+  bool cluster_insecure = false;
   std::chrono::milliseconds heartbeat_interval{500};
   std::string worker_name;  // kPrefill/kDecode; default "<role>@<hostname>:<pid>"
 
@@ -107,7 +116,10 @@ class Node {
  public:
   struct Impl;
   // Starts the actor system and the roles; for workers, connects (with retries) and joins. Errors: bad
-  // model (DataLoss/NotFound...), port taken (Unavailable), registry unreachable (DeadlineExceeded).
+  // model (DataLoss/NotFound...), bad cluster TLS files (NotFound/InvalidArgument/IoError, naming the file),
+  // a non-loopback cluster host without TLS or cluster_insecure (FailedPrecondition), port taken
+  // (Unavailable), registry unreachable or TLS handshake refused (DeadlineExceeded), worker name held by a
+  // live worker of another node (Unavailable).
   static Result<std::unique_ptr<Node>> start(NodeOptions options);
   ~Node();  // shutdown()
 

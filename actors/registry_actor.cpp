@@ -21,6 +21,14 @@ constexpr size_t kMaxExpired = 1024;
 
 using RegistryPointer = registry_actor::stateful_pointer<RegistryState>;
 
+// Whether the current message comes from the node whose worker holds `info`'s name (the node of the handle
+// it joined with; join checks that this is the joining node). Anonymous messages hold and match no name. (An
+// actor system without the middleman has the empty node id; its actors all match each other.)
+bool from_holder(RegistryPointer self, const WorkerInfo& info) {
+  const caf::strong_actor_ptr& sender = self->current_sender();
+  return sender && info.handle && info.handle.node() == sender->node();
+}
+
 std::vector<WorkerInfo> snapshot(const RegistryState& state) {
   std::vector<WorkerInfo> out;
   out.reserve(state.workers.size());
@@ -78,13 +86,23 @@ registry_actor::behavior_type registry_impl(RegistryPointer self, const std::str
     }
   });
   return {
-      [self](join_atom, WorkerInfo info) -> uint64_t {
+      [self](join_atom, WorkerInfo info) -> caf::result<uint64_t> {
         auto& workers = self->state.workers;
-        self->state.expired.erase(info.name);
-        if (auto it = workers.find(info.name); it != workers.end() && it->second.handle != info.handle) {
-          self->demonitor(it->second.handle);
+        const caf::strong_actor_ptr& sender = self->current_sender();
+        if (!sender || !info.handle || info.handle.node() != sender->node()) {
+          return caf::make_error(caf::sec::runtime_error,
+                                 "join " + info.name + ": the worker's actor must live on the joining node");
         }
-        if (info.handle) self->monitor(info.handle);
+        auto it = workers.find(info.name);
+        if (it != workers.end() && it->second.handle.node() != sender->node()) {
+          // Alive and held by another node: only its holder may replace it. Once it is down or expired (missed
+          // heartbeats) the name is free again.
+          return caf::make_error(caf::sec::runtime_error,
+                                 "join " + info.name + ": the name is held by a live worker of another node");
+        }
+        self->state.expired.erase(info.name);
+        if (it != workers.end() && it->second.handle != info.handle) self->demonitor(it->second.handle);
+        self->monitor(info.handle);
         self->state.last_seen[info.name] = self->clock().now();
         workers[info.name] = std::move(info);
         publish(self);
@@ -92,10 +110,12 @@ registry_actor::behavior_type registry_impl(RegistryPointer self, const std::str
       },
       [self](heartbeat_atom, const std::string& name, WorkerLoad load) {
         auto it = self->state.workers.find(name);
+        if (it != self->state.workers.end() && !from_holder(self, it->second)) return;  // not its holder: ignored
         if (it == self->state.workers.end()) {
           auto back = self->state.expired.find(name);
           if (back == self->state.expired.end()) return;  // unknown, left, or down: ignored
-          if (back->second.handle) self->monitor(back->second.handle);
+          if (!from_holder(self, back->second)) return;
+          self->monitor(back->second.handle);
           it = self->state.workers.emplace(name, std::move(back->second)).first;
           self->state.expired.erase(back);
         }
@@ -104,9 +124,12 @@ registry_actor::behavior_type registry_impl(RegistryPointer self, const std::str
         publish(self);
       },
       [self](leave_atom, const std::string& name) {
-        self->state.expired.erase(name);
+        if (auto back = self->state.expired.find(name);
+            back != self->state.expired.end() && from_holder(self, back->second)) {
+          self->state.expired.erase(back);
+        }
         auto it = self->state.workers.find(name);
-        if (it == self->state.workers.end()) return;
+        if (it == self->state.workers.end() || !from_holder(self, it->second)) return;
         self->demonitor(it->second.handle);
         self->state.workers.erase(it);
         self->state.last_seen.erase(name);
@@ -132,7 +155,9 @@ registry_actor::behavior_type registry_impl(RegistryPointer self, const std::str
       },
       [self](cache_atom, kvstore::CacheEventBatch& batch) {
         auto& state = self->state;
-        if (state.workers.count(batch.worker) == 0) return;  // left or expired: its entries are being dropped
+        auto it = state.workers.find(batch.worker);
+        if (it == state.workers.end()) return;       // left or expired: its entries are being dropped
+        if (!from_holder(self, it->second)) return;  // another node may not speak for this worker's cache
         for (const registry_subscriber& subscriber : state.subscribers)
           self->send(subscriber, cache_atom::value, batch);
       },

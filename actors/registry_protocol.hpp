@@ -1,19 +1,28 @@
 // Registry of workers: who is alive, in which role, and how loaded. Lives next to the router actor;
 // published on --cluster-host/--cluster-port for workers in other processes.
 //
-// Protocol (all messages one-way except join and list):
-//   join(WorkerInfo)          -> uint64_t workers now registered. Monitors the worker; a worker that
-//                                joins again under the same name replaces its old entry.
-//   heartbeat(name, load)     updates the load of a registered worker. A worker dropped for missed
-//                             heartbeats (its actor still up) is registered again by its next heartbeat;
-//                             other unknown names are ignored.
-//   leave(name)               removes the worker (graceful: its in-flight requests continue).
+// Protocol (all messages one-way except join and list). A name is bound to the node (CAF node id) that
+// joined it: the node of the sender of join, which must also be the node of the worker's handle. Over a
+// cluster port with TLS (actors/cluster_tls.hpp) only nodes with a certificate of the cluster's CA connect at
+// all; among them, one node cannot evict, impersonate or speak for another node's worker. (A node id is
+// what the peer declares in CAF's handshake: the binding separates honest peers and stray processes, and is
+// no defence against a peer that holds a valid certificate and lies.) Anonymous messages hold no name.
+//   join(WorkerInfo)          -> uint64_t workers now registered, or an error when the name is held by a live
+//                                worker of another node (free again once that one is down or expired) or the
+//                                handle is not on the joining node. Monitors the worker; its node joining again
+//                                under the same name replaces its old entry.
+//   heartbeat(name, load)     from the name's node: updates the load of a registered worker. A worker dropped
+//                             for missed heartbeats (its actor still up) is registered again by its next
+//                             heartbeat; other unknown names, and other nodes' messages, are ignored.
+//   leave(name)               from the name's node: removes the worker (graceful: its in-flight requests
+//                             continue). From another node: ignored.
 //   list()                    -> std::vector<WorkerInfo>, sorted by name.
 //   subscribe(actor)          the subscriber receives (workers_atom, std::vector<WorkerInfo>) now and after
 //                             every change, and (lost_atom, name) when a worker goes down without leaving
 //                             (its in-flight requests are then failed by the subscriber, which knows them).
 //   cache(CacheEventBatch)    a prefill worker's prefix-cache events; forwarded to every subscriber (the
-//                             routers keep the prefix index). Batches of unknown workers are dropped.
+//                             routers keep the prefix index). Batches of unknown workers, and batches from a
+//                             node other than the one holding batch.worker, are dropped.
 #pragma once
 
 #include <string>

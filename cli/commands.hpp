@@ -79,6 +79,12 @@ struct TransportOptions {
   int64_t transfer_deadline_ms = 10000;
 };
 
+// The cluster port's security (router, prefill, decode); actors::NodeOptions cluster_tls_dir / cluster_insecure.
+struct ClusterSecurityOptions {
+  std::optional<std::string> tls_dir;  // ca.crt, tls.crt, tls.key (or DELTASERVE_CLUSTER_TLS_DIR)
+  bool insecure = false;               // plain TCP on a non-loopback cluster/join host
+};
+
 // The cluster roles (cli/serve_command.cpp). Each runs until SIGTERM/SIGINT, then drains and returns 0;
 // fatal startup errors (bad model, port taken, registry unreachable) print "error: ..." and return 1.
 struct ServeOptions {  // deltaserve serve: registry + router + workers + HTTP in one process
@@ -116,6 +122,7 @@ struct RouterOptions {  // deltaserve router: registry + router + HTTP; workers 
   // HOST:PORT of another router's cluster listener: use its registry and workers (no listener of our own).
   std::optional<std::string> join;
   CacheOptions cache;
+  ClusterSecurityOptions security;
 };
 int run_router(const RouterOptions& options, std::ostream& out, std::ostream& err);
 
@@ -132,6 +139,7 @@ struct WorkerOptions {  // deltaserve prefill | decode
   std::optional<std::string> metrics_listen;
   CacheOptions cache;
   TransportOptions transport;
+  ClusterSecurityOptions security;
 };
 int run_worker(const WorkerOptions& options, std::ostream& out, std::ostream& err);
 

@@ -194,6 +194,16 @@ int main(int argc, char** argv) {
         ->check(CLI::PositiveNumber);
   };
 
+  // Cluster port security flags (router, prefill, decode; serve has no cluster port).
+  auto add_security_options = [&](CLI::App* sub, ClusterSecurityOptions& s) {
+    role_option(sub, "cluster-tls-dir", s.tls_dir,
+                "Mutual TLS on the cluster port: a directory with ca.crt, tls.crt, tls.key (a Kubernetes TLS "
+                "Secret); every router and worker needs a certificate of the same CA");
+    sub->add_flag("--cluster-insecure", s.insecure,
+                  "Allow plain TCP on a non-loopback cluster/join host: anyone who reaches the port can join")
+        ->envname("DELTASERVE_CLUSTER_INSECURE");
+  };
+
   ServeOptions serve_opts;
   auto* serve = app.add_subcommand("serve", "Serve the OpenAI API with every role in this process");
   add_config(serve);
@@ -233,6 +243,7 @@ int main(int argc, char** argv) {
   role_option(router, "join", router_opts.join,
               "HOST:PORT of another router's cluster listener: share its registry and workers (a second router)");
   add_cache_options(router, router_opts.cache, false, true);
+  add_security_options(router, router_opts.security);
 
   WorkerOptions prefill_opts;
   auto* prefill = app.add_subcommand("prefill", "Run a prefill worker that joins a router");
@@ -248,6 +259,7 @@ int main(int argc, char** argv) {
   add_cache_options(prefill, prefill_opts.cache, true, false);
   add_device_options(prefill, prefill_opts.device);
   add_transport_options(prefill, prefill_opts.transport);
+  add_security_options(prefill, prefill_opts.security);
 
   WorkerOptions decode_opts;
   decode_opts.decode = true;
@@ -261,6 +273,7 @@ int main(int argc, char** argv) {
   role_option(decode, "drain-timeout-ms", decode_opts.drain_timeout_ms, drain_help)->check(CLI::NonNegativeNumber);
   role_option(decode, "metrics-listen", decode_opts.metrics_listen, worker_metrics_help);
   add_transport_options(decode, decode_opts.transport);
+  add_security_options(decode, decode_opts.security);
   add_device_options(decode, decode_opts.device);
 
   CLI11_PARSE(app, argc, argv);

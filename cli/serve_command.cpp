@@ -9,6 +9,7 @@
 
 #include <signal.h>
 
+#include "actors/cluster_tls.hpp"
 #include "actors/node.hpp"
 #include "cli/commands.hpp"
 #include "engine/model_config.hpp"
@@ -273,8 +274,9 @@ void apply_transport_options(const TransportOptions& t, bool loopback, actors::N
   n.transfer_deadline = std::chrono::milliseconds(t.transfer_deadline_ms);
 }
 
-bool is_loopback_host(const std::string& host) {
-  return host == "localhost" || host == "::1" || host.rfind("127.", 0) == 0;
+void apply_security_options(const ClusterSecurityOptions& s, actors::NodeOptions& n) {
+  if (s.tls_dir) n.cluster_tls_dir = *s.tls_dir;
+  n.cluster_insecure = s.insecure;
 }
 
 int run_serve(const ServeOptions& o, std::ostream& out, std::ostream& err) {
@@ -317,6 +319,7 @@ int run_router(const RouterOptions& o, std::ostream& out, std::ostream& err) {
   node_options.cluster_host = o.cluster_host;
   node_options.cluster_port = o.cluster_port;
   apply_cache_options(o.cache, node_options);
+  apply_security_options(o.security, node_options);
   if (o.join && !o.join->empty()) {
     auto join = parse_host_port(*o.join);
     if (!join.is_ok()) return fail(err, join.status());
@@ -358,7 +361,8 @@ int run_worker(const WorkerOptions& o, std::ostream& out, std::ostream& err) {
   node_options.join_port = join->second;
   node_options.join_timeout = std::chrono::milliseconds(o.join_timeout_ms);
   apply_cache_options(o.cache, node_options);
-  apply_transport_options(o.transport, is_loopback_host(join->first), node_options);
+  apply_transport_options(o.transport, actors::is_loopback_host(join->first), node_options);
+  apply_security_options(o.security, node_options);
   auto node = actors::Node::start(node_options);
   if (!node.is_ok()) return fail(err, node.status());
   out << "deltaserve: " << (o.decode ? "decode" : "prefill") << " worker joined " << join->first << ":" << join->second

@@ -13,8 +13,10 @@ packages=(
   # cluster layers
   libcaf-dev librocksdb-dev libucx-dev ucx-utils libboost-dev prometheus-cpp-dev
   libspdlog-dev libfmt-dev nlohmann-json3-dev libcli11-dev
-  # tests and benchmarks
-  libgtest-dev libgmock-dev googletest libbenchmark-dev
+  # cluster TLS: the tunnel of actors/tls_tunnel.cpp (Boost.Asio SSL over OpenSSL; libboost-dev above)
+  libssl-dev
+  # tests and benchmarks; openssl makes the test CAs and certificates of the cluster TLS tests
+  libgtest-dev libgmock-dev googletest libbenchmark-dev openssl
   # ops checks: promtool and a real Prometheus server (tests/ops)
   prometheus
 )
