@@ -105,7 +105,7 @@ using decode_actor =
     caf::typed_actor<caf::reacts_to<handoff_atom, Handoff>, caf::reacts_to<cancel_atom, std::string>,
                      caf::reacts_to<drop_atom, std::string, int64_t>, caf::reacts_to<drain_atom>,
                      caf::replies_to<stats_atom>::with<WorkerStats>, caf::reacts_to<step_atom>,
-                     caf::reacts_to<tick_atom>, caf::replies_to<reserve_atom, ReserveRequest>::with<ReserveReply>,
+                     caf::replies_to<reserve_atom, ReserveRequest>::with<ReserveReply>,
                      caf::reacts_to<handoff_ucx_atom, HandoffEnvelope, uint64_t>,
                      caf::reacts_to<transfer_done_atom, uint64_t, int32_t, std::string>,
                      caf::reacts_to<transfer_timer_atom, uint64_t>, caf::reacts_to<region_free_atom, uint32_t>>;

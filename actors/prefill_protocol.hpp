@@ -53,9 +53,8 @@ typename Inspector::result_type inspect(Inspector& f, PrefillJob& x) {
            x.prompt_hashes);
 }
 
-using prefill_actor =
-    caf::typed_actor<caf::reacts_to<prefill_atom, PrefillJob>, caf::reacts_to<cancel_atom, std::string>,
-                     caf::reacts_to<drain_atom>, caf::replies_to<stats_atom>::with<WorkerStats>,
-                     caf::reacts_to<work_atom>, caf::reacts_to<tick_atom>>;
+using prefill_actor = caf::typed_actor<caf::reacts_to<prefill_atom, PrefillJob>,
+                                       caf::reacts_to<cancel_atom, std::string>, caf::reacts_to<drain_atom>,
+                                       caf::replies_to<stats_atom>::with<WorkerStats>, caf::reacts_to<work_atom>>;
 
 }  // namespace deltaserve::actors

@@ -7,6 +7,7 @@
 #include <iostream>
 #include <optional>
 
+#include "actors/heartbeat.hpp"
 #include "engine/prefix_state.hpp"
 #include "engine/state_codec.hpp"
 #include "kvstore/cache/prefill_plan.hpp"
@@ -41,6 +42,8 @@ struct PrefillState {
   std::deque<Job> jobs;  // FIFO; front is being prefilled
   bool work_pending = false;
   bool draining = false;
+  std::shared_ptr<LoadBoard> board;  // with a registry and a heartbeat interval: what the reporter sends
+  load_reporter reporter;            // heartbeat.hpp
   uint64_t next_handoff_id = 1;
   WorkerStats stats;
   WorkerLoad last_reported{-1, -1, -1, -1};
@@ -75,7 +78,12 @@ void report_load(PrefillPointer self, bool force) {
   const WorkerLoad load = current_load(s);
   if (!force && load.queue_length == s.last_reported.queue_length && load.active == s.last_reported.active) return;
   s.last_reported = load;
-  self->send(s.registry, heartbeat_atom::value, s.config.name, load);
+  if (s.reporter) {  // one sender for every report keeps them in order
+    s.board->set(load);
+    self->send(s.reporter, poke_atom::value);
+  } else {
+    self->send(s.registry, heartbeat_atom::value, s.config.name, load);
+  }
 }
 
 void schedule_work(PrefillPointer self) {
@@ -297,7 +305,10 @@ prefill_actor::behavior_type prefill_impl(PrefillPointer self, std::shared_ptr<c
     }
   }
   if (s.registry && s.config.heartbeat_interval.count() > 0) {
-    self->delayed_send(self, s.config.heartbeat_interval, tick_atom::value);
+    s.board = std::make_shared<LoadBoard>();
+    s.board->set(current_load(s));
+    s.reporter = spawn_load_reporter(self->system(), s.registry, s.config.name, s.config.heartbeat_interval, s.board,
+                                     caf::actor_cast<caf::actor>(self));
   }
   return {
       [self](prefill_atom, PrefillJob& job) {
@@ -354,16 +365,11 @@ prefill_actor::behavior_type prefill_impl(PrefillPointer self, std::shared_ptr<c
       },
       [self](drain_atom) {
         auto& s = self->state;
+        if (s.board) s.board->set_draining();
         if (s.registry && !s.draining) self->send(s.registry, leave_atom::value, s.config.name);
         s.draining = true;
       },
       [self](stats_atom) -> WorkerStats { return current_stats(self->state); },
-      [self](tick_atom) {
-        auto& s = self->state;
-        if (s.draining) return;
-        report_load(self, true);
-        self->delayed_send(self, s.config.heartbeat_interval, tick_atom::value);
-      },
   };
 }
 
