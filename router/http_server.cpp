@@ -10,6 +10,7 @@
 #include <thread>
 #include <unordered_map>
 #include <utility>  // before Asio: Boost 1.74 awaitable.hpp needs std::exchange (stack.md §6.9)
+#include <variant>
 
 #include <boost/asio/bind_executor.hpp>
 #include <boost/asio/co_spawn.hpp>
@@ -86,6 +87,7 @@ class HttpServer::Impl {
         eos_token_ids_(std::move(eos_token_ids)),
         service_(service),
         keys_(std::move(keys)),
+        admission_(keys_.limits(), config_.admission_clock),
         acceptor_(ioc_),
         rng_(std::random_device{}()) {}
 
@@ -148,6 +150,7 @@ class HttpServer::Impl {
   std::vector<int32_t> eos_token_ids_;
   InferenceService& service_;
   ApiKeys keys_;
+  Admission admission_;
   telemetry::Metrics* const metrics_ = config_.metrics.get();  // null: not measured
   telemetry::Metrics::HookId metrics_hook_ = 0;
 
@@ -492,6 +495,19 @@ net::awaitable<bool> HttpServer::Impl::generate(ConnectionPtr connection, Endpoi
   }
 
   const int n = static_cast<int>(plan.choices.size());
+  // Charged prompt + every choice's max_tokens now; corrected to what was generated when the request ends.
+  const auto prompt_tokens = static_cast<int64_t>(plan.prompt.size());
+  auto admitted = admission_.admit(tenant, prompt_tokens + n * plan.max_tokens);
+  if (const auto* refusal = std::get_if<AdmissionRefusal>(&admitted)) {
+    const bool tokens = refusal->limit == AdmissionRefusal::Limit::kTokensPerMinute;
+    co_return co_await write_error(
+        connection,
+        ApiError::rate_limited(refusal->message, tokens ? "tokens" : "requests", refusal->retry_after.count()),
+        keep_alive);
+  }
+  Admission::Ticket ticket = std::move(std::get<Admission::Ticket>(admitted));
+  const Priority priority = admission_.priority_of(tenant);
+  for (GenerationRequest& choice : plan.choices) choice.priority = priority;
   std::vector<std::string> request_ids;
   for (const GenerationRequest& choice : plan.choices) request_ids.push_back(choice.request_id);
   auto channel = std::make_shared<ChunkChannel>(
@@ -616,6 +632,8 @@ net::awaitable<bool> HttpServer::Impl::generate(ConnectionPtr connection, Endpoi
         observe_finished(at, *chunk.finish_reason, "", chunk.cached_tokens);
       }
     }
+    // The tenant's concurrency place is held until the last final chunk arrives, not until it is written.
+    if (remaining == 0) ticket.finish(prompt_tokens + usage.completion_tokens);
     if (!parsed.stream || failure) continue;
     if (remaining == 0) {
       if (parsed.include_usage) events += formatter.usage_event(usage);
@@ -647,6 +665,7 @@ net::awaitable<bool> HttpServer::Impl::generate(ConnectionPtr connection, Endpoi
     }
   }
   stop_watch(connection);
+  ticket.finish(prompt_tokens + usage.completion_tokens);  // failed or cut short: charged what was generated
 
   if (connection->client_gone && remaining > 0) {
     spdlog::debug("http: {} client went away; cancelling", response_id);

@@ -17,6 +17,11 @@
 // the connection and cancels the request's choices. Every failure of input is a 4xx decided before any
 // model work; 503 + Retry-After: 1 when the service is full (kResourceExhausted) or the server drains.
 //
+// Admission (admission.hpp): after the prompt is tokenized, the tenant's limits from the keys file are
+// checked; over one: 429 rate_limit_exceeded + Retry-After, and nothing reaches the service. An admitted
+// request holds its place until the final chunk of every choice (or its failure / the client leaving) and
+// is then charged prompt + generated tokens; its choices carry the tenant's priority.
+//
 // Streaming: the response head is sent with the first chunk, so a service failure before any token
 // (e.g. queue full) is a real HTTP error; later failures are one SSE error event and the connection is
 // closed. A client that goes away (socket closed while waiting for tokens, or a failed write) cancels
@@ -33,6 +38,7 @@
 #include <vector>
 
 #include "common/status.hpp"
+#include "router/admission.hpp"
 #include "router/api_keys.hpp"
 #include "router/inference_service.hpp"
 #include "router/openai_response.hpp"
@@ -59,6 +65,9 @@ struct HttpServerConfig {
   // separate listener (telemetry::MetricsListener), not on this port.
   std::shared_ptr<telemetry::Metrics> metrics;
   bool metrics_endpoint = true;
+  // The clock of the per-tenant admission limits (the keys file's "limits", admission.hpp); empty =
+  // steady_clock. Tests set a fake one.
+  AdmissionClock admission_clock;
 };
 
 class HttpServer {

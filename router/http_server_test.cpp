@@ -2,6 +2,7 @@
 // tests) against a scripted InferenceService double.
 #include "router/http_server.hpp"
 
+#include <cmath>
 #include <condition_variable>
 #include <map>
 #include <mutex>
@@ -480,6 +481,98 @@ TEST_F(HttpServerTest, ApiKeysRequired) {
   EXPECT_EQ(ok.status, 200u) << ok.body;
   ASSERT_EQ(service_.submitted().size(), 1u);
   EXPECT_EQ(service_.submitted()[0].tenant, "acme");
+}
+
+// ---- admission limits -------------------------------------------------------------------------------
+
+ApiKeys keys_with_limits(const std::string& limits) {
+  auto keys = ApiKeys::parse(R"({"tenants": [{"name": "acme", "api_key_sha256": ")" + sha256_hex("sk-acme") +
+                                 R"(", "limits": )" + limits + R"(}, {"name": "globex", "api_key_sha256": ")" +
+                                 sha256_hex("sk-globex") + R"("}]})",
+                             "keys");
+  if (!keys.is_ok()) ADD_FAILURE() << keys.status().to_string();
+  return std::move(keys).value();
+}
+
+const std::map<std::string, std::string> kAcme = {{"Authorization", "Bearer sk-acme"}};
+const std::map<std::string, std::string> kGlobex = {{"Authorization", "Bearer sk-globex"}};
+
+TEST_F(HttpServerTest, RequestsPerSecondOverTheLimitIs429WithRetryAfter) {
+  auto now = std::make_shared<std::chrono::steady_clock::time_point>(std::chrono::hours(1));
+  HttpServerConfig config;
+  config.admission_clock = [now] { return *now; };
+  start(keys_with_limits(R"({"requests_per_second": 0.5, "priority": "high"})"), config);
+  const Reply first = post("/v1/chat/completions", chat_body(), kAcme);
+  ASSERT_EQ(first.status, 200u) << first.body;
+  for (const bool stream : {false, true}) {
+    const Reply refused = post("/v1/chat/completions", chat_body(stream), kAcme);
+    EXPECT_EQ(refused.status, 429u) << refused.body;
+    EXPECT_EQ(refused.header("retry-after"), "2");  // one request per 2 s
+    EXPECT_EQ(refused.header("content-type"), "application/json");
+    const json error = refused.json_body()["error"];
+    EXPECT_EQ(error["type"], "requests");
+    EXPECT_EQ(error["code"], "rate_limit_exceeded");
+    EXPECT_TRUE(error["param"].is_null());
+    EXPECT_NE(error["message"].get<std::string>().find("requests per second"), std::string::npos);
+    EXPECT_EQ(refused.body.find("sk-"), std::string::npos);
+  }
+  EXPECT_EQ(post("/v1/chat/completions", chat_body(), kGlobex).status, 200u);  // another tenant is not limited
+  *now += std::chrono::seconds(2);
+  EXPECT_EQ(post("/v1/chat/completions", chat_body(), kAcme).status, 200u);
+  const auto submitted = service_.submitted();
+  ASSERT_EQ(submitted.size(), 3u);  // refused requests never reach the service
+  EXPECT_EQ(submitted[0].priority, Priority::kHigh);
+  EXPECT_EQ(submitted[1].tenant, "globex");
+  EXPECT_EQ(submitted[1].priority, Priority::kNormal);
+}
+
+TEST_F(HttpServerTest, TokensPerMinuteChargesWhatWasGenerated) {
+  auto now = std::make_shared<std::chrono::steady_clock::time_point>(std::chrono::hours(1));
+  HttpServerConfig config;
+  config.admission_clock = [now] { return *now; };
+  start(keys_with_limits(R"({"tokens_per_minute": 200})"), config);
+  const json body = {{"model", "tiny"}, {"prompt", {5}}, {"max_tokens", 150}};  // reserves 1 + 150
+  const Reply first = post("/v1/completions", body, kAcme);
+  ASSERT_EQ(first.status, 200u) << first.body;
+  const int64_t used = first.json_body()["usage"]["total_tokens"].get<int64_t>();
+  ASSERT_LE(used, 24);  // the script is short: what it did not use comes back
+  const Reply second = post("/v1/completions", body, kAcme);
+  ASSERT_EQ(second.status, 200u) << second.body;  // 200 − used ≥ 151 only with the refund
+  // Now 200 − 2 × used are left: a request reserving all 200 waits for the rest to refill at 200/60 per second.
+  json whole = body;
+  whole["max_tokens"] = 199;
+  const Reply refused = post("/v1/completions", whole, kAcme);
+  EXPECT_EQ(refused.status, 429u) << refused.body;
+  EXPECT_EQ(refused.json_body()["error"]["type"], "tokens");
+  EXPECT_EQ(refused.json_body()["error"]["code"], "rate_limit_exceeded");
+  const auto expected_wait = static_cast<int64_t>(std::ceil(static_cast<double>(2 * used) / (200.0 / 60.0)));
+  EXPECT_EQ(refused.header("retry-after"), std::to_string(std::max<int64_t>(expected_wait, 1)));
+  EXPECT_EQ(service_.submitted().size(), 2u);
+}
+
+TEST_F(HttpServerTest, MaxConcurrentHoldsUntilTheFinalChunk) {
+  start(keys_with_limits(R"({"max_concurrent": 1})"));
+  service_.set_mode(FakeService::Mode::kHang);
+  Client streaming(port_);
+  http::request<http::string_body> request{http::verb::post, "/v1/chat/completions", 11};
+  request.set(http::field::host, "x");
+  request.set(http::field::authorization, "Bearer sk-acme");
+  request.body() = chat_body(true).dump();
+  request.prepare_payload();
+  http::write(streaming.socket(), request);
+  char byte;
+  net::read(streaming.socket(), net::buffer(&byte, 1));  // the stream is running
+  const Reply refused = post("/v1/chat/completions", chat_body(), kAcme);
+  EXPECT_EQ(refused.status, 429u) << refused.body;
+  EXPECT_EQ(refused.header("retry-after"), "1");
+  EXPECT_EQ(refused.json_body()["error"]["type"], "requests");
+  service_.release();  // the stream finishes
+  beast::flat_buffer buffer;
+  buffer.commit(net::buffer_copy(buffer.prepare(1), net::buffer(&byte, 1)));
+  const Reply finished = read_reply(streaming.socket(), buffer);
+  EXPECT_EQ(finished.status, 200u);
+  service_.set_mode(FakeService::Mode::kScript);
+  EXPECT_EQ(post("/v1/chat/completions", chat_body(), kAcme).status, 200u);
 }
 
 TEST_F(HttpServerTest, QueueFullIs503WithRetryAfter) {
