@@ -290,6 +290,7 @@ int run_serve(const ServeOptions& o, std::ostream& out, std::ostream& err) {
   node_options.max_batch = o.max_batch;
   node_options.prefill_chunk = o.prefill_chunk;
   node_options.max_queue = o.max_queue;
+  node_options.queue_timeout = std::chrono::milliseconds(o.queue_timeout_ms);
   apply_cache_options(o.cache, node_options);
   apply_transport_options(o.transport, true, node_options);
   auto observer = std::make_shared<MetricsRouterObserver>(o.transport.transport);
@@ -314,6 +315,7 @@ int run_router(const RouterOptions& o, std::ostream& out, std::ostream& err) {
   node_options.role = actors::NodeRole::kRouter;
   node_options.model_dir = *dir;
   node_options.max_queue = o.max_queue;
+  node_options.queue_timeout = std::chrono::milliseconds(o.queue_timeout_ms);
   node_options.cluster_host = o.cluster_host;
   node_options.cluster_port = o.cluster_port;
   apply_cache_options(o.cache, node_options);
