@@ -100,6 +100,10 @@ struct ServeOptions {  // deltaserve serve: registry + router + workers + HTTP i
   CacheOptions cache;
   TransportOptions transport;
 };
+// Exit status of serve/router when the drain timeout cut requests still in flight (they got an error
+// event or a 503); 0 when every request finished within the drain.
+inline constexpr int kExitDrainCutRequests = 3;
+
 int run_serve(const ServeOptions& options, std::ostream& out, std::ostream& err);
 
 struct RouterOptions {  // deltaserve router: registry + router + HTTP; workers join over the network

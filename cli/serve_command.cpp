@@ -206,7 +206,8 @@ struct FrontOptions {
   std::shared_ptr<MetricsRouterObserver> observer = nullptr;  // the node's router observer, if any
 };
 
-// Runs the HTTP front over `node` until a signal, then drains. Returns the exit code.
+// Runs the HTTP front over `node` until a signal, then drains. Returns the exit code: 0 when every request
+// finished within the drain timeout, kExitDrainCutRequests when some were cut.
 int serve_http(actors::Node& node, const FrontOptions& o, SignalWaiter& signals, std::ostream& out, std::ostream& err) {
   auto config = engine::load_model_config(o.dir);
   if (!config.is_ok()) return fail(err, config.status());
@@ -238,13 +239,21 @@ int serve_http(actors::Node& node, const FrontOptions& o, SignalWaiter& signals,
 
   signals.wait();
   server.begin_drain();
-  const bool idle = server.wait_idle(std::chrono::milliseconds(o.drain_timeout_ms));
-  if (!idle) err << "warning: drain timeout: " << server.in_flight() << " requests still in flight\n";
+  int code = 0;
+  if (!server.wait_idle(std::chrono::milliseconds(o.drain_timeout_ms))) {
+    // Their clients get an error (not a silently closed stream); bounded like one response write.
+    const int64_t cut = server.cut_in_flight(std::chrono::milliseconds(5000));
+    if (cut > 0) {
+      err << "warning: drain timeout: " << cut << " requests cut short (error sent to their clients); exit status "
+          << kExitDrainCutRequests << "\n";
+      code = kExitDrainCutRequests;
+    }
+  }
   server.stop();
   if (o.observer) o.observer->attach(nullptr);
   metrics.close();
   node.shutdown();
-  return 0;
+  return code;
 }
 
 }  // namespace

@@ -104,6 +104,19 @@ class HttpServer::Impl {
     return idle_cv_.wait_for(lock, timeout, [&] { return in_flight_.load() == 0; });
   }
   int64_t in_flight() const { return in_flight_.load(); }
+  int64_t cut_in_flight(std::chrono::milliseconds grace) {
+    cutting_ = true;  // before the wake-ups: a generation checks it on its own context before each wait
+    {
+      std::lock_guard lock(connections_mutex_);
+      for (auto& [id, weak] : connections_) {
+        if (auto connection = weak.lock())
+          net::post(connection->stream.get_executor(), [connection] { connection->wake.cancel(); });
+      }
+    }
+    wait_idle(grace);
+    // Those that answered with the cut error, and those still not done (stop() will close them).
+    return cut_requests_.load() + in_flight_.load();
+  }
 
  private:
   // Counts a request in flight for its lifetime.
@@ -169,6 +182,8 @@ class HttpServer::Impl {
   std::atomic<bool> started_{false};
   std::atomic<bool> stopped_{false};
   std::atomic<bool> draining_{false};
+  std::atomic<bool> cutting_{false};      // cut_in_flight: generations end with an error now
+  std::atomic<int64_t> cut_requests_{0};  // generations ended by cut_in_flight
   std::atomic<int64_t> in_flight_{0};
   std::mutex idle_mutex_;
   std::condition_variable idle_cv_;
@@ -592,7 +607,15 @@ net::awaitable<bool> HttpServer::Impl::generate(ConnectionPtr connection, Endpoi
     }
   };
 
+  bool cut = false;
   while (remaining > 0 && !failure) {
+    if (cutting_) {
+      cut = true;
+      ++cut_requests_;
+      failure = ApiError::from_status(
+          {StatusCode::kUnavailable, "The server shut down before this request finished (drain timeout); retry."});
+      break;
+    }
     std::deque<ChunkChannel::Item> batch = channel->drain();
     if (batch.empty()) {
       if (connection->client_gone) break;
@@ -680,7 +703,10 @@ net::awaitable<bool> HttpServer::Impl::generate(ConnectionPtr connection, Endpoi
     release();
     spdlog::debug("http: {} failed: {}", response_id, failure->status.to_string());
     if (head_sent) {
-      co_await write_raw(connection, StreamFormatter::error_event(*failure), true);
+      // A cut stream also ends with [DONE], so clients that wait for it do not hang on a closed socket.
+      std::string events = StreamFormatter::error_event(*failure);
+      if (cut) events += StreamFormatter::done_event();
+      co_await write_raw(connection, std::move(events), true);
       co_return false;
     }
     co_return co_await write_error(connection, *failure, keep_alive);
@@ -800,6 +826,9 @@ void HttpServer::begin_drain() {
 }
 bool HttpServer::wait_idle(std::chrono::milliseconds timeout) {
   return impl_->wait_idle(timeout);
+}
+int64_t HttpServer::cut_in_flight(std::chrono::milliseconds grace) {
+  return impl_->cut_in_flight(grace);
 }
 void HttpServer::stop() {
   impl_->stop();

@@ -90,6 +90,14 @@ class HttpServer {
   // True when no request is in flight (waits up to `timeout`).
   bool wait_idle(std::chrono::milliseconds timeout);
 
+  // The drain timeout passed: every generation still in flight ends now, its choices cancelled at the
+  // service. A stream gets an SSE error event (the OpenAI error object, kUnavailable) then `data: [DONE]`;
+  // a request whose response has not started gets 503 + Retry-After. Waits up to `grace` for those
+  // answers to be written. Returns how many requests were cut, plus any still not done after `grace`
+  // (0: nothing was dropped).
+  // Call after begin_drain(); then stop().
+  int64_t cut_in_flight(std::chrono::milliseconds grace);
+
   // Closes the listener and every connection (their requests are cancelled), joins the threads. Idempotent.
   void stop();
 

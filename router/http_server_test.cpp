@@ -674,6 +674,50 @@ TEST_F(HttpServerTest, DrainFinishesInFlightAndRefusesNew) {
   EXPECT_EQ(service_.submitted().size(), 1u);
 }
 
+TEST_F(HttpServerTest, DrainTimeoutCutsStreamsWithAnErrorEventAndOthersWith503) {
+  start();
+  service_.set_mode(FakeService::Mode::kHang);
+  Reply streamed, plain;
+  std::thread stream_thread([&] { streamed = post("/v1/chat/completions", chat_body(true)); });
+  std::thread plain_thread([&] { plain = post("/v1/chat/completions", chat_body(false)); });
+  const auto deadline = std::chrono::steady_clock::now() + 5s;
+  while (service_.submitted().size() < 2 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(2ms);
+  }
+  ASSERT_EQ(service_.submitted().size(), 2u);
+  server_->begin_drain();
+  EXPECT_FALSE(server_->wait_idle(50ms));
+  EXPECT_EQ(server_->cut_in_flight(5000ms), 2);  // both were dropped
+  stream_thread.join();
+  plain_thread.join();
+  EXPECT_EQ(server_->in_flight(), 0);
+
+  EXPECT_EQ(streamed.status, 200u);  // the head went out with the first event
+  const auto events = sse_data(streamed.body);
+  ASSERT_GE(events.size(), 3u) << streamed.body;
+  const json error = json::parse(events[events.size() - 2]);
+  EXPECT_EQ(error["error"]["type"], "server_error");
+  EXPECT_EQ(error["error"]["code"], "unavailable");
+  EXPECT_TRUE(error["error"]["param"].is_null());
+  EXPECT_NE(error["error"]["message"].get<std::string>().find("drain"), std::string::npos);
+  EXPECT_EQ(events.back(), "[DONE]");
+
+  EXPECT_EQ(plain.status, 503u) << plain.body;
+  EXPECT_EQ(plain.header("retry-after"), "1");
+  EXPECT_EQ(plain.json_body()["error"]["code"], "unavailable");
+  for (const GenerationRequest& request : service_.submitted()) {
+    EXPECT_TRUE(service_.wait_cancelled(request.request_id, 5000ms)) << request.request_id;
+  }
+}
+
+TEST_F(HttpServerTest, CutWithNothingInFlightDropsNothing) {
+  start();
+  EXPECT_EQ(post("/v1/chat/completions", chat_body()).status, 200u);
+  server_->begin_drain();
+  EXPECT_TRUE(server_->wait_idle(5000ms));
+  EXPECT_EQ(server_->cut_in_flight(0ms), 0);
+}
+
 TEST_F(HttpServerTest, StopWithOpenStreamCancelsIt) {
   start();
   service_.set_mode(FakeService::Mode::kHang);
