@@ -204,6 +204,7 @@ struct FrontOptions {
   std::string role;                                           // "serve" | "router" (deltaserve_build_info)
   ProcessMetrics::WorkerLayout workers;                       // serve: this node's workers (read at each scrape)
   std::shared_ptr<MetricsRouterObserver> observer = nullptr;  // the node's router observer, if any
+  int64_t max_prompt_bytes = 0;                               // HttpServerConfig::max_prompt_bytes
 };
 
 // Runs the HTTP front over `node` until a signal, then drains. Returns the exit code: 0 when every request
@@ -232,6 +233,7 @@ int serve_http(actors::Node& node, const FrontOptions& o, SignalWaiter& signals,
   http.port = o.port;
   http.metrics = metrics.metrics();
   http.metrics_endpoint = !o.metrics_listen || o.metrics_listen->empty();
+  http.max_prompt_bytes = static_cast<size_t>(o.max_prompt_bytes);
   router::HttpServer server(http, *tok, info, stop_token_ids(*config, *tok), *node.service(), std::move(keys));
   auto port = server.start();
   if (!port.is_ok()) return fail(err, port.status());
@@ -313,6 +315,7 @@ int run_serve(const ServeOptions& o, std::ostream& out, std::ostream& err) {
   front.workers.checkpoint_budget_bytes = o.cache.prefix_cache ? o.cache.checkpoint_memory_mb << 20 : 0;
   front.workers.count_handoffs = false;  // prefill and decode workers both count each handoff
   front.observer = observer;
+  front.max_prompt_bytes = o.max_prompt_bytes;
   return serve_http(**node, front, signals, out, err);
 }
 
@@ -350,6 +353,7 @@ int run_router(const RouterOptions& o, std::ostream& out, std::ostream& err) {
   FrontOptions front{o.host,           o.port,   o.api_keys, o.served_model_name, o.model, *dir, o.drain_timeout_ms,
                      o.metrics_listen, "router", {}};
   front.observer = observer;
+  front.max_prompt_bytes = o.max_prompt_bytes;
   return serve_http(**node, front, signals, out, err);
 }
 

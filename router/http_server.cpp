@@ -20,6 +20,7 @@
 #include <boost/asio/post.hpp>
 #include <boost/asio/redirect_error.hpp>
 #include <boost/asio/steady_timer.hpp>
+#include <boost/asio/thread_pool.hpp>
 #include <boost/asio/use_awaitable.hpp>
 #include <boost/asio/write.hpp>
 #include <boost/beast/core.hpp>
@@ -73,6 +74,15 @@ struct Connection {
 
 using ConnectionPtr = std::shared_ptr<Connection>;
 
+// Bytes of prompt text the tokenizer would read (token-id prompts are not tokenized: 0).
+size_t prompt_bytes(const OpenAiRequest& request) {
+  size_t bytes = request.prompt_text ? request.prompt_text->size() : 0;
+  for (const tokenizer::ChatMessage& message : request.messages) {
+    bytes += message.role.size() + message.content.size() + (message.name ? message.name->size() : 0);
+  }
+  return bytes;
+}
+
 constexpr auto kTryAwait = net::use_awaitable;
 
 }  // namespace
@@ -81,7 +91,8 @@ class HttpServer::Impl {
  public:
   Impl(HttpServerConfig config, const tokenizer::Tokenizer& tokenizer, ModelInfo model,
        std::vector<int32_t> eos_token_ids, InferenceService& service, ApiKeys keys)
-      : config_(std::move(config)),
+      : tokenize_pool_(static_cast<size_t>(std::max(1, config.tokenize_threads))),
+        config_(std::move(config)),
         tokenizer_(tokenizer),
         model_(std::move(model)),
         eos_token_ids_(std::move(eos_token_ids)),
@@ -157,6 +168,9 @@ class HttpServer::Impl {
   std::string random_id();
   uint64_t random_seed();
 
+  // Runs plan_generation (tokenization) off the Asio threads. Declared first so it outlives the io_contexts:
+  // a coroutine frame they destroy may still hold work on it.
+  net::thread_pool tokenize_pool_;
   HttpServerConfig config_;
   const tokenizer::Tokenizer& tokenizer_;
   ModelInfo model_;
@@ -260,6 +274,8 @@ void HttpServer::Impl::stop() {
   ioc_.stop();
   for (auto& context : extra_) context->stop();
   for (std::thread& thread : threads_) thread.join();
+  tokenize_pool_.stop();  // a finished tokenization's hop back to a stopped context must not keep it waiting
+  tokenize_pool_.join();
   threads_.clear();
   std::lock_guard lock(connections_mutex_);
   for (auto& [raw, weak] : channels_) {
@@ -504,10 +520,33 @@ net::awaitable<bool> HttpServer::Impl::generate(ConnectionPtr connection, Endpoi
   options.random_seed = random_seed();
   options.stop_token_ids = eos_token_ids_;
   options.arrival_ns = arrival_ns;
-  GenerationPlan plan;
-  if (auto error = plan_generation(parsed, tokenizer_, options, plan)) {
-    co_return co_await write_error(connection, *error, keep_alive);
+  // A cheap bound before the costly step: tokenizing tens of MB would hold a pool thread for seconds.
+  const size_t max_prompt_bytes = config_.max_prompt_bytes > 0
+                                      ? config_.max_prompt_bytes
+                                      : static_cast<size_t>(std::max<int64_t>(model_.context_length, 1)) * 16;
+  if (const size_t bytes = prompt_bytes(parsed); bytes > max_prompt_bytes) {
+    const std::string param = endpoint == Endpoint::kChatCompletions ? "messages" : "prompt";
+    co_return co_await write_error(
+        connection,
+        ApiError::invalid(param,
+                          "The " + param + " is " + std::to_string(bytes) + " bytes; this server accepts at most " +
+                              std::to_string(max_prompt_bytes) +
+                              " bytes of prompt text (this model's maximum context " + "length is " +
+                              std::to_string(model_.context_length) + " tokens). Please reduce the length of the " +
+                              param + ".",
+                          "context_length_exceeded"),
+        keep_alive);
   }
+  // Tokenize on the pool; the coroutine resumes on this connection's context (co_spawn's completion).
+  GenerationPlan plan;
+  std::optional<ApiError> plan_error = co_await net::co_spawn(
+      tokenize_pool_.get_executor(),
+      [&]() -> net::awaitable<std::optional<ApiError>> {
+        if (config_.before_tokenize) config_.before_tokenize();
+        co_return plan_generation(parsed, tokenizer_, options, plan);
+      },
+      kTryAwait);
+  if (plan_error) co_return co_await write_error(connection, *plan_error, keep_alive);
 
   const int n = static_cast<int>(plan.choices.size());
   // Charged prompt + every choice's max_tokens now; corrected to what was generated when the request ends.

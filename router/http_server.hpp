@@ -16,6 +16,8 @@
 // idle for idle_timeout is closed; a response write not done within write_timeout (slow reader) closes
 // the connection and cancels the request's choices. Every failure of input is a 4xx decided before any
 // model work; 503 + Retry-After: 1 when the service is full (kResourceExhausted) or the server drains.
+// Prompt text over max_prompt_bytes is 400 context_length_exceeded before it is tokenized; tokenization
+// runs on its own pool (tokenize_threads), never on the Asio threads.
 //
 // Admission (admission.hpp): after the prompt is tokenized, the tenant's limits from the keys file are
 // checked; over one: 429 rate_limit_exceeded + Retry-After, and nothing reaches the service. An admitted
@@ -33,6 +35,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -59,6 +62,16 @@ struct HttpServerConfig {
   std::chrono::milliseconds idle_timeout{60000};    // keep-alive idle, and the whole-body read deadline
   std::chrono::milliseconds write_timeout{30000};   // one response write (header or SSE chunk)
   int threads = 2;                                  // Asio threads (>= 1)
+  // Prompt text (chat: every message's role, name and content; completions: the prompt string) over this
+  // many bytes is answered 400 context_length_exceeded before it is tokenized. 0 = 16 bytes per token of
+  // the model's context (tokenizers average 3-5 bytes per token of ordinary text, so such a prompt that fits
+  // the context is not refused by this bound).
+  size_t max_prompt_bytes = 0;
+  // Prompts are tokenized on a pool of this many threads (>= 1), never on the Asio threads, so a long
+  // tokenization does not stall other connections (/health, streams).
+  int tokenize_threads = 2;
+  // Tests only: runs on the tokenizer pool before each prompt is tokenized (e.g. to hold a tokenization).
+  std::function<void()> before_tokenize;
   // Metrics of every request this server sees (responses by route and status, TTFT, inter-token and e2e
   // latency, tokens, finish reasons, cached tokens by namespace); service status is read at each scrape.
   // Null: nothing is measured and /metrics is 404. metrics_endpoint false: measured, but served only by a

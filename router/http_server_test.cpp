@@ -575,6 +575,75 @@ TEST_F(HttpServerTest, MaxConcurrentHoldsUntilTheFinalChunk) {
   EXPECT_EQ(post("/v1/chat/completions", chat_body(), kAcme).status, 200u);
 }
 
+// ---- prompt size and tokenization off the I/O threads -----------------------------------------------
+
+TEST_F(HttpServerTest, PromptOverTheByteCapIsRefusedWithoutTokenizing) {
+  auto tokenized = std::make_shared<std::atomic<int>>(0);
+  HttpServerConfig config;
+  config.before_tokenize = [tokenized] { ++*tokenized; };
+  start(ApiKeys::open(), config);  // the cap: 16 bytes × 256 tokens of context
+  const std::string huge(16 * kContext + 1, 'a');
+  json chat = chat_body();
+  chat["messages"][0]["content"] = huge;
+  const Reply refused_chat = post("/v1/chat/completions", chat);
+  EXPECT_EQ(refused_chat.status, 400u) << refused_chat.body;
+  EXPECT_EQ(refused_chat.json_body()["error"]["code"], "context_length_exceeded");
+  EXPECT_EQ(refused_chat.json_body()["error"]["param"], "messages");
+  EXPECT_EQ(refused_chat.json_body()["error"]["type"], "invalid_request_error");
+  const Reply refused_completion = post("/v1/completions", {{"model", "tiny"}, {"prompt", huge}});
+  EXPECT_EQ(refused_completion.status, 400u) << refused_completion.body;
+  EXPECT_EQ(refused_completion.json_body()["error"]["param"], "prompt");
+  EXPECT_EQ(tokenized->load(), 0);  // neither reached the tokenizer
+  EXPECT_TRUE(service_.submitted().empty());
+  EXPECT_EQ(post("/v1/chat/completions", chat_body()).status, 200u);
+  EXPECT_EQ(tokenized->load(), 1);
+
+  // An explicit cap replaces the derived one.
+  server_->stop();
+  config.max_prompt_bytes = 8;
+  start(ApiKeys::open(), config);
+  EXPECT_EQ(post("/v1/completions", {{"model", "tiny"}, {"prompt", "123456789"}}).status, 400u);
+  EXPECT_EQ(post("/v1/completions", {{"model", "tiny"}, {"prompt", "12345678"}}).status, 200u);
+}
+
+TEST_F(HttpServerTest, HealthAnswersWhileATokenizationIsHeld) {
+  // One Asio thread: were the prompt tokenized on it, /health could not be answered until it ends.
+  struct Gate {
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool entered = false, open = false;
+  };
+  auto gate = std::make_shared<Gate>();
+  HttpServerConfig config;
+  config.threads = 1;
+  config.before_tokenize = [gate] {
+    std::unique_lock lock(gate->mutex);
+    gate->entered = true;
+    gate->cv.notify_all();
+    gate->cv.wait(lock, [&] { return gate->open; });
+  };
+  start(ApiKeys::open(), config);
+  Reply held;
+  std::thread request([&] { held = post("/v1/chat/completions", chat_body()); });
+  {
+    std::unique_lock lock(gate->mutex);
+    ASSERT_TRUE(gate->cv.wait_for(lock, 10s, [&] { return gate->entered; }));
+  }
+  // Raw recv with a receive timeout: a stalled server fails the test instead of hanging it.
+  const std::string health =
+      raw_exchange(port_, "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", 10000ms);
+  EXPECT_EQ(health.rfind("HTTP/1.1 200", 0), 0u) << health;
+  {
+    std::lock_guard lock(gate->mutex);
+    EXPECT_TRUE(service_.submitted().empty());  // the held request is still tokenizing
+    gate->open = true;
+    gate->cv.notify_all();
+  }
+  request.join();
+  EXPECT_EQ(held.status, 200u) << held.body;
+  EXPECT_EQ(service_.submitted().size(), 1u);
+}
+
 TEST_F(HttpServerTest, QueueFullIs503WithRetryAfter) {
   start();
   service_.set_mode(FakeService::Mode::kReject);
