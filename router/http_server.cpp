@@ -395,7 +395,7 @@ net::awaitable<bool> HttpServer::Impl::handle(ConnectionPtr connection, http::re
       {"/v1/models", http::verb::get, true},
       {"/v1/completions", http::verb::post, true},
       {"/v1/chat/completions", http::verb::post, true},
-      {"/metrics", http::verb::get, false},
+      {"/metrics", http::verb::get, true},  // with keys on: its series name tenants (cache namespaces)
   };
   const bool serve_metrics = metrics_ != nullptr && config_.metrics_endpoint;
   const Route* route = nullptr;
@@ -416,10 +416,6 @@ net::awaitable<bool> HttpServer::Impl::handle(ConnectionPtr connection, http::re
     co_return co_await write_error(connection, error, reusable);
   }
   connection->route = route->path;
-  if (route->path == "/metrics") {
-    co_return co_await write_response(connection, 200, metrics_->serialize(), telemetry::Metrics::kContentType, {},
-                                      reusable);
-  }
   if (route->path == "/health") {
     co_return co_await write_response(connection, 200, R"({"status":"ok"})", "application/json", {}, reusable);
   }
@@ -462,6 +458,10 @@ net::awaitable<bool> HttpServer::Impl::handle(ConnectionPtr connection, http::re
       co_return co_await write_error(connection, ApiError::of_kind(ApiError::Kind::kUnauthorized, message), reusable);
     }
     tenant = std::move(*found);
+  }
+  if (route->path == "/metrics") {
+    co_return co_await write_response(connection, 200, metrics_->serialize(), telemetry::Metrics::kContentType, {},
+                                      reusable);
   }
   if (route->path == "/v1/models") {
     co_return co_await write_response(connection, 200, models_json(model_), "application/json", {}, reusable);

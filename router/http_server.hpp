@@ -6,8 +6,11 @@
 //   GET  /health                                      200 while the process runs (no auth)
 //   GET  /ready                                       200 when service.status().ready and not draining, else 503 (no
 //   auth)
-//   GET  /metrics                                     Prometheus text format 0.0.4 (no auth), when config.metrics is
-//                                                     set and config.metrics_endpoint is true
+//   GET  /metrics                                     Prometheus text format 0.0.4, when config.metrics is set and
+//                                                     config.metrics_endpoint is true. With API keys on it needs a
+//                                                     valid key (401 otherwise): its per-namespace series name
+//                                                     tenants and their traffic. Scrapers without a key use the
+//                                                     separate listener (telemetry::MetricsListener).
 // Unknown path 404, wrong method 405 (+ Allow). Errors are OpenAI error objects (errors.hpp).
 //
 // Limits (HttpServerConfig): a body over max_body_bytes is answered 413 from its Content-Length before any

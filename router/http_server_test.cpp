@@ -22,6 +22,7 @@
 #include "router/fake_inference_service.hpp"
 #include "router/prompt_encoding.hpp"
 #include "router/router_test_util.hpp"
+#include "telemetry/metrics.hpp"
 #include "tokenizer/utf8.hpp"
 
 namespace deltaserve::router {
@@ -642,6 +643,31 @@ TEST_F(HttpServerTest, HealthAnswersWhileATokenizationIsHeld) {
   request.join();
   EXPECT_EQ(held.status, 200u) << held.body;
   EXPECT_EQ(service_.submitted().size(), 1u);
+}
+
+TEST_F(HttpServerTest, MetricsOnTheApiPortNeedAKeyWhenKeysAreOn) {
+  HttpServerConfig config;
+  config.metrics = std::make_shared<telemetry::Metrics>(telemetry::MetricsOptions{"tiny", "serve", 16});
+  start(keys_with_limits("{}"), config);
+  ASSERT_EQ(post("/v1/chat/completions", chat_body(), kAcme).status, 200u);  // acme's traffic is in the series
+  for (const auto& headers :
+       std::vector<std::map<std::string, std::string>>{{}, {{"Authorization", "Bearer sk-wrong"}}}) {
+    Client client(port_);
+    const Reply refused = client.send(http::verb::get, "/metrics", "", headers);
+    EXPECT_EQ(refused.status, 401u);
+    EXPECT_EQ(refused.header("www-authenticate"), "Bearer");
+    EXPECT_EQ(refused.body.find("acme"), std::string::npos);
+  }
+  Client client(port_);
+  const Reply scraped = client.send(http::verb::get, "/metrics", "", kGlobex);
+  EXPECT_EQ(scraped.status, 200u);
+  EXPECT_EQ(scraped.header("content-type"), telemetry::Metrics::kContentType);
+  EXPECT_NE(scraped.body.find("acme"), std::string::npos);  // a key holder (the operator's scraper) sees tenants
+
+  // Without keys there are no tenants to hide: /metrics stays open.
+  server_->stop();
+  start(ApiKeys::open(), config);
+  EXPECT_EQ(get("/metrics").status, 200u);
 }
 
 TEST_F(HttpServerTest, QueueFullIs503WithRetryAfter) {
