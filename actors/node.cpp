@@ -302,6 +302,7 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
     n.gauges = std::make_shared<RouterGauges>();
     RouterConfig router_config;
     router_config.max_queue = options.max_queue;
+    router_config.queue_timeout = options.queue_timeout;
     router_config.policy = *policy;
     router_config.index = index;
     router_config.hash_key = *key;

@@ -32,11 +32,12 @@ struct NodeOptions {
   std::shared_ptr<const tokenizer::Tokenizer> tokenizer;
   engine::DeviceOptions device;  // where the workers' model runs (cpu, cuda:N) when loaded from model_dir
 
-  int64_t prefill_workers = 1;  // kServe
-  int64_t decode_workers = 1;   // kServe
-  int64_t max_batch = 32;       // decode state slots per worker
-  int64_t prefill_chunk = 512;  // tokens per prefill forward pass
-  int64_t max_queue = 256;      // router admission bound
+  int64_t prefill_workers = 1;                     // kServe
+  int64_t decode_workers = 1;                      // kServe
+  int64_t max_batch = 32;                          // decode state slots per worker
+  int64_t prefill_chunk = 512;                     // tokens per prefill forward pass
+  int64_t max_queue = 256;                         // router admission bound
+  std::chrono::milliseconds queue_timeout{30000};  // RouterConfig::queue_timeout (0 = none)
 
   std::string cluster_host = "127.0.0.1";  // kRouter: where the registry is published
   uint16_t cluster_port = 7000;            // kRouter: 0 = ephemeral (see Node::cluster_port())

@@ -126,6 +126,13 @@ std::vector<int32_t> streamed_tokens(const Chunks& chunks) {
   return tokens;
 }
 
+// The fixture's run() fires every pending timer at once, also a queue deadline (RouterConfig::queue_timeout)
+// of a request that waits only for the test's next step: tests that do not test the deadline turn it off.
+RouterConfig no_queue_deadline(RouterConfig config = {}) {
+  config.queue_timeout = std::chrono::milliseconds(0);
+  return config;
+}
+
 // One message per scheduling of an actor, so a self-sent step does not run the whole generation at once.
 struct OneMessageConfig : caf::actor_system_config {
   OneMessageConfig() { set("scheduler.max-throughput", size_t{1}); }
@@ -151,7 +158,7 @@ CAF_TEST_FIXTURE_SCOPE(actors_protocol_tests, fixture)
 
 CAF_TEST(router_admission_queue_bound) {
   auto gauges = std::make_shared<RouterGauges>();
-  auto router = spawn_router(sys, RouterConfig{1}, registry_actor{}, gauges);
+  auto router = spawn_router(sys, no_queue_deadline(RouterConfig{1}), registry_actor{}, gauges);
   kill_at_end(router);
   std::vector<std::shared_ptr<Chunks>> sinks_out;
   std::vector<caf::actor> sinks;
@@ -215,6 +222,103 @@ CAF_TEST(router_admission_queue_bound) {
   CAF_CHECK_EQUAL(stats.running, 1);
 }
 
+// A request that waits in the queue longer than queue_timeout ends with kUnavailable (HTTP 503); one
+// dispatched before its deadline is not touched by it. Virtual time, messages only (sched.run), as run()
+// would fire every timer at once.
+CAF_TEST(router_queue_timeout_fails_requests_that_waited_too_long) {
+  auto gauges = std::make_shared<RouterGauges>();
+  RouterConfig config;
+  config.queue_timeout = std::chrono::milliseconds(1000);
+  auto router = spawn_router(sys, config, registry_actor{}, gauges);
+  kill_at_end(router);
+  std::vector<std::shared_ptr<Chunks>> out;
+  std::vector<caf::actor> sinks;
+  for (int i = 0; i < 2; ++i) {
+    out.push_back(std::make_shared<Chunks>());
+    sinks.push_back(sys.spawn(recording_sink, out.back()));
+    kill_at_end(sinks.back());
+  }
+  self->send(router, submit_atom::value, testing::greedy_request("r0", {1, 2, 3}, 4), sinks[0]);
+  sched.run();
+  sched.advance_time(std::chrono::milliseconds(600));
+  sched.run();
+  self->send(router, submit_atom::value, testing::greedy_request("r1", {4, 5}, 4), sinks[1]);
+  sched.run();
+  sched.advance_time(std::chrono::milliseconds(399));  // r0 has waited 999 ms
+  sched.run();
+  CAF_CHECK(out[0]->empty());
+  CAF_CHECK_EQUAL(gauges->waiting.load(), 2);
+  sched.advance_time(std::chrono::milliseconds(1));  // 1000 ms
+  sched.run();
+  CAF_REQUIRE_EQUAL(out[0]->size(), 1u);
+  CAF_CHECK(out[0]->at(0).error.code() == StatusCode::kUnavailable);
+  CAF_CHECK_EQUAL(out[0]->at(0).prompt_tokens, 3);
+  CAF_CHECK(out[1]->empty());
+  CAF_CHECK_EQUAL(gauges->waiting.load(), 1);
+
+  // Workers join: r1 is dispatched before its deadline, which then passes without effect.
+  auto jobs = std::make_shared<std::vector<PrefillJob>>();
+  auto cancels = std::make_shared<std::vector<std::string>>();
+  auto prefill = sys.spawn(fake_prefill, jobs, cancels);
+  auto decode = sys.spawn(idle_worker, 0);
+  kill_at_end(prefill);
+  kill_at_end(decode);
+  self->send(
+      router, workers_atom::value,
+      std::vector<WorkerInfo>{{"decode-0", kDecodeRole, decode, 1, {}}, {"prefill-0", kPrefillRole, prefill, 4, {}}});
+  sched.run();
+  CAF_REQUIRE_EQUAL(jobs->size(), 1u);
+  CAF_CHECK_EQUAL(jobs->at(0).request.request_id, "r1");
+  sched.advance_time(std::chrono::milliseconds(5000));
+  sched.run();
+  CAF_CHECK(out[1]->empty());
+  auto stats = request<RouterStats>(router, stats_atom::value);
+  CAF_CHECK_EQUAL(stats.failed, 1);
+  CAF_CHECK_EQUAL(stats.running, 1);
+}
+
+// The waiting queue dispatches by priority class, then arrival: with one decode slot and a full queue, the
+// high-priority request that came last runs first, then normal, then the low ones in their order.
+CAF_TEST(router_dispatches_higher_priority_first) {
+  RouterConfig config = no_queue_deadline();
+  config.max_queue = 4;
+  auto router = spawn_router(sys, config, registry_actor{}, nullptr);
+  kill_at_end(router);
+  const std::vector<std::pair<std::string, router::Priority>> arrivals = {{"low-0", router::Priority::kLow},
+                                                                          {"normal-0", router::Priority::kNormal},
+                                                                          {"low-1", router::Priority::kLow},
+                                                                          {"high-0", router::Priority::kHigh}};
+  std::vector<caf::actor> sinks;
+  for (const auto& [id, priority] : arrivals) {
+    sinks.push_back(sys.spawn(recording_sink, std::make_shared<Chunks>()));
+    kill_at_end(sinks.back());
+    router::GenerationRequest r = testing::greedy_request(id, {1, 2}, 4);
+    r.priority = priority;
+    self->send(router, submit_atom::value, std::move(r), sinks.back());
+  }
+  run();
+  auto jobs = std::make_shared<std::vector<PrefillJob>>();
+  auto cancels = std::make_shared<std::vector<std::string>>();
+  auto prefill = sys.spawn(fake_prefill, jobs, cancels);
+  auto decode = sys.spawn(idle_worker, 0);
+  kill_at_end(prefill);
+  kill_at_end(decode);
+  self->send(
+      router, workers_atom::value,
+      std::vector<WorkerInfo>{{"decode-0", kDecodeRole, decode, 1, {}}, {"prefill-0", kPrefillRole, prefill, 4, {}}});
+  run();
+  const std::vector<std::string> expected = {"high-0", "normal-0", "low-0", "low-1"};
+  for (size_t i = 0; i < expected.size(); ++i) {
+    CAF_REQUIRE_EQUAL(jobs->size(), i + 1);
+    CAF_CHECK_EQUAL(jobs->back().request.request_id, expected[i]);
+    size_t at = 0;
+    while (arrivals[at].first != expected[i]) ++at;
+    CAF_CHECK(jobs->back().request.priority == arrivals[at].second);  // the class travels with the job
+    caf::anon_send_exit(sinks[at], caf::exit_reason::kill);           // frees the only decode slot
+    run();
+  }
+}
+
 // The router hashes a prompt once, for its index lookup, and the hashes travel in the prefill job (rooted in the
 // request's namespace and the prefill workers' model id, under the router's key and block size); a router
 // without an index sends none. The placement follows the index's live-epoch match.
@@ -227,8 +331,8 @@ CAF_TEST(router_sends_its_prompt_hashes_with_the_job) {
   config.index = index;
   config.hash_key = key;
   config.block_tokens = 4;
-  auto router = spawn_router(sys, config, registry_actor{}, nullptr);
-  auto plain = spawn_router(sys, RouterConfig{}, registry_actor{}, nullptr);
+  auto router = spawn_router(sys, no_queue_deadline(config), registry_actor{}, nullptr);
+  auto plain = spawn_router(sys, no_queue_deadline(), registry_actor{}, nullptr);
   auto jobs = std::make_shared<std::vector<PrefillJob>>();
   auto cancels = std::make_shared<std::vector<std::string>>();
   auto prefill_a = sys.spawn(fake_prefill, jobs, cancels);
@@ -281,6 +385,7 @@ CAF_TEST(prompt_hashes_travel_on_the_wire) {
   }
   PrefillJob job;
   job.request = testing::greedy_request("w", {1, 2, 3}, 2);
+  job.request.priority = router::Priority::kHigh;
   job.attempt = 2;
   job.prompt_hashes = hashes;
   kvstore::CacheEvent event;
@@ -297,6 +402,7 @@ CAF_TEST(prompt_hashes_travel_on_the_wire) {
   CAF_CHECK(loaded.prompt_hashes.blocks == hashes.blocks);
   CAF_CHECK_EQUAL(loaded.attempt, 2);
   CAF_CHECK_EQUAL(loaded.request.request_id, "w");
+  CAF_CHECK(loaded.request.priority == router::Priority::kHigh);
   CAF_CHECK(loaded_event.hash == hashes.blocks[1]);
   CAF_CHECK_EQUAL(loaded_event.block_index, 2);
 }
@@ -504,7 +610,7 @@ CAF_TEST(corrupt_handoffs_are_prefilled_again_then_given_up) {
   const auto& tiny = testing::tiny_model(&error);
   CAF_REQUIRE(tiny.model != nullptr);
   for (int corrupt : {2, 5}) {
-    auto router = spawn_router(sys, RouterConfig{}, registry_actor{}, nullptr);
+    auto router = spawn_router(sys, no_queue_deadline(), registry_actor{}, nullptr);
     auto decode = spawn_decode_worker(sys, tiny.model, tiny.tokenizer, registry_actor{},
                                       DecodeWorkerConfig{"decode-0", 2, std::chrono::milliseconds(0)});
     auto prefill = spawn_prefill_worker(sys, tiny.model, registry_actor{},
@@ -548,7 +654,7 @@ CAF_TEST(request_on_a_lost_prefill_worker_is_prefilled_again) {
   std::string error;
   const auto& tiny = testing::tiny_model(&error);
   CAF_REQUIRE(tiny.model != nullptr);
-  auto router = spawn_router(sys, RouterConfig{}, registry_actor{}, nullptr);
+  auto router = spawn_router(sys, no_queue_deadline(), registry_actor{}, nullptr);
   auto decode = spawn_decode_worker(sys, tiny.model, tiny.tokenizer, registry_actor{},
                                     DecodeWorkerConfig{"decode-0", 2, std::chrono::milliseconds(0)});
   auto jobs = std::make_shared<std::vector<PrefillJob>>();
@@ -595,7 +701,7 @@ CAF_TEST(decode_worker_lost_while_streaming_then_the_retry_reaches_it) {
   std::string error;
   const auto& tiny = testing::tiny_model(&error);
   CAF_REQUIRE(tiny.model != nullptr);
-  auto router = spawn_router(sys, RouterConfig{}, registry_actor{}, nullptr);
+  auto router = spawn_router(sys, no_queue_deadline(), registry_actor{}, nullptr);
   DecodeWorkerConfig config{"decode-0", 4, std::chrono::milliseconds(0), /*self_step=*/false};
   auto decode = spawn_decode_worker(sys, tiny.model, tiny.tokenizer, registry_actor{}, config);
   auto jobs = std::make_shared<std::vector<PrefillJob>>();

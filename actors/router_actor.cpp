@@ -1,5 +1,6 @@
 #include "actors/router_actor.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <deque>
@@ -28,6 +29,7 @@ struct Entry {
   int64_t attempt = 0;  // dispatches so far
   std::string prefill_worker, decode_worker;
   int64_t prefill_tokens = 0;  // prompt tokens the prefill worker is expected to compute (load accounting)
+  uint64_t queued = 0;         // times it entered the queue: a queue deadline of an earlier stay is stale
 };
 
 struct RouterState {
@@ -41,7 +43,7 @@ struct RouterState {
   std::map<std::string, int64_t> decode_assigned;                     // requests this router placed and not finished
   std::unordered_map<std::string, Entry> requests;
   std::map<caf::actor_addr, std::string> by_sink;
-  std::deque<std::string> queue;  // waiting request ids, FIFO
+  std::deque<std::string> queue;  // waiting request ids: higher priority first, FIFO within a priority (enqueue)
   RouterStats totals;
 };
 
@@ -176,6 +178,33 @@ bool try_dispatch_one(RouterPointer self, Entry& entry) {
   return true;
 }
 
+// Puts a waiting request in the queue and arms its queue deadline. The queue is ordered by priority class
+// (GenerationRequest::priority, from the tenant's limits), highest first, and by arrival within a class:
+// a new request goes behind every request of its class or a higher one. A retry (`again`: it was
+// dispatched and its attempt failed) goes to the front of its class instead, as it was admitted before
+// anything still waiting there. Only waiting requests are ordered; nothing dispatched is preempted.
+void enqueue(RouterPointer self, Entry& entry, bool again) {
+  auto& s = self->state;
+  const router::Priority priority = entry.request.priority;
+  auto ahead = [&](const std::string& id) {  // does `id` stay ahead of the request being placed?
+    auto it = s.requests.find(id);
+    if (it == s.requests.end()) return true;  // a stale id: dispatch_waiting drops it
+    return again ? it->second.request.priority > priority : it->second.request.priority >= priority;
+  };
+  auto at = s.queue.begin();
+  if (again) {
+    at = std::find_if_not(s.queue.begin(), s.queue.end(), ahead);
+  } else {  // usually the back: scan from there
+    auto from_back = std::find_if(s.queue.rbegin(), s.queue.rend(), ahead);
+    at = from_back.base();
+  }
+  s.queue.insert(at, entry.request.request_id);
+  ++entry.queued;
+  if (s.config.queue_timeout.count() > 0) {
+    self->delayed_send(self, s.config.queue_timeout, queue_timeout_atom::value, entry.request.request_id, entry.queued);
+  }
+}
+
 void dispatch_waiting(RouterPointer self) {
   auto& s = self->state;
   while (!s.queue.empty()) {
@@ -230,7 +259,7 @@ void retry(RouterPointer self, const std::string& id, const Status& why) {
   e.stage = Stage::kWaiting;
   e.prefill_worker.clear();
   e.decode_worker.clear();
-  s.queue.push_front(id);
+  enqueue(self, e, /*again=*/true);
 }
 
 void cancel_on_workers(RouterPointer self, const Entry& e) {
@@ -312,7 +341,7 @@ router_actor::behavior_type router_impl(RouterPointer self, RouterConfig config,
         Entry& entry = s.requests[id];
         entry.request = std::move(request);
         entry.sink = std::move(sink);
-        s.queue.push_back(id);
+        enqueue(self, entry, /*again=*/false);
         dispatch_waiting(self);
       },
       [self](cancel_atom, const std::string& id) {
@@ -443,6 +472,20 @@ router_actor::behavior_type router_impl(RouterPointer self, RouterConfig config,
           ++s.totals.index_errors;
           std::cerr << "warning: prefix index: " << applied.to_string() << "\n";
         }
+      },
+      [self](queue_timeout_atom, const std::string& id, uint64_t queued) {
+        auto& s = self->state;
+        auto it = s.requests.find(id);
+        if (it == s.requests.end() || it->second.stage != Stage::kWaiting || it->second.queued != queued) return;
+        ++s.totals.failed;
+        router::GenerationChunk chunk =
+            error_chunk(id, Status(StatusCode::kUnavailable, "no worker was free for " +
+                                                                 std::to_string(s.config.queue_timeout.count()) +
+                                                                 " ms (the router's queue timeout); retry later"));
+        chunk.prompt_tokens = static_cast<int64_t>(it->second.request.prompt.size());
+        send_final(self, it->second.sink, std::move(chunk));
+        release(s, id);
+        update_gauges(s);
       },
       [self](stats_atom) -> RouterStats {
         update_gauges(self->state);

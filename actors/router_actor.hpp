@@ -2,6 +2,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 
@@ -26,6 +27,9 @@ struct RouterConfig {
   int64_t block_tokens = kvstore::kDefaultBlockTokens;
   std::shared_ptr<RouterObserver> observer;  // metrics; null = none
   int64_t max_attempts = 3;  // prefills of one request at most (a failed/lost handoff is prefilled again)
+  // A request waiting longer than this for a worker (each time it enters the queue) ends with kUnavailable
+  // (HTTP 503 + Retry-After). 0 = no deadline.
+  std::chrono::milliseconds queue_timeout{30000};
 };
 
 // Written by the router actor after every change, read by any thread (ClusterService::status()).

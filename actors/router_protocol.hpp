@@ -3,7 +3,8 @@
 //
 // Router protocol (one-way):
 //   submit(GenerationRequest, sink)  admits the request. Dispatched at once when a prefill worker and a
-//                                    decode worker with a free slot exist, else queued; with max_queue
+//                                    decode worker with a free slot exist, else queued (by priority class,
+//                                    then arrival; see router_actor.cpp's enqueue); with max_queue
 //                                    requests already waiting the sink gets a final chunk with
 //                                    kResourceExhausted at once. A duplicate id fails with kInvalidArgument.
 //   cancel(request_id)               queued: final chunk "abort" from the router; dispatched: forwarded to
@@ -18,6 +19,9 @@
 //                                    again (another attempt, up to max_attempts), also those already
 //                                    streaming: the sink's StreamGate continues their stream from the new
 //                                    attempt without repeating a token.
+//   queue_timeout(id, epoch)         self-sent: the request has waited RouterConfig::queue_timeout since it entered
+//                                    the queue (its `epoch`-th time); if it still waits, the sink gets a final
+//                                    chunk with kUnavailable.
 //   cache(CacheEventBatch)           prefix-cache events of a worker (via the registry): applied to the index.
 //   stats()                          -> RouterStats.
 // The router monitors every sink: a sink that goes down ends the request's bookkeeping (and, if the
@@ -46,6 +50,7 @@ using chunk_atom = caf::atom_constant<caf::atom("chunk")>;
 using admitted_atom = caf::atom_constant<caf::atom("admitted")>;
 using failed_atom = caf::atom_constant<caf::atom("hofailed")>;
 using attempt_atom = caf::atom_constant<caf::atom("attempt")>;
+using queue_timeout_atom = caf::atom_constant<caf::atom("qtimeout")>;
 
 // The attempt number of the router's own chunks (stream_gate.hpp).
 inline constexpr int64_t kRouterChunk = 0;
@@ -57,7 +62,7 @@ struct RouterStats {
   int64_t decode_workers = 0;
   int64_t admitted = 0;  // total
   int64_t rejected = 0;  // total, queue full
-  int64_t failed = 0;    // total, worker lost or handoff attempts exhausted
+  int64_t failed = 0;    // total, worker lost, handoff attempts exhausted or queue timeout
   int64_t retried = 0;   // total, prefilled again after a failed, late or lost handoff
   // Prefix-aware placement:
   int64_t routed_to_hit = 0;           // requests placed on a worker the index says holds a usable prefix
@@ -84,6 +89,7 @@ using router_actor = caf::typed_actor<
     caf::reacts_to<admitted_atom, std::string, int64_t>,
     caf::reacts_to<failed_atom, std::string, int64_t, int32_t, std::string>,
     caf::reacts_to<workers_atom, std::vector<WorkerInfo>>, caf::reacts_to<lost_atom, std::string>,
-    caf::reacts_to<cache_atom, kvstore::CacheEventBatch>, caf::replies_to<stats_atom>::with<RouterStats>>;
+    caf::reacts_to<cache_atom, kvstore::CacheEventBatch>, caf::reacts_to<queue_timeout_atom, std::string, uint64_t>,
+    caf::replies_to<stats_atom>::with<RouterStats>>;
 
 }  // namespace deltaserve::actors

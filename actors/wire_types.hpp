@@ -89,10 +89,15 @@ typename Inspector::result_type inspect(Inspector& f, CacheEventBatch& x) {
 
 namespace deltaserve::router {
 
+// For CAF's stringification inspector (serializers use the underlying integer).
+inline std::string to_string(Priority priority) {
+  return std::to_string(static_cast<int>(priority));
+}
+
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, GenerationRequest& x) {
   return f(caf::meta::type_name("GenerationRequest"), x.request_id, x.tenant, x.cache_namespace, x.prompt, x.sampling,
-           x.logprobs, x.max_tokens, x.stop, x.ignore_eos, x.arrival_ns);
+           x.logprobs, x.max_tokens, x.stop, x.ignore_eos, x.arrival_ns, x.priority);
 }
 
 template <class Inspector>

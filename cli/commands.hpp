@@ -99,12 +99,18 @@ struct ServeOptions {  // deltaserve serve: registry + router + workers + HTTP i
   int64_t max_batch = 32;
   int64_t prefill_chunk = 512;
   int64_t max_queue = 256;
+  int64_t queue_timeout_ms = 30000;  // a request waiting this long for a worker gets 503 (0 = no deadline)
+  int64_t max_prompt_bytes = 0;      // prompt text over this is 400 before tokenizing (0 = 16 per context token)
   int64_t drain_timeout_ms = 30000;
   // HOST:PORT of a separate /metrics listener; for serve/router it also takes /metrics off the API port.
   std::optional<std::string> metrics_listen;
   CacheOptions cache;
   TransportOptions transport;
 };
+// Exit status of serve/router when the drain timeout cut requests still in flight (they got an error
+// event or a 503); 0 when every request finished within the drain.
+inline constexpr int kExitDrainCutRequests = 3;
+
 int run_serve(const ServeOptions& options, std::ostream& out, std::ostream& err);
 
 struct RouterOptions {  // deltaserve router: registry + router + HTTP; workers join over the network
@@ -116,6 +122,8 @@ struct RouterOptions {  // deltaserve router: registry + router + HTTP; workers 
   std::optional<std::string> api_keys;
   std::optional<std::string> served_model_name;
   int64_t max_queue = 256;
+  int64_t queue_timeout_ms = 30000;  // a request waiting this long for a worker gets 503 (0 = no deadline)
+  int64_t max_prompt_bytes = 0;      // prompt text over this is 400 before tokenizing (0 = 16 per context token)
   int64_t drain_timeout_ms = 30000;
   // HOST:PORT of a separate /metrics listener; for serve/router it also takes /metrics off the API port.
   std::optional<std::string> metrics_listen;

@@ -134,6 +134,9 @@ int main(int argc, char** argv) {
   };
   const std::string model_help = "Checkpoint directory (default: the built-in tiny model)";
   const std::string drain_help = "On SIGTERM/SIGINT: wait this long for in-flight requests";
+  const std::string max_prompt_help =
+      "Prompt text over this many bytes gets 400 before it is tokenized (0 = 16 per token of the model's context)";
+  const std::string queue_timeout_help = "A request waiting this long for a worker gets 503 + Retry-After (0 = never)";
   const std::string front_metrics_help =
       "HOST:PORT of a separate Prometheus /metrics listener (then /metrics is not served on the API port)";
   const std::string worker_metrics_help = "HOST:PORT of a Prometheus /metrics listener (default: none)";
@@ -220,6 +223,9 @@ int main(int argc, char** argv) {
   role_option(serve, "prefill-chunk", serve_opts.prefill_chunk, "Prefill chunk in tokens")->check(CLI::PositiveNumber);
   role_option(serve, "max-queue", serve_opts.max_queue, "Requests waiting for a worker at most (then 503)")
       ->check(CLI::NonNegativeNumber);
+  role_option(serve, "max-prompt-bytes", serve_opts.max_prompt_bytes, max_prompt_help)->check(CLI::NonNegativeNumber);
+  role_option(serve, "queue-timeout-ms", serve_opts.queue_timeout_ms, queue_timeout_help)
+      ->check(CLI::NonNegativeNumber);
   role_option(serve, "drain-timeout-ms", serve_opts.drain_timeout_ms, drain_help)->check(CLI::NonNegativeNumber);
   role_option(serve, "metrics-listen", serve_opts.metrics_listen, front_metrics_help);
   add_cache_options(serve, serve_opts.cache, true, true);
@@ -237,6 +243,9 @@ int main(int argc, char** argv) {
   role_option(router, "api-keys", router_opts.api_keys, "API keys file (default: no authentication)");
   role_option(router, "served-model-name", router_opts.served_model_name, "Model id in the API");
   role_option(router, "max-queue", router_opts.max_queue, "Requests waiting for a worker at most (then 503)")
+      ->check(CLI::NonNegativeNumber);
+  role_option(router, "max-prompt-bytes", router_opts.max_prompt_bytes, max_prompt_help)->check(CLI::NonNegativeNumber);
+  role_option(router, "queue-timeout-ms", router_opts.queue_timeout_ms, queue_timeout_help)
       ->check(CLI::NonNegativeNumber);
   role_option(router, "drain-timeout-ms", router_opts.drain_timeout_ms, drain_help)->check(CLI::NonNegativeNumber);
   role_option(router, "metrics-listen", router_opts.metrics_listen, front_metrics_help);

@@ -205,9 +205,11 @@ struct FrontOptions {
   std::string role;                                           // "serve" | "router" (deltaserve_build_info)
   ProcessMetrics::WorkerLayout workers;                       // serve: this node's workers (read at each scrape)
   std::shared_ptr<MetricsRouterObserver> observer = nullptr;  // the node's router observer, if any
+  int64_t max_prompt_bytes = 0;                               // HttpServerConfig::max_prompt_bytes
 };
 
-// Runs the HTTP front over `node` until a signal, then drains. Returns the exit code.
+// Runs the HTTP front over `node` until a signal, then drains. Returns the exit code: 0 when every request
+// finished within the drain timeout, kExitDrainCutRequests when some were cut.
 int serve_http(actors::Node& node, const FrontOptions& o, SignalWaiter& signals, std::ostream& out, std::ostream& err) {
   auto config = engine::load_model_config(o.dir);
   if (!config.is_ok()) return fail(err, config.status());
@@ -232,6 +234,7 @@ int serve_http(actors::Node& node, const FrontOptions& o, SignalWaiter& signals,
   http.port = o.port;
   http.metrics = metrics.metrics();
   http.metrics_endpoint = !o.metrics_listen || o.metrics_listen->empty();
+  http.max_prompt_bytes = static_cast<size_t>(o.max_prompt_bytes);
   router::HttpServer server(http, *tok, info, stop_token_ids(*config, *tok), *node.service(), std::move(keys));
   auto port = server.start();
   if (!port.is_ok()) return fail(err, port.status());
@@ -239,13 +242,21 @@ int serve_http(actors::Node& node, const FrontOptions& o, SignalWaiter& signals,
 
   signals.wait();
   server.begin_drain();
-  const bool idle = server.wait_idle(std::chrono::milliseconds(o.drain_timeout_ms));
-  if (!idle) err << "warning: drain timeout: " << server.in_flight() << " requests still in flight\n";
+  int code = 0;
+  if (!server.wait_idle(std::chrono::milliseconds(o.drain_timeout_ms))) {
+    // Their clients get an error (not a silently closed stream); bounded like one response write.
+    const int64_t cut = server.cut_in_flight(std::chrono::milliseconds(5000));
+    if (cut > 0) {
+      err << "warning: drain timeout: " << cut << " requests cut short (error sent to their clients); exit status "
+          << kExitDrainCutRequests << "\n";
+      code = kExitDrainCutRequests;
+    }
+  }
   server.stop();
   if (o.observer) o.observer->attach(nullptr);
   metrics.close();
   node.shutdown();
-  return 0;
+  return code;
 }
 
 }  // namespace
@@ -292,6 +303,7 @@ int run_serve(const ServeOptions& o, std::ostream& out, std::ostream& err) {
   node_options.max_batch = o.max_batch;
   node_options.prefill_chunk = o.prefill_chunk;
   node_options.max_queue = o.max_queue;
+  node_options.queue_timeout = std::chrono::milliseconds(o.queue_timeout_ms);
   apply_cache_options(o.cache, node_options);
   apply_transport_options(o.transport, true, node_options);
   auto observer = std::make_shared<MetricsRouterObserver>(o.transport.transport);
@@ -305,6 +317,7 @@ int run_serve(const ServeOptions& o, std::ostream& out, std::ostream& err) {
   front.workers.checkpoint_budget_bytes = o.cache.prefix_cache ? o.cache.checkpoint_memory_mb << 20 : 0;
   front.workers.count_handoffs = false;  // prefill and decode workers both count each handoff
   front.observer = observer;
+  front.max_prompt_bytes = o.max_prompt_bytes;
   return serve_http(**node, front, signals, out, err);
 }
 
@@ -316,6 +329,7 @@ int run_router(const RouterOptions& o, std::ostream& out, std::ostream& err) {
   node_options.role = actors::NodeRole::kRouter;
   node_options.model_dir = *dir;
   node_options.max_queue = o.max_queue;
+  node_options.queue_timeout = std::chrono::milliseconds(o.queue_timeout_ms);
   node_options.cluster_host = o.cluster_host;
   node_options.cluster_port = o.cluster_port;
   apply_cache_options(o.cache, node_options);
@@ -342,6 +356,7 @@ int run_router(const RouterOptions& o, std::ostream& out, std::ostream& err) {
   FrontOptions front{o.host,           o.port,   o.api_keys, o.served_model_name, o.model, *dir, o.drain_timeout_ms,
                      o.metrics_listen, "router", {}};
   front.observer = observer;
+  front.max_prompt_bytes = o.max_prompt_bytes;
   return serve_http(**node, front, signals, out, err);
 }
 

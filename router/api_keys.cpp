@@ -1,5 +1,6 @@
 #include "router/api_keys.hpp"
 
+#include <cmath>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -31,6 +32,41 @@ std::optional<Sha256Digest> parse_hex_digest(std::string_view hex) {
     digest[i] = static_cast<uint8_t>(hi * 16 + lo);
   }
   return digest;
+}
+
+// A "limits" object (api_keys.hpp); `at` is its field path for errors.
+Result<TenantLimits> parse_limits(std::string_view file_label, const std::string& at, const json& value) {
+  if (!value.is_object()) return field_error(file_label, at, "must be an object");
+  TenantLimits limits;
+  for (const auto& [key, field] : value.items()) {
+    const std::string where = at + "." + key;
+    if (key == "requests_per_second") {
+      if (!field.is_number() || !(field.get<double>() > 0) || !std::isfinite(field.get<double>())) {
+        return field_error(file_label, where, "must be a number > 0");
+      }
+      limits.requests_per_second = field.get<double>();
+    } else if (key == "tokens_per_minute" || key == "max_concurrent") {
+      if (!field.is_number_integer() || field.get<int64_t>() <= 0) {
+        return field_error(file_label, where, "must be an integer > 0");
+      }
+      (key == "tokens_per_minute" ? limits.tokens_per_minute : limits.max_concurrent) = field.get<int64_t>();
+    } else if (key == "priority") {
+      const std::string name = field.is_string() ? field.get<std::string>() : "";
+      if (name == "high") {
+        limits.priority = Priority::kHigh;
+      } else if (name == "normal") {
+        limits.priority = Priority::kNormal;
+      } else if (name == "low") {
+        limits.priority = Priority::kLow;
+      } else {
+        return field_error(file_label, where, "must be \"high\", \"normal\" or \"low\"");
+      }
+    } else {
+      return field_error(file_label, where,
+                         "unknown limit (known: requests_per_second, tokens_per_minute, max_concurrent, priority)");
+    }
+  }
+  return limits;
 }
 
 }  // namespace
@@ -80,13 +116,26 @@ Result<ApiKeys> ApiKeys::parse(std::string_view json_text, std::string_view file
       }
       cache_namespace = ns->get<std::string>();
     }
+    TenantLimits limits;
+    const auto limits_field = entry.find("limits");
+    const bool has_limits = limits_field != entry.end();
+    if (has_limits) {
+      auto parsed = parse_limits(file_label, at + ".limits", *limits_field);
+      if (!parsed.is_ok()) return parsed.status();
+      limits = *parsed;
+    }
     for (const Entry& other : keys.entries_) {
-      if (other.tenant == name->get_ref<const std::string&>() && other.cache_namespace != cache_namespace) {
+      if (other.tenant != name->get_ref<const std::string&>()) continue;
+      if (other.cache_namespace != cache_namespace) {
         return field_error(file_label, at + ".cache_namespace",
                            "differs from an earlier entry of tenant '" + other.tenant + "'");
       }
+      if (other.has_limits != has_limits || !(other.limits == limits)) {
+        return field_error(file_label, at + ".limits",
+                           "differs from an earlier entry of tenant '" + other.tenant + "'");
+      }
     }
-    keys.entries_.push_back({*digest, name->get<std::string>(), std::move(cache_namespace)});
+    keys.entries_.push_back({*digest, name->get<std::string>(), std::move(cache_namespace), limits, has_limits});
   }
   return keys;
 }
@@ -109,6 +158,14 @@ std::string ApiKeys::cache_namespace_of(std::string_view tenant) const {
     if (entry.tenant == tenant) return entry.cache_namespace;
   }
   return std::string(tenant);
+}
+
+std::map<std::string, TenantLimits, std::less<>> ApiKeys::limits() const {
+  std::map<std::string, TenantLimits, std::less<>> out;
+  for (const Entry& entry : entries_) {
+    if (entry.has_limits) out.emplace(entry.tenant, entry.limits);
+  }
+  return out;
 }
 
 std::optional<std::string_view> parse_bearer(std::string_view authorization) {

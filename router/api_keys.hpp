@@ -7,15 +7,21 @@
 // (default: the tenant's name); tenants that name the same namespace share cached prompts, all others
 // are isolated. A tenant's entries must agree on it. Several keys may map to one tenant (repeat the
 // entry); the same digest twice is an error. Make a digest with `printf %s "$KEY" | sha256sum`.
+// Optional "limits" (admission.hpp says how each is applied; every field optional, absent = unlimited):
+//   "limits": {"requests_per_second": R (number > 0), "tokens_per_minute": T (integer > 0),
+//              "max_concurrent": C (integer > 0), "priority": "high" | "normal" | "low" (default "normal")}
+// A tenant's entries must agree on its limits (an entry without "limits" means none).
 #pragma once
 
 #include <filesystem>
+#include <map>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "common/status.hpp"
+#include "router/admission.hpp"
 #include "router/sha256.hpp"
 
 namespace deltaserve::router {
@@ -41,6 +47,9 @@ class ApiKeys {
   // The prefix-cache namespace of an authenticated tenant: its configured one, else the tenant name.
   std::string cache_namespace_of(std::string_view tenant) const;
 
+  // The limits of every tenant that has a "limits" object, by tenant name (for Admission).
+  std::map<std::string, TenantLimits, std::less<>> limits() const;
+
   bool enabled() const { return enabled_; }
   size_t size() const { return entries_.size(); }
 
@@ -49,6 +58,8 @@ class ApiKeys {
     Sha256Digest digest;
     std::string tenant;
     std::string cache_namespace;
+    TenantLimits limits;
+    bool has_limits = false;
   };
 
   bool enabled_ = false;

@@ -91,6 +91,55 @@ TEST(ApiKeysTest, LoadReadsFileAndErrorsNameFileAndField) {
   std::filesystem::remove_all(dir);
 }
 
+std::string with_limits(const std::string& limits, const std::string& second_limits = "") {
+  std::string text =
+      R"({"tenants": [{"name": "acme", "api_key_sha256": ")" + sha256_hex("k1") + R"(", "limits": )" + limits + "}";
+  if (!second_limits.empty()) {
+    text += R"(, {"name": "acme", "api_key_sha256": ")" + sha256_hex("k2") + R"(", "limits": )" + second_limits + "}";
+  }
+  return text + "]}";
+}
+
+TEST(ApiKeysTest, LimitsPerTenant) {
+  auto keys = ApiKeys::parse(
+      with_limits(
+          R"({"requests_per_second": 2.5, "tokens_per_minute": 6000, "max_concurrent": 4, "priority": "high"})"),
+      "keys.json");
+  ASSERT_TRUE(keys.is_ok()) << keys.status().to_string();
+  const auto limits = keys->limits();
+  ASSERT_EQ(limits.size(), 1u);
+  EXPECT_EQ(limits.at("acme"), (TenantLimits{2.5, 6000, 4, Priority::kHigh}));
+  // Every field is optional; a tenant without "limits" has none.
+  auto partial = ApiKeys::parse(with_limits(R"({"priority": "low"})"), "keys.json");
+  ASSERT_TRUE(partial.is_ok()) << partial.status().to_string();
+  EXPECT_EQ(partial->limits().at("acme"), (TenantLimits{0, 0, 0, Priority::kLow}));
+  EXPECT_TRUE(ApiKeys::parse(keys_json(), "keys.json")->limits().empty());
+  // A tenant's entries agree.
+  EXPECT_TRUE(ApiKeys::parse(with_limits(R"({"max_concurrent": 1})", R"({"max_concurrent": 1})"), "k").is_ok());
+
+  struct Case {
+    std::string text;
+    std::string field;
+  };
+  const Case cases[] = {
+      {with_limits("3"), "tenants[0].limits: must be an object"},
+      {with_limits(R"({"requests_per_second": 0})"), "tenants[0].limits.requests_per_second"},
+      {with_limits(R"({"requests_per_second": "5"})"), "tenants[0].limits.requests_per_second"},
+      {with_limits(R"({"tokens_per_minute": 1.5})"), "tenants[0].limits.tokens_per_minute"},
+      {with_limits(R"({"tokens_per_minute": -1})"), "tenants[0].limits.tokens_per_minute"},
+      {with_limits(R"({"max_concurrent": 0})"), "tenants[0].limits.max_concurrent"},
+      {with_limits(R"({"priority": "urgent"})"), "tenants[0].limits.priority"},
+      {with_limits(R"({"rpm": 5})"), "tenants[0].limits.rpm: unknown limit"},
+      {with_limits(R"({"max_concurrent": 1})", R"({"max_concurrent": 2})"), "tenants[1].limits: differs"},
+  };
+  for (const Case& c : cases) {
+    auto bad = ApiKeys::parse(c.text, "keys.json");
+    ASSERT_FALSE(bad.is_ok()) << c.text;
+    EXPECT_EQ(bad.status().message().rfind("keys.json: ", 0), 0u) << bad.status().message();
+    EXPECT_NE(bad.status().message().find(c.field), std::string::npos) << bad.status().message();
+  }
+}
+
 TEST(ApiKeysTest, ParseBearer) {
   EXPECT_EQ(parse_bearer("Bearer sk-1"), "sk-1");
   EXPECT_EQ(parse_bearer("bearer   sk-1  "), "sk-1");

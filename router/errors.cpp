@@ -1,5 +1,7 @@
 #include "router/errors.hpp"
 
+#include <algorithm>
+
 #include <nlohmann/json.hpp>
 
 namespace deltaserve::router {
@@ -24,6 +26,8 @@ Mapping map(const ApiError& error) {
       return {413, "invalid_request_error", "request_too_large"};
     case Kind::kHeaderTooLarge:
       return {431, "invalid_request_error", "request_header_fields_too_large"};
+    case Kind::kRateLimited:
+      return {429, "requests", "rate_limit_exceeded"};
     case Kind::kStatus:
       break;
   }
@@ -56,7 +60,7 @@ nlohmann::json error_object(const ApiError& error, const Mapping& mapping) {
   nlohmann::json inner;
   inner["message"] =
       error.status.message().empty() ? std::string(status_code_name(error.status.code())) : error.status.message();
-  inner["type"] = mapping.type;
+  inner["type"] = error.type.empty() ? std::string(mapping.type) : error.type;
   inner["param"] = error.param.empty() ? nlohmann::json(nullptr) : nlohmann::json(error.param);
   if (!error.code.empty()) {
     inner["code"] = error.code;
@@ -95,6 +99,15 @@ ApiError ApiError::of_kind(Kind kind, std::string message) {
   return error;
 }
 
+ApiError ApiError::rate_limited(std::string message, std::string type, int64_t retry_after_seconds) {
+  ApiError error;
+  error.kind = Kind::kRateLimited;
+  error.status = Status(StatusCode::kResourceExhausted, std::move(message));
+  error.type = std::move(type);
+  error.retry_after_seconds = std::max<int64_t>(retry_after_seconds, 1);
+  return error;
+}
+
 HttpError to_http_error(const ApiError& error) {
   const Mapping mapping = map(error);
   HttpError out;
@@ -104,7 +117,11 @@ HttpError to_http_error(const ApiError& error) {
   if (error.kind == ApiError::Kind::kMethodNotAllowed && !error.allow.empty()) {
     out.headers.emplace_back("Allow", error.allow);
   }
-  if (mapping.status == 503) out.headers.emplace_back("Retry-After", "1");
+  if (error.retry_after_seconds > 0) {
+    out.headers.emplace_back("Retry-After", std::to_string(error.retry_after_seconds));
+  } else if (mapping.status == 503 || mapping.status == 429) {
+    out.headers.emplace_back("Retry-After", "1");
+  }
   return out;
 }
 

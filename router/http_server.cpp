@@ -10,6 +10,7 @@
 #include <thread>
 #include <unordered_map>
 #include <utility>  // before Asio: Boost 1.74 awaitable.hpp needs std::exchange (stack.md §6.9)
+#include <variant>
 
 #include <boost/asio/bind_executor.hpp>
 #include <boost/asio/co_spawn.hpp>
@@ -19,6 +20,7 @@
 #include <boost/asio/post.hpp>
 #include <boost/asio/redirect_error.hpp>
 #include <boost/asio/steady_timer.hpp>
+#include <boost/asio/thread_pool.hpp>
 #include <boost/asio/use_awaitable.hpp>
 #include <boost/asio/write.hpp>
 #include <boost/beast/core.hpp>
@@ -72,6 +74,15 @@ struct Connection {
 
 using ConnectionPtr = std::shared_ptr<Connection>;
 
+// Bytes of prompt text the tokenizer would read (token-id prompts are not tokenized: 0).
+size_t prompt_bytes(const OpenAiRequest& request) {
+  size_t bytes = request.prompt_text ? request.prompt_text->size() : 0;
+  for (const tokenizer::ChatMessage& message : request.messages) {
+    bytes += message.role.size() + message.content.size() + (message.name ? message.name->size() : 0);
+  }
+  return bytes;
+}
+
 constexpr auto kTryAwait = net::use_awaitable;
 
 }  // namespace
@@ -80,12 +91,14 @@ class HttpServer::Impl {
  public:
   Impl(HttpServerConfig config, const tokenizer::Tokenizer& tokenizer, ModelInfo model,
        std::vector<int32_t> eos_token_ids, InferenceService& service, ApiKeys keys)
-      : config_(std::move(config)),
+      : tokenize_pool_(static_cast<size_t>(std::max(1, config.tokenize_threads))),
+        config_(std::move(config)),
         tokenizer_(tokenizer),
         model_(std::move(model)),
         eos_token_ids_(std::move(eos_token_ids)),
         service_(service),
         keys_(std::move(keys)),
+        admission_(keys_.limits(), config_.admission_clock),
         acceptor_(ioc_),
         rng_(std::random_device{}()) {}
 
@@ -102,6 +115,19 @@ class HttpServer::Impl {
     return idle_cv_.wait_for(lock, timeout, [&] { return in_flight_.load() == 0; });
   }
   int64_t in_flight() const { return in_flight_.load(); }
+  int64_t cut_in_flight(std::chrono::milliseconds grace) {
+    cutting_ = true;  // before the wake-ups: a generation checks it on its own context before each wait
+    {
+      std::lock_guard lock(connections_mutex_);
+      for (auto& [id, weak] : connections_) {
+        if (auto connection = weak.lock())
+          net::post(connection->stream.get_executor(), [connection] { connection->wake.cancel(); });
+      }
+    }
+    wait_idle(grace);
+    // Those that answered with the cut error, and those still not done (stop() will close them).
+    return cut_requests_.load() + in_flight_.load();
+  }
 
  private:
   // Counts a request in flight for its lifetime.
@@ -142,12 +168,16 @@ class HttpServer::Impl {
   std::string random_id();
   uint64_t random_seed();
 
+  // Runs plan_generation (tokenization) off the Asio threads. Declared first so it outlives the io_contexts:
+  // a coroutine frame they destroy may still hold work on it.
+  net::thread_pool tokenize_pool_;
   HttpServerConfig config_;
   const tokenizer::Tokenizer& tokenizer_;
   ModelInfo model_;
   std::vector<int32_t> eos_token_ids_;
   InferenceService& service_;
   ApiKeys keys_;
+  Admission admission_;
   telemetry::Metrics* const metrics_ = config_.metrics.get();  // null: not measured
   telemetry::Metrics::HookId metrics_hook_ = 0;
 
@@ -166,6 +196,8 @@ class HttpServer::Impl {
   std::atomic<bool> started_{false};
   std::atomic<bool> stopped_{false};
   std::atomic<bool> draining_{false};
+  std::atomic<bool> cutting_{false};      // cut_in_flight: generations end with an error now
+  std::atomic<int64_t> cut_requests_{0};  // generations ended by cut_in_flight
   std::atomic<int64_t> in_flight_{0};
   std::mutex idle_mutex_;
   std::condition_variable idle_cv_;
@@ -242,6 +274,8 @@ void HttpServer::Impl::stop() {
   ioc_.stop();
   for (auto& context : extra_) context->stop();
   for (std::thread& thread : threads_) thread.join();
+  tokenize_pool_.stop();  // a finished tokenization's hop back to a stopped context must not keep it waiting
+  tokenize_pool_.join();
   threads_.clear();
   std::lock_guard lock(connections_mutex_);
   for (auto& [raw, weak] : channels_) {
@@ -361,7 +395,7 @@ net::awaitable<bool> HttpServer::Impl::handle(ConnectionPtr connection, http::re
       {"/v1/models", http::verb::get, true},
       {"/v1/completions", http::verb::post, true},
       {"/v1/chat/completions", http::verb::post, true},
-      {"/metrics", http::verb::get, false},
+      {"/metrics", http::verb::get, true},  // with keys on: its series name tenants (cache namespaces)
   };
   const bool serve_metrics = metrics_ != nullptr && config_.metrics_endpoint;
   const Route* route = nullptr;
@@ -382,10 +416,6 @@ net::awaitable<bool> HttpServer::Impl::handle(ConnectionPtr connection, http::re
     co_return co_await write_error(connection, error, reusable);
   }
   connection->route = route->path;
-  if (route->path == "/metrics") {
-    co_return co_await write_response(connection, 200, metrics_->serialize(), telemetry::Metrics::kContentType, {},
-                                      reusable);
-  }
   if (route->path == "/health") {
     co_return co_await write_response(connection, 200, R"({"status":"ok"})", "application/json", {}, reusable);
   }
@@ -428,6 +458,10 @@ net::awaitable<bool> HttpServer::Impl::handle(ConnectionPtr connection, http::re
       co_return co_await write_error(connection, ApiError::of_kind(ApiError::Kind::kUnauthorized, message), reusable);
     }
     tenant = std::move(*found);
+  }
+  if (route->path == "/metrics") {
+    co_return co_await write_response(connection, 200, metrics_->serialize(), telemetry::Metrics::kContentType, {},
+                                      reusable);
   }
   if (route->path == "/v1/models") {
     co_return co_await write_response(connection, 200, models_json(model_), "application/json", {}, reusable);
@@ -486,12 +520,48 @@ net::awaitable<bool> HttpServer::Impl::generate(ConnectionPtr connection, Endpoi
   options.random_seed = random_seed();
   options.stop_token_ids = eos_token_ids_;
   options.arrival_ns = arrival_ns;
-  GenerationPlan plan;
-  if (auto error = plan_generation(parsed, tokenizer_, options, plan)) {
-    co_return co_await write_error(connection, *error, keep_alive);
+  // A cheap bound before the costly step: tokenizing tens of MB would hold a pool thread for seconds.
+  const size_t max_prompt_bytes = config_.max_prompt_bytes > 0
+                                      ? config_.max_prompt_bytes
+                                      : static_cast<size_t>(std::max<int64_t>(model_.context_length, 1)) * 16;
+  if (const size_t bytes = prompt_bytes(parsed); bytes > max_prompt_bytes) {
+    const std::string param = endpoint == Endpoint::kChatCompletions ? "messages" : "prompt";
+    co_return co_await write_error(
+        connection,
+        ApiError::invalid(param,
+                          "The " + param + " is " + std::to_string(bytes) + " bytes; this server accepts at most " +
+                              std::to_string(max_prompt_bytes) +
+                              " bytes of prompt text (this model's maximum context " + "length is " +
+                              std::to_string(model_.context_length) + " tokens). Please reduce the length of the " +
+                              param + ".",
+                          "context_length_exceeded"),
+        keep_alive);
   }
+  // Tokenize on the pool; the coroutine resumes on this connection's context (co_spawn's completion).
+  GenerationPlan plan;
+  std::optional<ApiError> plan_error = co_await net::co_spawn(
+      tokenize_pool_.get_executor(),
+      [&]() -> net::awaitable<std::optional<ApiError>> {
+        if (config_.before_tokenize) config_.before_tokenize();
+        co_return plan_generation(parsed, tokenizer_, options, plan);
+      },
+      kTryAwait);
+  if (plan_error) co_return co_await write_error(connection, *plan_error, keep_alive);
 
   const int n = static_cast<int>(plan.choices.size());
+  // Charged prompt + every choice's max_tokens now; corrected to what was generated when the request ends.
+  const auto prompt_tokens = static_cast<int64_t>(plan.prompt.size());
+  auto admitted = admission_.admit(tenant, prompt_tokens + n * plan.max_tokens);
+  if (const auto* refusal = std::get_if<AdmissionRefusal>(&admitted)) {
+    const bool tokens = refusal->limit == AdmissionRefusal::Limit::kTokensPerMinute;
+    co_return co_await write_error(
+        connection,
+        ApiError::rate_limited(refusal->message, tokens ? "tokens" : "requests", refusal->retry_after.count()),
+        keep_alive);
+  }
+  Admission::Ticket ticket = std::move(std::get<Admission::Ticket>(admitted));
+  const Priority priority = admission_.priority_of(tenant);
+  for (GenerationRequest& choice : plan.choices) choice.priority = priority;
   std::vector<std::string> request_ids;
   for (const GenerationRequest& choice : plan.choices) request_ids.push_back(choice.request_id);
   auto channel = std::make_shared<ChunkChannel>(
@@ -576,7 +646,15 @@ net::awaitable<bool> HttpServer::Impl::generate(ConnectionPtr connection, Endpoi
     }
   };
 
+  bool cut = false;
   while (remaining > 0 && !failure) {
+    if (cutting_) {
+      cut = true;
+      ++cut_requests_;
+      failure = ApiError::from_status(
+          {StatusCode::kUnavailable, "The server shut down before this request finished (drain timeout); retry."});
+      break;
+    }
     std::deque<ChunkChannel::Item> batch = channel->drain();
     if (batch.empty()) {
       if (connection->client_gone) break;
@@ -616,6 +694,8 @@ net::awaitable<bool> HttpServer::Impl::generate(ConnectionPtr connection, Endpoi
         observe_finished(at, *chunk.finish_reason, "", chunk.cached_tokens);
       }
     }
+    // The tenant's concurrency place is held until the last final chunk arrives, not until it is written.
+    if (remaining == 0) ticket.finish(prompt_tokens + usage.completion_tokens);
     if (!parsed.stream || failure) continue;
     if (remaining == 0) {
       if (parsed.include_usage) events += formatter.usage_event(usage);
@@ -647,6 +727,7 @@ net::awaitable<bool> HttpServer::Impl::generate(ConnectionPtr connection, Endpoi
     }
   }
   stop_watch(connection);
+  ticket.finish(prompt_tokens + usage.completion_tokens);  // failed or cut short: charged what was generated
 
   if (connection->client_gone && remaining > 0) {
     spdlog::debug("http: {} client went away; cancelling", response_id);
@@ -661,7 +742,10 @@ net::awaitable<bool> HttpServer::Impl::generate(ConnectionPtr connection, Endpoi
     release();
     spdlog::debug("http: {} failed: {}", response_id, failure->status.to_string());
     if (head_sent) {
-      co_await write_raw(connection, StreamFormatter::error_event(*failure), true);
+      // A cut stream also ends with [DONE], so clients that wait for it do not hang on a closed socket.
+      std::string events = StreamFormatter::error_event(*failure);
+      if (cut) events += StreamFormatter::done_event();
+      co_await write_raw(connection, std::move(events), true);
       co_return false;
     }
     co_return co_await write_error(connection, *failure, keep_alive);
@@ -781,6 +865,9 @@ void HttpServer::begin_drain() {
 }
 bool HttpServer::wait_idle(std::chrono::milliseconds timeout) {
   return impl_->wait_idle(timeout);
+}
+int64_t HttpServer::cut_in_flight(std::chrono::milliseconds grace) {
+  return impl_->cut_in_flight(grace);
 }
 void HttpServer::stop() {
   impl_->stop();

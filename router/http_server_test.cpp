@@ -2,6 +2,7 @@
 // tests) against a scripted InferenceService double.
 #include "router/http_server.hpp"
 
+#include <cmath>
 #include <condition_variable>
 #include <map>
 #include <mutex>
@@ -21,6 +22,7 @@
 #include "router/fake_inference_service.hpp"
 #include "router/prompt_encoding.hpp"
 #include "router/router_test_util.hpp"
+#include "telemetry/metrics.hpp"
 #include "tokenizer/utf8.hpp"
 
 namespace deltaserve::router {
@@ -482,6 +484,192 @@ TEST_F(HttpServerTest, ApiKeysRequired) {
   EXPECT_EQ(service_.submitted()[0].tenant, "acme");
 }
 
+// ---- admission limits -------------------------------------------------------------------------------
+
+ApiKeys keys_with_limits(const std::string& limits) {
+  auto keys = ApiKeys::parse(R"({"tenants": [{"name": "acme", "api_key_sha256": ")" + sha256_hex("sk-acme") +
+                                 R"(", "limits": )" + limits + R"(}, {"name": "globex", "api_key_sha256": ")" +
+                                 sha256_hex("sk-globex") + R"("}]})",
+                             "keys");
+  if (!keys.is_ok()) ADD_FAILURE() << keys.status().to_string();
+  return std::move(keys).value();
+}
+
+const std::map<std::string, std::string> kAcme = {{"Authorization", "Bearer sk-acme"}};
+const std::map<std::string, std::string> kGlobex = {{"Authorization", "Bearer sk-globex"}};
+
+TEST_F(HttpServerTest, RequestsPerSecondOverTheLimitIs429WithRetryAfter) {
+  auto now = std::make_shared<std::chrono::steady_clock::time_point>(std::chrono::hours(1));
+  HttpServerConfig config;
+  config.admission_clock = [now] { return *now; };
+  start(keys_with_limits(R"({"requests_per_second": 0.5, "priority": "high"})"), config);
+  const Reply first = post("/v1/chat/completions", chat_body(), kAcme);
+  ASSERT_EQ(first.status, 200u) << first.body;
+  for (const bool stream : {false, true}) {
+    const Reply refused = post("/v1/chat/completions", chat_body(stream), kAcme);
+    EXPECT_EQ(refused.status, 429u) << refused.body;
+    EXPECT_EQ(refused.header("retry-after"), "2");  // one request per 2 s
+    EXPECT_EQ(refused.header("content-type"), "application/json");
+    const json error = refused.json_body()["error"];
+    EXPECT_EQ(error["type"], "requests");
+    EXPECT_EQ(error["code"], "rate_limit_exceeded");
+    EXPECT_TRUE(error["param"].is_null());
+    EXPECT_NE(error["message"].get<std::string>().find("requests per second"), std::string::npos);
+    EXPECT_EQ(refused.body.find("sk-"), std::string::npos);
+  }
+  EXPECT_EQ(post("/v1/chat/completions", chat_body(), kGlobex).status, 200u);  // another tenant is not limited
+  *now += std::chrono::seconds(2);
+  EXPECT_EQ(post("/v1/chat/completions", chat_body(), kAcme).status, 200u);
+  const auto submitted = service_.submitted();
+  ASSERT_EQ(submitted.size(), 3u);  // refused requests never reach the service
+  EXPECT_EQ(submitted[0].priority, Priority::kHigh);
+  EXPECT_EQ(submitted[1].tenant, "globex");
+  EXPECT_EQ(submitted[1].priority, Priority::kNormal);
+}
+
+TEST_F(HttpServerTest, TokensPerMinuteChargesWhatWasGenerated) {
+  auto now = std::make_shared<std::chrono::steady_clock::time_point>(std::chrono::hours(1));
+  HttpServerConfig config;
+  config.admission_clock = [now] { return *now; };
+  start(keys_with_limits(R"({"tokens_per_minute": 200})"), config);
+  const json body = {{"model", "tiny"}, {"prompt", {5}}, {"max_tokens", 150}};  // reserves 1 + 150
+  const Reply first = post("/v1/completions", body, kAcme);
+  ASSERT_EQ(first.status, 200u) << first.body;
+  const int64_t used = first.json_body()["usage"]["total_tokens"].get<int64_t>();
+  ASSERT_LE(used, 24);  // the script is short: what it did not use comes back
+  const Reply second = post("/v1/completions", body, kAcme);
+  ASSERT_EQ(second.status, 200u) << second.body;  // 200 − used ≥ 151 only with the refund
+  // Now 200 − 2 × used are left: a request reserving all 200 waits for the rest to refill at 200/60 per second.
+  json whole = body;
+  whole["max_tokens"] = 199;
+  const Reply refused = post("/v1/completions", whole, kAcme);
+  EXPECT_EQ(refused.status, 429u) << refused.body;
+  EXPECT_EQ(refused.json_body()["error"]["type"], "tokens");
+  EXPECT_EQ(refused.json_body()["error"]["code"], "rate_limit_exceeded");
+  const auto expected_wait = static_cast<int64_t>(std::ceil(static_cast<double>(2 * used) / (200.0 / 60.0)));
+  EXPECT_EQ(refused.header("retry-after"), std::to_string(std::max<int64_t>(expected_wait, 1)));
+  EXPECT_EQ(service_.submitted().size(), 2u);
+}
+
+TEST_F(HttpServerTest, MaxConcurrentHoldsUntilTheFinalChunk) {
+  start(keys_with_limits(R"({"max_concurrent": 1})"));
+  service_.set_mode(FakeService::Mode::kHang);
+  Client streaming(port_);
+  http::request<http::string_body> request{http::verb::post, "/v1/chat/completions", 11};
+  request.set(http::field::host, "x");
+  request.set(http::field::authorization, "Bearer sk-acme");
+  request.body() = chat_body(true).dump();
+  request.prepare_payload();
+  http::write(streaming.socket(), request);
+  char byte;
+  net::read(streaming.socket(), net::buffer(&byte, 1));  // the stream is running
+  const Reply refused = post("/v1/chat/completions", chat_body(), kAcme);
+  EXPECT_EQ(refused.status, 429u) << refused.body;
+  EXPECT_EQ(refused.header("retry-after"), "1");
+  EXPECT_EQ(refused.json_body()["error"]["type"], "requests");
+  service_.release();  // the stream finishes
+  beast::flat_buffer buffer;
+  buffer.commit(net::buffer_copy(buffer.prepare(1), net::buffer(&byte, 1)));
+  const Reply finished = read_reply(streaming.socket(), buffer);
+  EXPECT_EQ(finished.status, 200u);
+  service_.set_mode(FakeService::Mode::kScript);
+  EXPECT_EQ(post("/v1/chat/completions", chat_body(), kAcme).status, 200u);
+}
+
+// ---- prompt size and tokenization off the I/O threads -----------------------------------------------
+
+TEST_F(HttpServerTest, PromptOverTheByteCapIsRefusedWithoutTokenizing) {
+  auto tokenized = std::make_shared<std::atomic<int>>(0);
+  HttpServerConfig config;
+  config.before_tokenize = [tokenized] { ++*tokenized; };
+  start(ApiKeys::open(), config);  // the cap: 16 bytes × 256 tokens of context
+  const std::string huge(16 * kContext + 1, 'a');
+  json chat = chat_body();
+  chat["messages"][0]["content"] = huge;
+  const Reply refused_chat = post("/v1/chat/completions", chat);
+  EXPECT_EQ(refused_chat.status, 400u) << refused_chat.body;
+  EXPECT_EQ(refused_chat.json_body()["error"]["code"], "context_length_exceeded");
+  EXPECT_EQ(refused_chat.json_body()["error"]["param"], "messages");
+  EXPECT_EQ(refused_chat.json_body()["error"]["type"], "invalid_request_error");
+  const Reply refused_completion = post("/v1/completions", {{"model", "tiny"}, {"prompt", huge}});
+  EXPECT_EQ(refused_completion.status, 400u) << refused_completion.body;
+  EXPECT_EQ(refused_completion.json_body()["error"]["param"], "prompt");
+  EXPECT_EQ(tokenized->load(), 0);  // neither reached the tokenizer
+  EXPECT_TRUE(service_.submitted().empty());
+  EXPECT_EQ(post("/v1/chat/completions", chat_body()).status, 200u);
+  EXPECT_EQ(tokenized->load(), 1);
+
+  // An explicit cap replaces the derived one.
+  server_->stop();
+  config.max_prompt_bytes = 8;
+  start(ApiKeys::open(), config);
+  EXPECT_EQ(post("/v1/completions", {{"model", "tiny"}, {"prompt", "123456789"}}).status, 400u);
+  EXPECT_EQ(post("/v1/completions", {{"model", "tiny"}, {"prompt", "12345678"}}).status, 200u);
+}
+
+TEST_F(HttpServerTest, HealthAnswersWhileATokenizationIsHeld) {
+  // One Asio thread: were the prompt tokenized on it, /health could not be answered until it ends.
+  struct Gate {
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool entered = false, open = false;
+  };
+  auto gate = std::make_shared<Gate>();
+  HttpServerConfig config;
+  config.threads = 1;
+  config.before_tokenize = [gate] {
+    std::unique_lock lock(gate->mutex);
+    gate->entered = true;
+    gate->cv.notify_all();
+    gate->cv.wait(lock, [&] { return gate->open; });
+  };
+  start(ApiKeys::open(), config);
+  Reply held;
+  std::thread request([&] { held = post("/v1/chat/completions", chat_body()); });
+  {
+    std::unique_lock lock(gate->mutex);
+    ASSERT_TRUE(gate->cv.wait_for(lock, 10s, [&] { return gate->entered; }));
+  }
+  // Raw recv with a receive timeout: a stalled server fails the test instead of hanging it.
+  const std::string health =
+      raw_exchange(port_, "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", 10000ms);
+  EXPECT_EQ(health.rfind("HTTP/1.1 200", 0), 0u) << health;
+  {
+    std::lock_guard lock(gate->mutex);
+    EXPECT_TRUE(service_.submitted().empty());  // the held request is still tokenizing
+    gate->open = true;
+    gate->cv.notify_all();
+  }
+  request.join();
+  EXPECT_EQ(held.status, 200u) << held.body;
+  EXPECT_EQ(service_.submitted().size(), 1u);
+}
+
+TEST_F(HttpServerTest, MetricsOnTheApiPortNeedAKeyWhenKeysAreOn) {
+  HttpServerConfig config;
+  config.metrics = std::make_shared<telemetry::Metrics>(telemetry::MetricsOptions{"tiny", "serve", 16});
+  start(keys_with_limits("{}"), config);
+  ASSERT_EQ(post("/v1/chat/completions", chat_body(), kAcme).status, 200u);  // acme's traffic is in the series
+  for (const auto& headers :
+       std::vector<std::map<std::string, std::string>>{{}, {{"Authorization", "Bearer sk-wrong"}}}) {
+    Client client(port_);
+    const Reply refused = client.send(http::verb::get, "/metrics", "", headers);
+    EXPECT_EQ(refused.status, 401u);
+    EXPECT_EQ(refused.header("www-authenticate"), "Bearer");
+    EXPECT_EQ(refused.body.find("acme"), std::string::npos);
+  }
+  Client client(port_);
+  const Reply scraped = client.send(http::verb::get, "/metrics", "", kGlobex);
+  EXPECT_EQ(scraped.status, 200u);
+  EXPECT_EQ(scraped.header("content-type"), telemetry::Metrics::kContentType);
+  EXPECT_NE(scraped.body.find("acme"), std::string::npos);  // a key holder (the operator's scraper) sees tenants
+
+  // Without keys there are no tenants to hide: /metrics stays open.
+  server_->stop();
+  start(ApiKeys::open(), config);
+  EXPECT_EQ(get("/metrics").status, 200u);
+}
+
 TEST_F(HttpServerTest, QueueFullIs503WithRetryAfter) {
   start();
   service_.set_mode(FakeService::Mode::kReject);
@@ -579,6 +767,50 @@ TEST_F(HttpServerTest, DrainFinishesInFlightAndRefusesNew) {
   EXPECT_EQ(events.back(), "[DONE]");
   EXPECT_TRUE(server_->wait_idle(5000ms));
   EXPECT_EQ(service_.submitted().size(), 1u);
+}
+
+TEST_F(HttpServerTest, DrainTimeoutCutsStreamsWithAnErrorEventAndOthersWith503) {
+  start();
+  service_.set_mode(FakeService::Mode::kHang);
+  Reply streamed, plain;
+  std::thread stream_thread([&] { streamed = post("/v1/chat/completions", chat_body(true)); });
+  std::thread plain_thread([&] { plain = post("/v1/chat/completions", chat_body(false)); });
+  const auto deadline = std::chrono::steady_clock::now() + 5s;
+  while (service_.submitted().size() < 2 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(2ms);
+  }
+  ASSERT_EQ(service_.submitted().size(), 2u);
+  server_->begin_drain();
+  EXPECT_FALSE(server_->wait_idle(50ms));
+  EXPECT_EQ(server_->cut_in_flight(5000ms), 2);  // both were dropped
+  stream_thread.join();
+  plain_thread.join();
+  EXPECT_EQ(server_->in_flight(), 0);
+
+  EXPECT_EQ(streamed.status, 200u);  // the head went out with the first event
+  const auto events = sse_data(streamed.body);
+  ASSERT_GE(events.size(), 3u) << streamed.body;
+  const json error = json::parse(events[events.size() - 2]);
+  EXPECT_EQ(error["error"]["type"], "server_error");
+  EXPECT_EQ(error["error"]["code"], "unavailable");
+  EXPECT_TRUE(error["error"]["param"].is_null());
+  EXPECT_NE(error["error"]["message"].get<std::string>().find("drain"), std::string::npos);
+  EXPECT_EQ(events.back(), "[DONE]");
+
+  EXPECT_EQ(plain.status, 503u) << plain.body;
+  EXPECT_EQ(plain.header("retry-after"), "1");
+  EXPECT_EQ(plain.json_body()["error"]["code"], "unavailable");
+  for (const GenerationRequest& request : service_.submitted()) {
+    EXPECT_TRUE(service_.wait_cancelled(request.request_id, 5000ms)) << request.request_id;
+  }
+}
+
+TEST_F(HttpServerTest, CutWithNothingInFlightDropsNothing) {
+  start();
+  EXPECT_EQ(post("/v1/chat/completions", chat_body()).status, 200u);
+  server_->begin_drain();
+  EXPECT_TRUE(server_->wait_idle(5000ms));
+  EXPECT_EQ(server_->cut_in_flight(0ms), 0);
 }
 
 TEST_F(HttpServerTest, StopWithOpenStreamCancelsIt) {

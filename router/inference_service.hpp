@@ -15,18 +15,23 @@
 
 namespace deltaserve::router {
 
+// A tenant's priority class (API keys file, "limits.priority"). The router's waiting queue dispatches a
+// higher class first and keeps arrival order within a class; it never preempts work already dispatched.
+enum class Priority : int8_t { kLow = 0, kNormal = 1, kHigh = 2 };
+
 struct GenerationRequest {
-  std::string request_id;               // unique per choice, e.g. "chatcmpl-<id>-<index>"; used by cancel()
-  std::string tenant;                   // authenticated tenant; "default" without API keys
-  std::string cache_namespace;          // prefix-cache namespace of the tenant (from auth, never the body)
-  std::vector<int32_t> prompt;          // token ids, >= 1, already checked against the context limit
-  engine::SamplingParams sampling;      // validated; seed fixed by the HTTP layer when the client gave none
-  bool logprobs = false;                // report the chosen token's logprob (+ sampling.top_logprobs alternatives)
-  int64_t max_tokens = 16;              // >= 1 generated tokens at most
-  std::vector<std::string> stop;        // stop strings (<= 4); matched on the detokenized text, excluded from it
-  bool ignore_eos = false;              // do not stop at the model's end-of-sequence tokens
-  std::vector<int32_t> stop_token_ids;  // end-of-sequence ids from the HTTP layer; empty = the service's own
-  int64_t arrival_ns = 0;               // steady-clock time the HTTP request was accepted (for queue/TTFT metrics)
+  std::string request_id;                 // unique per choice, e.g. "chatcmpl-<id>-<index>"; used by cancel()
+  std::string tenant;                     // authenticated tenant; "default" without API keys
+  std::string cache_namespace;            // prefix-cache namespace of the tenant (from auth, never the body)
+  std::vector<int32_t> prompt;            // token ids, >= 1, already checked against the context limit
+  engine::SamplingParams sampling;        // validated; seed fixed by the HTTP layer when the client gave none
+  bool logprobs = false;                  // report the chosen token's logprob (+ sampling.top_logprobs alternatives)
+  int64_t max_tokens = 16;                // >= 1 generated tokens at most
+  std::vector<std::string> stop;          // stop strings (<= 4); matched on the detokenized text, excluded from it
+  bool ignore_eos = false;                // do not stop at the model's end-of-sequence tokens
+  std::vector<int32_t> stop_token_ids;    // end-of-sequence ids from the HTTP layer; empty = the service's own
+  int64_t arrival_ns = 0;                 // steady-clock time the HTTP request was accepted (for queue/TTFT metrics)
+  Priority priority = Priority::kNormal;  // the tenant's class: orders the router's waiting queue
 
   // The namespace the prefix cache roots this request's block hashes in (and the index files them under):
   // cache_namespace, or the tenant when it is empty. The router and the prefill worker both use this one rule.
