@@ -101,6 +101,7 @@ struct ServeOptions {  // deltaserve serve: registry + router + workers + HTTP i
   int64_t max_queue = 256;
   int64_t queue_timeout_ms = 30000;  // a request waiting this long for a worker gets 503 (0 = no deadline)
   int64_t max_prompt_bytes = 0;      // prompt text over this is 400 before tokenizing (0 = 16 per context token)
+  int64_t max_connections = 4096;    // open HTTP connections at most; one more gets 503 and is closed
   int64_t drain_timeout_ms = 30000;
   // HOST:PORT of a separate /metrics listener; for serve/router it also takes /metrics off the API port.
   std::optional<std::string> metrics_listen;
@@ -124,6 +125,7 @@ struct RouterOptions {  // deltaserve router: registry + router + HTTP; workers 
   int64_t max_queue = 256;
   int64_t queue_timeout_ms = 30000;  // a request waiting this long for a worker gets 503 (0 = no deadline)
   int64_t max_prompt_bytes = 0;      // prompt text over this is 400 before tokenizing (0 = 16 per context token)
+  int64_t max_connections = 4096;    // open HTTP connections at most; one more gets 503 and is closed
   int64_t drain_timeout_ms = 30000;
   // HOST:PORT of a separate /metrics listener; for serve/router it also takes /metrics off the API port.
   std::optional<std::string> metrics_listen;

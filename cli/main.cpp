@@ -134,6 +134,8 @@ int main(int argc, char** argv) {
   };
   const std::string model_help = "Checkpoint directory (default: the built-in tiny model)";
   const std::string drain_help = "On SIGTERM/SIGINT: wait this long for in-flight requests";
+  const std::string max_connections_help =
+      "Open HTTP connections at most; one more is answered 503 + Retry-After and closed";
   const std::string max_prompt_help =
       "Prompt text over this many bytes gets 400 before it is tokenized (0 = 16 per token of the model's context)";
   const std::string queue_timeout_help = "A request waiting this long for a worker gets 503 + Retry-After (0 = never)";
@@ -224,6 +226,7 @@ int main(int argc, char** argv) {
   role_option(serve, "max-queue", serve_opts.max_queue, "Requests waiting for a worker at most (then 503)")
       ->check(CLI::NonNegativeNumber);
   role_option(serve, "max-prompt-bytes", serve_opts.max_prompt_bytes, max_prompt_help)->check(CLI::NonNegativeNumber);
+  role_option(serve, "max-connections", serve_opts.max_connections, max_connections_help)->check(CLI::PositiveNumber);
   role_option(serve, "queue-timeout-ms", serve_opts.queue_timeout_ms, queue_timeout_help)
       ->check(CLI::NonNegativeNumber);
   role_option(serve, "drain-timeout-ms", serve_opts.drain_timeout_ms, drain_help)->check(CLI::NonNegativeNumber);
@@ -245,6 +248,7 @@ int main(int argc, char** argv) {
   role_option(router, "max-queue", router_opts.max_queue, "Requests waiting for a worker at most (then 503)")
       ->check(CLI::NonNegativeNumber);
   role_option(router, "max-prompt-bytes", router_opts.max_prompt_bytes, max_prompt_help)->check(CLI::NonNegativeNumber);
+  role_option(router, "max-connections", router_opts.max_connections, max_connections_help)->check(CLI::PositiveNumber);
   role_option(router, "queue-timeout-ms", router_opts.queue_timeout_ms, queue_timeout_help)
       ->check(CLI::NonNegativeNumber);
   role_option(router, "drain-timeout-ms", router_opts.drain_timeout_ms, drain_help)->check(CLI::NonNegativeNumber);

@@ -206,6 +206,7 @@ struct FrontOptions {
   ProcessMetrics::WorkerLayout workers;                       // serve: this node's workers (read at each scrape)
   std::shared_ptr<MetricsRouterObserver> observer = nullptr;  // the node's router observer, if any
   int64_t max_prompt_bytes = 0;                               // HttpServerConfig::max_prompt_bytes
+  int64_t max_connections = 4096;                             // HttpServerConfig::max_connections
 };
 
 // Runs the HTTP front over `node` until a signal, then drains. Returns the exit code: 0 when every request
@@ -235,6 +236,7 @@ int serve_http(actors::Node& node, const FrontOptions& o, SignalWaiter& signals,
   http.metrics = metrics.metrics();
   http.metrics_endpoint = !o.metrics_listen || o.metrics_listen->empty();
   http.max_prompt_bytes = static_cast<size_t>(o.max_prompt_bytes);
+  http.max_connections = static_cast<size_t>(o.max_connections);
   router::HttpServer server(http, *tok, info, stop_token_ids(*config, *tok), *node.service(), std::move(keys));
   auto port = server.start();
   if (!port.is_ok()) return fail(err, port.status());
@@ -318,6 +320,7 @@ int run_serve(const ServeOptions& o, std::ostream& out, std::ostream& err) {
   front.workers.count_handoffs = false;  // prefill and decode workers both count each handoff
   front.observer = observer;
   front.max_prompt_bytes = o.max_prompt_bytes;
+  front.max_connections = o.max_connections;
   return serve_http(**node, front, signals, out, err);
 }
 
@@ -357,6 +360,7 @@ int run_router(const RouterOptions& o, std::ostream& out, std::ostream& err) {
                      o.metrics_listen, "router", {}};
   front.observer = observer;
   front.max_prompt_bytes = o.max_prompt_bytes;
+  front.max_connections = o.max_connections;
   return serve_http(**node, front, signals, out, err);
 }
 

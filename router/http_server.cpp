@@ -129,6 +129,8 @@ class HttpServer::Impl {
     return cut_requests_.load() + in_flight_.load();
   }
 
+  uint64_t accept_errors() const { return accept_errors_.load(); }
+
  private:
   // Counts a request in flight for its lifetime.
   class InFlight {
@@ -150,6 +152,7 @@ class HttpServer::Impl {
 
   net::awaitable<void> accept_loop();
   net::awaitable<void> session(ConnectionPtr connection);
+  net::awaitable<void> refuse(ConnectionPtr connection);  // over max_connections: 503, then close
   // Handles one request whose head is in `parser`; returns whether the connection may be reused.
   net::awaitable<bool> handle(ConnectionPtr connection, http::request_parser<http::string_body>& parser,
                               bool keep_alive);
@@ -195,6 +198,8 @@ class HttpServer::Impl {
   std::vector<std::thread> threads_;
   std::atomic<bool> started_{false};
   std::atomic<bool> stopped_{false};
+  std::atomic<uint64_t> accept_errors_{0};
+  std::atomic<size_t> open_connections_{0};  // sessions accepted and not yet ended
   std::atomic<bool> draining_{false};
   std::atomic<bool> cutting_{false};      // cut_in_flight: generations end with an error now
   std::atomic<int64_t> cut_requests_{0};  // generations ended by cut_in_flight
@@ -285,6 +290,13 @@ void HttpServer::Impl::stop() {
 }
 
 net::awaitable<void> HttpServer::Impl::accept_loop() {
+  // A failing accept (typically a full file table) fails again at once: retrying in a loop would spin a core
+  // and flood the log. Back off instead, and log at most once per second with the count of failures since.
+  constexpr auto kFirstBackoff = std::chrono::milliseconds(50), kMaxBackoff = std::chrono::milliseconds(1000);
+  auto backoff = kFirstBackoff;
+  auto last_log = std::chrono::steady_clock::time_point{};
+  uint64_t unlogged = 0;
+  net::steady_timer pause(ioc_);
   for (;;) {
     error_code ec;
     const uint64_t pick = next_context_++ % (extra_.size() + 1);
@@ -293,13 +305,39 @@ net::awaitable<void> HttpServer::Impl::accept_loop() {
                                                          net::redirect_error(kTryAwait, ec));
     if (ec) {
       if (!acceptor_.is_open() || stopped_) co_return;
-      spdlog::warn("http: accept failed: {}", ec.message());
+      ++accept_errors_;
+      ++unlogged;
+      if (const auto now = std::chrono::steady_clock::now(); now - last_log >= std::chrono::seconds(1)) {
+        spdlog::warn("http: accept failed {} time(s): {}; retrying in {} ms", unlogged, ec.message(), backoff.count());
+        last_log = now;
+        unlogged = 0;
+      }
+      pause.expires_after(backoff);
+      co_await pause.async_wait(net::redirect_error(kTryAwait, ec));
+      backoff = std::min(backoff * 2, kMaxBackoff);
       continue;
     }
+    backoff = kFirstBackoff;
     socket.set_option(tcp::no_delay(true), ec);
     auto connection = std::make_shared<Connection>(std::move(socket));
+    // Counted here, not when the session registers, so a burst of accepts cannot overshoot the cap.
+    if (open_connections_.fetch_add(1) >= config_.max_connections) {
+      --open_connections_;
+      net::co_spawn(connection->stream.get_executor(), refuse(connection), net::detached);
+      continue;
+    }
     net::co_spawn(connection->stream.get_executor(), session(connection), net::detached);
   }
+}
+
+net::awaitable<void> HttpServer::Impl::refuse(ConnectionPtr connection) {
+  co_await write_error(connection,
+                       ApiError::from_status(Status(StatusCode::kUnavailable,
+                                                    "The server is at its limit of open connections; retry later.")),
+                       false);
+  error_code ignored;
+  connection->stream.socket().shutdown(tcp::socket::shutdown_send, ignored);
+  connection->stream.close();
 }
 
 net::awaitable<void> HttpServer::Impl::session(ConnectionPtr connection) {
@@ -369,6 +407,7 @@ net::awaitable<void> HttpServer::Impl::session(ConnectionPtr connection) {
   error_code ignored;
   connection->stream.socket().shutdown(tcp::socket::shutdown_send, ignored);
   connection->stream.close();
+  --open_connections_;
   std::lock_guard lock(connections_mutex_);
   connections_.erase(id);
 }
@@ -849,6 +888,8 @@ uint64_t HttpServer::Impl::random_seed() {
   std::lock_guard lock(rng_mutex_);
   return rng_();
 }
+
+uint64_t HttpServer::accept_errors() const { return impl_->accept_errors(); }
 
 HttpServer::HttpServer(HttpServerConfig config, const tokenizer::Tokenizer& tokenizer, ModelInfo model,
                        std::vector<int32_t> eos_token_ids, InferenceService& service, ApiKeys keys)

@@ -65,6 +65,9 @@ struct HttpServerConfig {
   std::chrono::milliseconds idle_timeout{60000};    // keep-alive idle, and the whole-body read deadline
   std::chrono::milliseconds write_timeout{30000};   // one response write (header or SSE chunk)
   int threads = 2;                                  // Asio threads (>= 1)
+  // Open client connections at most; one more is answered 503 + Retry-After and closed at once, so a flood
+  // of idle connections cannot take every file descriptor of the process.
+  size_t max_connections = 4096;
   // Prompt text (chat: every message's role, name and content; completions: the prompt string) over this
   // many bytes is answered 400 context_length_exceeded before it is tokenized. 0 = 16 bytes per token of
   // the model's context (tokenizers average 3-5 bytes per token of ordinary text, so such a prompt that fits
@@ -95,6 +98,10 @@ class HttpServer {
   ~HttpServer();  // stops
   HttpServer(const HttpServer&) = delete;
   HttpServer& operator=(const HttpServer&) = delete;
+
+  // Accept errors seen so far (a full file table: EMFILE, ENFILE). After one, accepting waits 50 ms, doubling
+  // to 1 s while they go on, and logs at most one line per second.
+  uint64_t accept_errors() const;
 
   // Binds and listens; returns the bound port. IoError naming host:port when binding fails.
   // Call once.

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <condition_variable>
+#include <filesystem>
 #include <map>
 #include <mutex>
 #include <set>
@@ -16,8 +17,11 @@
 #include <boost/asio/write.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include "router/fake_inference_service.hpp"
 #include "router/prompt_encoding.hpp"
@@ -837,6 +841,101 @@ TEST_F(HttpServerTest, StartFailsOnBusyPort) {
   const auto result = second.start();
   ASSERT_FALSE(result.is_ok());
   EXPECT_NE(result.status().message().find(std::to_string(port_)), std::string::npos);
+}
+
+}  // namespace
+}  // namespace deltaserve::router
+
+namespace deltaserve::router {
+namespace {
+
+// Open connections are capped: one over the cap is answered 503 + Retry-After and closed; when a connection
+// ends, a new one is served again.
+TEST_F(HttpServerTest, ConnectionsOverTheCapAreAnswered503AndClosed) {
+  HttpServerConfig config;
+  config.max_connections = 2;
+  start(ApiKeys::open(), config);
+  auto first = std::make_unique<Client>(port_);
+  Client second(port_);
+  ASSERT_EQ(first->send(http::verb::get, "/health").status, 200);  // both accepted and held open (keep-alive)
+  ASSERT_EQ(second.send(http::verb::get, "/health").status, 200);
+  const std::string refused = raw_exchange(port_, "GET /health HTTP/1.1\r\nHost: x\r\n\r\n", 10000ms);
+  EXPECT_EQ(refused.rfind("HTTP/1.1 503", 0), 0u) << refused;
+  EXPECT_NE(refused.find("Retry-After: 1"), std::string::npos) << refused;
+  EXPECT_NE(refused.find("open connections"), std::string::npos) << refused;
+  first.reset();  // the server sees the close and the session ends
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  int status = 0;
+  while (std::chrono::steady_clock::now() < deadline && status != 200) {
+    const std::string reply =
+        raw_exchange(port_, "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", 10000ms);
+    status = reply.rfind("HTTP/1.1 200", 0) == 0 ? 200 : 503;
+    if (status != 200) std::this_thread::sleep_for(20ms);
+  }
+  EXPECT_EQ(status, 200) << "a freed connection slot was never reused";
+}
+
+// Takes every free descriptor number up to the highest open one and returns them (to be closed); a limit of
+// that number + 1 then leaves the process no descriptor at all.
+std::vector<int> fill_descriptor_table(int& highest) {
+  highest = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    highest = std::max(highest, std::stoi(entry.path().filename().string()));
+  }
+  std::vector<int> fillers;
+  for (;;) {
+    const int fd = ::open("/dev/null", O_RDONLY);
+    if (fd < 0) break;
+    if (fd > highest) {
+      ::close(fd);
+      break;
+    }
+    fillers.push_back(fd);
+  }
+  return fillers;
+}
+
+// With the file table full, accept fails at once every time. The server backs off (50 ms doubling to 1 s)
+// instead of spinning, and serves the waiting connection once descriptors are free again.
+TEST_F(HttpServerTest, AcceptErrorsBackOffAndRecover) {
+  HttpServerConfig config;
+  config.threads = 1;
+  start(ApiKeys::open(), config);
+  rlimit original{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &original), 0);
+  net::io_context ioc;
+  tcp::socket client(ioc);
+  client.open(tcp::v4());  // takes its descriptor before the table is closed
+  int highest = 0;
+  const std::vector<int> fillers = fill_descriptor_table(highest);
+  rlimit full = original;
+  full.rlim_cur = static_cast<rlim_t>(highest + 1);  // no descriptor left for the server's accept
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &full), 0);
+  client.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), port_));  // completes in the backlog
+  const std::string request = "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+  net::write(client, net::buffer(request));
+  // Wait until accept has failed a few times, then for two more seconds: a spinning loop fails thousands of
+  // times a second; with the backoff there are about log2(1000/50) + 2 failures in the first two seconds.
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  while (server_->accept_errors() < 2 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(10ms);
+  ASSERT_GE(server_->accept_errors(), 2u) << "accept never failed: the descriptor limit did not bite";
+  const uint64_t before = server_->accept_errors();
+  std::this_thread::sleep_for(2s);
+  const uint64_t during = server_->accept_errors() - before;
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &original), 0);
+  for (int fd : fillers) ::close(fd);
+  EXPECT_LE(during, 6u) << "accept retried without backing off";
+  // Descriptors are back: the waiting connection is accepted within one backoff and answered.
+  timeval tv{20, 0};
+  ::setsockopt(client.native_handle(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  std::string reply;
+  char buffer[4096];
+  for (;;) {
+    const ssize_t n = ::recv(client.native_handle(), buffer, sizeof(buffer), 0);
+    if (n <= 0) break;
+    reply.append(buffer, static_cast<size_t>(n));
+  }
+  EXPECT_EQ(reply.rfind("HTTP/1.1 200", 0), 0u) << reply;
 }
 
 }  // namespace
