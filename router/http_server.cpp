@@ -889,7 +889,9 @@ uint64_t HttpServer::Impl::random_seed() {
   return rng_();
 }
 
-uint64_t HttpServer::accept_errors() const { return impl_->accept_errors(); }
+uint64_t HttpServer::accept_errors() const {
+  return impl_->accept_errors();
+}
 
 HttpServer::HttpServer(HttpServerConfig config, const tokenizer::Tokenizer& tokenizer, ModelInfo model,
                        std::vector<int32_t> eos_token_ids, InferenceService& service, ApiKeys keys)
