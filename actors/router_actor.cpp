@@ -243,8 +243,12 @@ void retry(RouterPointer self, const std::string& id, const Status& why) {
   Entry& e = it->second;
   if (e.attempt >= s.config.max_attempts) {
     ++s.totals.failed;
+    std::cerr << "warning: router: request " << id << " failed after " << e.attempt << " attempts: " << why.to_string()
+              << "\n";
+    // The client gets the kind of failure, not `why`'s text: that names workers, hosts and pids.
     send_final(self, e.sink,
-               error_chunk(id, why.with_context("gave up after " + std::to_string(e.attempt) + " attempts")));
+               error_chunk(id, Status(why.code(), "gave up after " + std::to_string(e.attempt) + " attempts (" +
+                                                      status_code_name(why.code()) + ")")));
     return;  // the sink quits after its final chunk; its down message releases the entry
   }
   ++s.totals.retried;
