@@ -61,8 +61,7 @@ struct DecodeState {
   std::deque<std::string> tombstone_order;
   bool step_pending = false;
   bool draining = false;
-  std::shared_ptr<LoadBoard> board;  // with a registry and a heartbeat interval: what the reporter sends
-  load_reporter reporter;            // heartbeat.hpp
+  std::unique_ptr<LoadReporter> reporter;  // with a registry and a heartbeat interval (heartbeat.hpp)
   WorkerStats stats;
   WorkerLoad last_reported{-1, -1, -1, -1};
   std::unordered_map<uint64_t, Incoming> incoming;  // by the receiver's transfer id
@@ -99,8 +98,7 @@ void report_load(DecodePointer self, bool force) {
   }
   s.last_reported = load;
   if (s.reporter) {  // one sender for every report keeps them in order
-    s.board->set(load);
-    self->send(s.reporter, poke_atom::value);
+    s.reporter->set(load);
   } else {
     self->send(s.registry, heartbeat_atom::value, s.config.name, load);
   }
@@ -438,10 +436,8 @@ decode_actor::behavior_type decode_impl(DecodePointer self, std::shared_ptr<cons
   if (auto im_end = s.tokenizer->special_token_id("<|im_end|>")) s.stop_token_ids.push_back(*im_end);
   s.slot_bytes = s.model->new_state().kda_state_bytes();
   if (s.registry && s.config.heartbeat_interval.count() > 0) {
-    s.board = std::make_shared<LoadBoard>();
-    s.board->set(current_load(s));
-    s.reporter = spawn_load_reporter(self->system(), s.registry, s.config.name, s.config.heartbeat_interval, s.board,
-                                     caf::actor_cast<caf::actor>(self));
+    s.reporter = std::make_unique<LoadReporter>(self->system(), s.registry, s.config.name, s.config.heartbeat_interval,
+                                                current_load(s));
   }
   // A sink that went away (client gone, router process lost) is a cancel without a reply.
   self->set_down_handler([self](const caf::down_msg& down) {
@@ -525,7 +521,7 @@ decode_actor::behavior_type decode_impl(DecodePointer self, std::shared_ptr<cons
       [self](region_free_atom, uint32_t region) { release_region(self, region); },
       [self](drain_atom) {
         auto& s = self->state;
-        if (s.board) s.board->set_draining();
+        if (s.reporter) s.reporter->set_draining();
         if (s.registry && !s.draining) self->send(s.registry, leave_atom::value, s.config.name);
         s.draining = true;
       },

@@ -1,33 +1,47 @@
 #include "actors/heartbeat.hpp"
 
 namespace deltaserve::actors {
-namespace {
 
-load_reporter::behavior_type reporter(load_reporter::pointer self, registry_actor registry, std::string name,
-                                      std::chrono::milliseconds interval, std::shared_ptr<const LoadBoard> board,
-                                      caf::actor worker) {
-  self->monitor(worker);
-  self->set_down_handler([self](const caf::down_msg&) { self->quit(); });
-  auto report = [self, registry, name, board] {
-    if (auto load = board->read()) self->send(registry, heartbeat_atom::value, name, *load);
-  };
-  self->delayed_send(self, interval, tick_atom::value);
-  return {
-      [report](poke_atom) { report(); },
-      [self, report, interval](tick_atom) {
-        report();
-        self->delayed_send(self, interval, tick_atom::value);
-      },
-  };
+LoadReporter::LoadReporter(caf::actor_system& system, registry_actor registry, std::string name,
+                           std::chrono::milliseconds interval, const WorkerLoad& load)
+    : registry_(std::move(registry)), name_(std::move(name)), interval_(interval), load_(load) {
+  thread_ = std::thread([this, &system] { run(system); });
 }
 
-}  // namespace
+LoadReporter::~LoadReporter() {
+  {
+    std::lock_guard lock(mutex_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  thread_.join();
+}
 
-load_reporter spawn_load_reporter(caf::actor_system& system, registry_actor registry, std::string name,
-                                  std::chrono::milliseconds interval, std::shared_ptr<const LoadBoard> board,
-                                  caf::actor worker) {
-  return system.spawn<caf::detached>(reporter, std::move(registry), std::move(name), interval, std::move(board),
-                                     std::move(worker));
+void LoadReporter::set(const WorkerLoad& load) {
+  {
+    std::lock_guard lock(mutex_);
+    load_ = load;
+    changed_ = true;
+  }
+  wake_.notify_all();
+}
+
+void LoadReporter::set_draining() {
+  std::lock_guard lock(mutex_);  // a report is sent under the lock: none starts after this returns
+  draining_ = true;
+}
+
+void LoadReporter::run(caf::actor_system& system) {
+  caf::scoped_actor self{system};
+  std::unique_lock lock(mutex_);
+  while (!stop_) {
+    if (!draining_) {
+      const WorkerLoad load = load_;
+      changed_ = false;
+      self->send(registry_, heartbeat_atom::value, name_, load);
+    }
+    wake_.wait_for(lock, interval_, [this] { return stop_ || changed_; });
+  }
 }
 
 }  // namespace deltaserve::actors

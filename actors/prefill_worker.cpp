@@ -42,8 +42,7 @@ struct PrefillState {
   std::deque<Job> jobs;  // FIFO; front is being prefilled
   bool work_pending = false;
   bool draining = false;
-  std::shared_ptr<LoadBoard> board;  // with a registry and a heartbeat interval: what the reporter sends
-  load_reporter reporter;            // heartbeat.hpp
+  std::unique_ptr<LoadReporter> reporter;  // with a registry and a heartbeat interval (heartbeat.hpp)
   uint64_t next_handoff_id = 1;
   WorkerStats stats;
   WorkerLoad last_reported{-1, -1, -1, -1};
@@ -79,8 +78,7 @@ void report_load(PrefillPointer self, bool force) {
   if (!force && load.queue_length == s.last_reported.queue_length && load.active == s.last_reported.active) return;
   s.last_reported = load;
   if (s.reporter) {  // one sender for every report keeps them in order
-    s.board->set(load);
-    self->send(s.reporter, poke_atom::value);
+    s.reporter->set(load);
   } else {
     self->send(s.registry, heartbeat_atom::value, s.config.name, load);
   }
@@ -305,10 +303,8 @@ prefill_actor::behavior_type prefill_impl(PrefillPointer self, std::shared_ptr<c
     }
   }
   if (s.registry && s.config.heartbeat_interval.count() > 0) {
-    s.board = std::make_shared<LoadBoard>();
-    s.board->set(current_load(s));
-    s.reporter = spawn_load_reporter(self->system(), s.registry, s.config.name, s.config.heartbeat_interval, s.board,
-                                     caf::actor_cast<caf::actor>(self));
+    s.reporter = std::make_unique<LoadReporter>(self->system(), s.registry, s.config.name, s.config.heartbeat_interval,
+                                                current_load(s));
   }
   return {
       [self](prefill_atom, PrefillJob& job) {
@@ -365,7 +361,7 @@ prefill_actor::behavior_type prefill_impl(PrefillPointer self, std::shared_ptr<c
       },
       [self](drain_atom) {
         auto& s = self->state;
-        if (s.board) s.board->set_draining();
+        if (s.reporter) s.reporter->set_draining();
         if (s.registry && !s.draining) self->send(s.registry, leave_atom::value, s.config.name);
         s.draining = true;
       },
