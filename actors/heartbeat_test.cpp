@@ -1,5 +1,5 @@
 // A worker whose actor cannot run (its actor system's only scheduler thread held by a long task, as in a
-// CPU-starved process) keeps reporting through its detached load reporter, so the registry does not declare
+// CPU-starved process) keeps reporting through its load reporter thread, so the registry does not declare
 // it lost. Before the reporter existed, the worker actor sent its own reports and the registry dropped it
 // after ten missed intervals.
 #include "actors/heartbeat.hpp"
