@@ -117,7 +117,8 @@ class RegistryClient {
   }
   // An actor of this node that ignores everything: a join handle that is really on this node.
   caf::actor spawn_idle() {
-    idle_.push_back(system_->spawn([]() -> caf::behavior { return {[](int32_t) {}}; }));
+    // The unused argument avoids CAF 0.17's no-argument spawn path (UB on a null shared_ptr<tuple<>>).
+    idle_.push_back(system_->spawn([](caf::event_based_actor*, int) -> caf::behavior { return {[](int32_t) {}}; }, 0));
     return idle_.back();
   }
 

@@ -67,12 +67,15 @@ TEST(LoadReporter, AWorkerWhoseActorCannotRunIsNotDeclaredLost) {
   // Hold the worker system's only scheduler thread for three times the expiry.
   std::promise<void> holding, release;
   std::shared_future<void> released = release.get_future().share();
-  auto blocker = worker_system.spawn([&holding, released](caf::event_based_actor*) -> caf::behavior {
-    return {[&holding, released](int) {
-      holding.set_value();
-      released.wait();
-    }};
-  });
+  // The unused argument avoids CAF 0.17's no-argument spawn path (UB on a null shared_ptr<tuple<>>).
+  auto blocker = worker_system.spawn(
+      [&holding, released](caf::event_based_actor*, int) -> caf::behavior {
+        return {[&holding, released](int) {
+          holding.set_value();
+          released.wait();
+        }};
+      },
+      0);
   caf::anon_send(blocker, 1);
   holding.get_future().wait();
   const auto until = std::chrono::steady_clock::now() + kInterval * 30;

@@ -898,6 +898,11 @@ std::vector<int> fill_descriptor_table(int& highest) {
 // With the file table full, accept fails at once every time. The server backs off (50 ms doubling to 1 s)
 // instead of spinning, and serves the waiting connection once descriptors are free again.
 TEST_F(HttpServerTest, AcceptErrorsBackOffAndRecover) {
+#if defined(__SANITIZE_ADDRESS__)
+  // The sanitizer runtimes open /proc/self/maps to look up types and report; in a process with no free
+  // descriptor they fail themselves (seen as a bogus "invalid vptr"), not the server. The release suite runs it.
+  GTEST_SKIP() << "needs a process whose descriptor table can be filled; sanitizer runtimes need descriptors";
+#endif
   HttpServerConfig config;
   config.threads = 1;
   start(ApiKeys::open(), config);
