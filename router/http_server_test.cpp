@@ -106,12 +106,8 @@ class Client {
   beast::flat_buffer buffer_;
 };
 
-// Writes raw bytes, then reads whatever comes until the server closes (or `timeout`).
-std::string raw_exchange(uint16_t port, const std::string& bytes, std::chrono::milliseconds timeout = 3000ms) {
-  net::io_context ioc;
-  tcp::socket socket(ioc);
-  socket.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), port));
-  net::write(socket, net::buffer(bytes));
+// Reads whatever comes until the server closes (or no byte arrives for `timeout`).
+std::string read_until_closed(tcp::socket& socket, std::chrono::milliseconds timeout) {
   timeval tv{static_cast<time_t>(timeout.count() / 1000), static_cast<suseconds_t>((timeout.count() % 1000) * 1000)};
   ::setsockopt(socket.native_handle(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   std::string out;
@@ -122,6 +118,15 @@ std::string raw_exchange(uint16_t port, const std::string& bytes, std::chrono::m
     out.append(buffer, static_cast<size_t>(n));
   }
   return out;
+}
+
+// Writes raw bytes, then reads whatever comes until the server closes (or `timeout`).
+std::string raw_exchange(uint16_t port, const std::string& bytes, std::chrono::milliseconds timeout = 3000ms) {
+  net::io_context ioc;
+  tcp::socket socket(ioc);
+  socket.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), port));
+  net::write(socket, net::buffer(bytes));
+  return read_until_closed(socket, timeout);
 }
 
 // Data fields of an SSE body, in order.
@@ -931,15 +936,7 @@ TEST_F(HttpServerTest, AcceptErrorsBackOffAndRecover) {
   for (int fd : fillers) ::close(fd);
   EXPECT_LE(during, 6u) << "accept retried without backing off";
   // Descriptors are back: the waiting connection is accepted within one backoff and answered.
-  timeval tv{20, 0};
-  ::setsockopt(client.native_handle(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  std::string reply;
-  char buffer[4096];
-  for (;;) {
-    const ssize_t n = ::recv(client.native_handle(), buffer, sizeof(buffer), 0);
-    if (n <= 0) break;
-    reply.append(buffer, static_cast<size_t>(n));
-  }
+  const std::string reply = read_until_closed(client, 20s);
   EXPECT_EQ(reply.rfind("HTTP/1.1 200", 0), 0u) << reply;
 }
 
