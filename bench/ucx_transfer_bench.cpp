@@ -8,7 +8,12 @@
 //
 // Output: one JSON object per line on stdout (bench/ucx_transfer.sh turns them into results lines).
 // Usage: ucx_transfer_bench [--tls posix,self] [--net-devices lo] [--iters 7] [--warmup 2]
-//                           [--cases name,...] [--presum] [--put | --message]
+//                           [--cases name,...] [--presum] [--put | --message] [--memory host|cuda]
+//   --memory cuda: both sides' regions are GPU memory (cudaMalloc, register_device_region; pieces checksummed
+//             with kSum64 on the GPU); needs a UCX that registers CUDA memory (libucx-cu13) and a build with
+//             CUDA. The peer is `ucx_perftest -t ucp_put_bw -m cuda,cuda` on the same UCX_TLS
+//             (bench/gpu/handoff.sh runs both). Also measured then: the GPU checksum's throughput and the
+//             device-to-device copy bandwidth of the same GPU.
 //   --presum: the sender passes checksums computed once up front (a producer that checksums a layer
 //             when it writes it, or immutable prefix-cache pages), instead of checksumming per send.
 //   --put:     EngineConfig::direct_copy = false (always ucp_put_nbx + flush, also over shared memory).
@@ -31,6 +36,11 @@
 #include "kvstore/transfer/payload.hpp"
 #include "kvstore/transfer/transfer_engine.hpp"
 #include "kvstore/transfer/wire.hpp"
+#if DS_BENCH_CUDA
+#include <cuda_runtime_api.h>
+
+#include "kvstore/transfer/cuda/cuda_device_memory.hpp"
+#endif
 
 using namespace deltaserve;
 using namespace deltaserve::kvstore::transfer;
@@ -73,6 +83,13 @@ std::vector<Case> all_cases() {
     }
     cases.push_back(m);
   }
+  // Back-to-back pieces of one size: the transfer engine's streaming bandwidth, the figure that
+  // `ucx_perftest -t ucp_put_bw -s SIZE` gives for raw puts.
+  for (auto [mib, count] : {std::pair{4ull, 32u}, {16ull, 16u}, {64ull, 8u}}) {
+    Case c{"pieces_" + std::to_string(mib) + "m_x" + std::to_string(count), {}};
+    for (uint32_t p = 0; p < count; ++p) c.pieces.push_back({mib << 20, 1});
+    cases.push_back(c);
+  }
   return cases;
 }
 
@@ -82,6 +99,7 @@ struct Options {
   int warmup = 2;
   std::vector<std::string> only;
   bool presum = false;
+  bool cuda = false;  // --memory cuda
 };
 
 void die(const std::string& what) {
@@ -96,12 +114,70 @@ std::string read_line(FILE* in) {
   return line;
 }
 
+// A region of either memory kind; GPU memory is cudaMalloc'ed and registered with register_device_region.
+struct Buffer {
+  RegionId region = 0;
+  std::byte* data = nullptr;
+  uint64_t bytes = 0;
+  bool cuda = false;
+};
+
+Buffer allocate(TransferEngine& e, uint64_t bytes, bool cuda) {
+  Buffer b{0, nullptr, bytes, cuda};
+#if DS_BENCH_CUDA
+  if (cuda) {
+    if (cudaMalloc(reinterpret_cast<void**>(&b.data), bytes) != cudaSuccess) die("cudaMalloc");
+    auto region = e.register_device_region(b.data, bytes);
+    if (!region.is_ok()) die(region.status().to_string());
+    b.region = *region;
+    return b;
+  }
+#endif
+  if (cuda) die("--memory cuda: this build has no CUDA");
+  b.region = e.allocate_region(bytes).value();
+  b.data = e.region_data(b.region).data();
+  return b;
+}
+
+void release(TransferEngine& e, Buffer& b) {
+  (void)e.release_region(b.region);
+#if DS_BENCH_CUDA
+  if (b.cuda) cudaFree(b.data);
+#endif
+  b = {};
+}
+
+void fill(const Buffer& b, std::span<const std::byte> host) {
+#if DS_BENCH_CUDA
+  if (b.cuda) {
+    if (cudaMemcpy(b.data, host.data(), host.size(), cudaMemcpyHostToDevice) != cudaSuccess) die("cudaMemcpy");
+    return;
+  }
+#endif
+  std::memcpy(b.data, host.data(), host.size());
+}
+
+// With --memory cuda, each process makes its own CUDA context after the fork.
+void attach_device(Options& o) {
+#if DS_BENCH_CUDA
+  if (o.cuda) {
+    auto memory = kvstore::transfer::cuda::CudaDeviceMemory::create();
+    if (!memory.is_ok()) die(memory.status().to_string());
+    o.engine.device = *memory;
+  }
+#else
+  (void)o;
+#endif
+}
+
 // Child: receives. Commands on stdin: "expect <case index>" -> prints "descriptor <hex>", waits,
 // prints "result <CODE>"; "quit".
-int receiver_main(const Options& o, const std::vector<Case>& cases, FILE* in, FILE* out) {
+int receiver_main(Options o, const std::vector<Case>& cases, FILE* in, FILE* out) {
+  attach_device(o);
   auto engine = TransferEngine::create(o.engine);
   if (!engine.is_ok()) die(engine.status().to_string());
   auto& e = **engine;
+  Buffer buffer;
   RegionId region = 0;
   int region_case = -1;
   for (;;) {
@@ -109,9 +185,10 @@ int receiver_main(const Options& o, const std::vector<Case>& cases, FILE* in, FI
     if (line.empty() || line == "quit") return 0;
     const int c = std::stoi(line.substr(7));
     if (c != region_case) {
-      if (region_case >= 0) (void)e.release_region(region);
-      region = e.allocate_region(cases[c].bytes()).value();
-      std::memset(e.region_data(region).data(), 0, cases[c].bytes());  // fault the pages in once
+      if (region_case >= 0) release(e, buffer);
+      buffer = allocate(e, cases[c].bytes(), o.cuda);
+      region = buffer.region;
+      fill(buffer, std::vector<std::byte>(cases[c].bytes()));  // fault the pages in once
       region_case = c;
     }
     ReceiveSpec spec;
@@ -162,6 +239,50 @@ void measure_checksum() {
       a.size(), gbps(a.size(), sum_s[3]), gbps(a.size(), copy_s[3]), static_cast<unsigned long long>(sink & 1));
 }
 
+// The GPU checksum against the GPU's own copy bandwidth (the limit it runs against: a checksum reads each
+// byte once, a device-to-device copy reads and writes it).
+void measure_gpu_checksum(const std::shared_ptr<DeviceMemory>& device) {
+#if DS_BENCH_CUDA
+  const uint64_t bytes = 256ull << 20;
+  std::byte *a = nullptr, *b = nullptr;
+  if (cudaMalloc(reinterpret_cast<void**>(&a), bytes) != cudaSuccess ||
+      cudaMalloc(reinterpret_cast<void**>(&b), bytes) != cudaSuccess) {
+    die("cudaMalloc");
+  }
+  cudaMemset(a, 1, bytes);
+  std::vector<double> sum_s, copy_s;
+  const std::span<const std::byte> span(a, bytes);
+  for (int i = 0; i < 9; ++i) {
+    auto t0 = Clock::now();
+    auto ticket = device->begin_checksum(std::span(&span, 1));
+    if (!ticket.is_ok()) die(ticket.status().to_string());
+    std::optional<Result<uint64_t>> value;
+    while (!(value = device->poll_checksum(*ticket))) {
+    }
+    auto t1 = Clock::now();
+    if (cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice) != cudaSuccess) die("cudaMemcpy");
+    cudaDeviceSynchronize();
+    auto t2 = Clock::now();
+    if (i >= 2) {
+      sum_s.push_back(std::chrono::duration<double>(t1 - t0).count());
+      copy_s.push_back(std::chrono::duration<double>(t2 - t1).count());
+    }
+  }
+  std::sort(sum_s.begin(), sum_s.end());
+  std::sort(copy_s.begin(), copy_s.end());
+  // Copy bandwidth counts bytes read + written (the memory traffic), checksum bytes read.
+  std::printf(
+      "{\"kind\": \"checksum_gpu\", \"bytes\": %llu, \"checksum_gbps\": %.1f, \"d2d_copy_traffic_gbps\": %.1f}\n",
+      static_cast<unsigned long long>(bytes), gbps(bytes, sum_s[sum_s.size() / 2]),
+      gbps(2 * bytes, copy_s[copy_s.size() / 2]));
+  std::fflush(stdout);
+  cudaFree(a);
+  cudaFree(b);
+#else
+  (void)device;
+#endif
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -189,6 +310,10 @@ int main(int argc, char** argv) {
     } else if (a == "--message") {
       o.engine.direct_copy = false;
       carrier = EngineConfig::PieceCarrier::kMessage;
+    } else if (a == "--memory") {
+      const std::string m = next();
+      if (m != "host" && m != "cuda") die("--memory: host or cuda");
+      o.cuda = m == "cuda";
     } else if (a == "--cases") {
       std::string list = next();
       for (size_t p = 0; p <= list.size();) {
@@ -222,18 +347,23 @@ int main(int argc, char** argv) {
   FILE* to = fdopen(to_child[1], "w");
   FILE* from = fdopen(from_child[0], "r");
 
+  attach_device(o);
+  if (o.cuda) measure_gpu_checksum(o.engine.device);
   auto engine = TransferEngine::create(o.engine);
   if (!engine.is_ok()) die(engine.status().to_string());
   auto& e = **engine;
   for (size_t c = 0; c < cases.size(); ++c) {
     const Case& k = cases[c];
-    const RegionId source = e.allocate_region(k.bytes()).value();
-    fill_payload(e.region_data(source), 3, 0);
+    Buffer source = allocate(e, k.bytes(), o.cuda);
+    std::vector<std::byte> payload(k.bytes());
+    fill_payload(payload, 3, 0);
+    fill(source, payload);
     std::vector<uint64_t> presums;
-    if (o.presum) {
+    if (o.presum) {  // the kind the receiver asks for: kSum64 for GPU memory
       uint64_t offset = 0;
       for (auto [bytes, segments] : k.pieces) {
-        presums.push_back(checksum64(e.region_data(source).subspan(offset, bytes)));
+        const auto piece = std::span<const std::byte>(payload).subspan(offset, bytes);
+        presums.push_back(o.cuda ? sum64(piece) : checksum64(piece));
         offset += bytes;
       }
     }
@@ -249,7 +379,7 @@ int main(int argc, char** argv) {
       uint64_t offset = 0;
       for (uint32_t p = 0; p < k.pieces.size(); ++p) {
         const uint64_t bytes = k.pieces[p].first;
-        std::array<std::span<const std::byte>, 1> src{e.region_data(source).subspan(offset, bytes)};
+        std::array<std::span<const std::byte>, 1> src{std::span<const std::byte>(source.data + offset, bytes)};
         offset += bytes;
         const Status s = o.presum ? e.send_piece(id, p, src, presums[p]) : e.send_piece(id, p, src);
         if (!s.is_ok()) die(s.to_string());
@@ -269,12 +399,12 @@ int main(int argc, char** argv) {
     for (auto [bytes, s] : k.pieces) segments += s;
     std::printf(
         "{\"kind\": \"transfer\", \"case\": \"%s\", \"bytes\": %llu, \"pieces\": %zu, \"segments\": %llu, "
-        "\"median_s\": %.6f, \"min_s\": %.6f, \"max_s\": %.6f, \"gbps\": %.3f, \"iters\": %zu}\n",
+        "\"median_s\": %.6f, \"min_s\": %.6f, \"max_s\": %.6f, \"gbps\": %.3f, \"iters\": %zu, \"memory\": \"%s\"}\n",
         k.name.c_str(), static_cast<unsigned long long>(k.bytes()), k.pieces.size(),
         static_cast<unsigned long long>(segments), median, seconds.front(), seconds.back(), gbps(k.bytes(), median),
-        seconds.size());
+        seconds.size(), o.cuda ? "cuda" : "host");
     std::fflush(stdout);
-    (void)e.release_region(source);
+    release(e, source);
   }
   std::fprintf(to, "quit\n");
   std::fflush(to);

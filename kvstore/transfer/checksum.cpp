@@ -4,6 +4,8 @@
 #include <bit>
 #include <cstring>
 
+#include "kvstore/transfer/sum64.hpp"
+
 namespace deltaserve::kvstore::transfer {
 namespace {
 
@@ -108,6 +110,56 @@ uint64_t checksum64(std::span<const std::byte> bytes) {
   Checksum64 c;
   c.update(bytes);
   return c.finish();
+}
+
+void Sum64::update(std::span<const std::byte> bytes) {
+  const std::byte* p = bytes.data();
+  size_t n = bytes.size();
+  total_bytes_ += n;
+  while (pending_bytes_ > 0 && n > 0) {
+    pending_ |= static_cast<uint64_t>(static_cast<uint8_t>(*p)) << (8 * pending_bytes_);
+    ++p;
+    --n;
+    if (++pending_bytes_ == 8) {
+      sum_ += sum64_terms::term(pending_, words_++);
+      pending_ = 0;
+      pending_bytes_ = 0;
+    }
+  }
+  // Four independent partial sums: the multiplies of neighbouring words overlap.
+  uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+  uint64_t i = words_;
+  while (n >= 32) {
+    s0 += sum64_terms::term(load_le64(p), i);
+    s1 += sum64_terms::term(load_le64(p + 8), i + 1);
+    s2 += sum64_terms::term(load_le64(p + 16), i + 2);
+    s3 += sum64_terms::term(load_le64(p + 24), i + 3);
+    p += 32;
+    n -= 32;
+    i += 4;
+  }
+  while (n >= 8) {
+    s0 += sum64_terms::term(load_le64(p), i++);
+    p += 8;
+    n -= 8;
+  }
+  sum_ += s0 + s1 + s2 + s3;
+  words_ = i;
+  for (; n > 0; --n, ++p) {
+    pending_ |= static_cast<uint64_t>(static_cast<uint8_t>(*p)) << (8 * pending_bytes_);
+    ++pending_bytes_;
+  }
+}
+
+uint64_t Sum64::finish() const {
+  const uint64_t sum = pending_bytes_ > 0 ? sum_ + sum64_terms::term(pending_, words_) : sum_;
+  return sum64_terms::finish(sum, total_bytes_);
+}
+
+uint64_t sum64(std::span<const std::byte> bytes) {
+  Sum64 s;
+  s.update(bytes);
+  return s.finish();
 }
 
 }  // namespace deltaserve::kvstore::transfer

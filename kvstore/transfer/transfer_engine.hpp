@@ -41,8 +41,11 @@
 // EngineConfig::progress_thread runs progress() on a library thread. on_done callbacks run inside
 // progress(), with the engine's lock held: they may call back into the engine but must not block.
 //
-// GPU memory: the Debian UCX 1.13 has no CUDA transport (memory_info().cuda == false); GPU pages go
-// through a pinned host staging region (device_staging.hpp). See docs/transfer.md.
+// GPU memory: with EngineConfig::device set and a UCX build that registers CUDA memory (memory_info().cuda;
+// PyPI's libucx-cu13 does, Debian's UCX 1.13 does not), register_device_region() registers GPU memory: a
+// receiver's pieces land there (cuda_ipc on one host, GPUDirect RDMA where the fabric has it) and a sender
+// puts from there. Pieces with a GPU destination are checksummed with ChecksumKind::kSum64 on the GPU on
+// both sides, while UCX keeps moving other pieces. See docs/transfer.md.
 #pragma once
 
 #include <chrono>
@@ -57,6 +60,8 @@
 #include <vector>
 
 #include "common/status.hpp"
+#include "kvstore/transfer/checksum.hpp"
+#include "kvstore/transfer/device_memory.hpp"
 
 namespace deltaserve::kvstore::transfer {
 
@@ -87,6 +92,8 @@ struct EngineConfig {
   std::chrono::milliseconds finish_grace{200};  // receiver: wait for late notices after kFinish
   bool progress_thread = false;                 // run progress() on a library thread
   std::string faults;  // fault_injection.hpp spec; rejected unless built with DELTASERVE_TRANSFER_FAULTS
+  // GPU memory access (device_memory.hpp); null: host memory only, register_device_region refuses.
+  std::shared_ptr<DeviceMemory> device;
 };
 
 // The carrier for a UCX_TLS list: kMessage when some peer may be reached over a transport without native RMA
@@ -156,6 +163,12 @@ class TransferEngine {
   // caller memory (host only; it must outlive the region), which tcp, rc and cma can write into.
   virtual Result<RegionId> allocate_region(uint64_t bytes) = 0;
   virtual Result<RegionId> register_region(void* address, uint64_t bytes) = 0;
+  // Registers GPU memory (UCS_MEMORY_TYPE_CUDA). kFailedPrecondition without EngineConfig::device or when the
+  // UCX build cannot register CUDA memory (memory_info().cuda false); kInvalidArgument for host memory.
+  // region_data() of such a region is a device pointer. A receive spec's piece lies wholly in GPU memory or
+  // wholly in host memory; in GPU memory every segment but the piece's last holds a multiple of 8 bytes and
+  // starts 8-byte aligned (the kSum64 word rule, device_memory.hpp).
+  virtual Result<RegionId> register_device_region(void* address, uint64_t bytes) = 0;
   virtual std::span<std::byte> region_data(RegionId region) = 0;  // empty for an unknown id
   virtual Result<std::vector<std::byte>> packed_rkey(RegionId region) const = 0;
   virtual Status release_region(RegionId region) = 0;  // kFailedPrecondition while a transfer uses it
@@ -169,14 +182,17 @@ class TransferEngine {
   // stay valid and unchanged until the transfer finishes (wait/try_take/on_done).
   // on_done as in ReceiveSpec.
   virtual Result<TransferId> start_send(std::span<const std::byte> descriptor, DoneCallback on_done = {}) = 0;
-  // `sources` (gathered in order) must hold exactly the piece's bytes. `checksum`: checksum64 of those
-  // bytes when the producer already has it (computed as it wrote the layer, or cached with immutable
-  // prefix-cache pages), which saves the sender a pass over the bytes; the receiver verifies either
-  // way, so a wrong value fails the transfer with kDataLoss. Returns the transfer's failure if it has
-  // already failed, so a producer can stop early.
+  // `sources` (gathered in order) must hold exactly the piece's bytes, all in host memory or all in GPU memory
+  // (then under the kSum64 word rule above). `checksum`: the checksum of those bytes, of the kind the
+  // descriptor names (checksum_kind()), when the producer already has it (computed as it wrote the layer, or cached
+  // with immutable prefix-cache pages), which saves the sender a pass over the bytes; the receiver verifies either way,
+  // so a wrong value fails the transfer with kDataLoss. Returns the transfer's failure if it has already failed, so a
+  // producer can stop early.
   virtual Status send_piece(TransferId id, uint32_t seq, std::span<const std::span<const std::byte>> sources,
                             std::optional<uint64_t> checksum = std::nullopt) = 0;
   virtual Status finish_send(TransferId id) = 0;  // after every piece was passed to send_piece
+  // The checksum kind of a send transfer's pieces (chosen by the receiver); nullopt for an unknown id.
+  virtual std::optional<ChecksumKind> checksum_kind(TransferId id) const = 0;
 
   // Either side: fail the transfer now with `reason` (kCancelled if OK), telling the peer.
   virtual void abort(TransferId id, Status reason) = 0;

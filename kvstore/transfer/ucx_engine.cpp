@@ -125,6 +125,8 @@ UcxEngine::~UcxEngine() {
     }
     for (auto& [key, cached] : rkey_cache_) ucp_rkey_destroy(cached.rkey);
     rkey_cache_.clear();
+    for (const DeviceCheck& check : device_checks_) config_.device->cancel_checksum(check.ticket);
+    device_checks_.clear();
     for (auto& [id, region] : regions_) ucp_mem_unmap(context_, region.memh);
     // Requests still outstanding (a peer that never answered): hand them back to UCX, which must hold
     // no unreleased request at ucp_worker_destroy; callbacks that still come only free their Op.
@@ -141,12 +143,16 @@ UcxEngine::~UcxEngine() {
 
 // ---- regions ---------------------------------------------------------------------------------------
 
-Result<RegionId> UcxEngine::map_region(void* address, uint64_t bytes) {
+Result<RegionId> UcxEngine::map_region(void* address, uint64_t bytes, bool device) {
   if (bytes == 0) return invalid_argument("region of 0 bytes");
   ucp_mem_map_params_t params{};
   params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
   params.address = address;
   params.length = bytes;
+  if (device) {
+    params.field_mask |= UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+    params.memory_type = UCS_MEMORY_TYPE_CUDA;
+  }
   if (address == nullptr) {
     params.field_mask |= UCP_MEM_MAP_PARAM_FIELD_FLAGS;
     params.flags = UCP_MEM_MAP_ALLOCATE;
@@ -164,6 +170,7 @@ Result<RegionId> UcxEngine::map_region(void* address, uint64_t bytes) {
   }
   region.base = static_cast<std::byte*>(attr.address);
   region.bytes = bytes;
+  region.device = device;
   void* rkey = nullptr;
   size_t rkey_size = 0;
   if ((s = ucp_rkey_pack(context_, region.memh, &rkey, &rkey_size)) != UCS_OK) {
@@ -180,13 +187,30 @@ Result<RegionId> UcxEngine::map_region(void* address, uint64_t bytes) {
 
 Result<RegionId> UcxEngine::allocate_region(uint64_t bytes) {
   std::lock_guard lock(mu_);
-  return map_region(nullptr, bytes);
+  return map_region(nullptr, bytes, false);
 }
 
 Result<RegionId> UcxEngine::register_region(void* address, uint64_t bytes) {
   if (address == nullptr) return invalid_argument("register_region: null address");
   std::lock_guard lock(mu_);
-  return map_region(address, bytes);
+  if (config_.device && config_.device->is_device(address)) {
+    return invalid_argument("register_region: GPU memory (use register_device_region)");
+  }
+  return map_region(address, bytes, false);
+}
+
+Result<RegionId> UcxEngine::register_device_region(void* address, uint64_t bytes) {
+  if (address == nullptr) return invalid_argument("register_device_region: null address");
+  if (!config_.device) return failed_precondition("register_device_region: the engine has no EngineConfig::device");
+  if (!memory_info_.cuda) {
+    return failed_precondition(
+        "register_device_region: this UCX build cannot register CUDA memory (ucp_context_query lists no CUDA "
+        "memory type; Debian's UCX has none): run with a CUDA-enabled UCX such as PyPI's libucx-cu13, whose "
+        "libraries go first on LD_LIBRARY_PATH");
+  }
+  if (!config_.device->is_device(address)) return invalid_argument("register_device_region: not GPU memory");
+  std::lock_guard lock(mu_);
+  return map_region(address, bytes, true);
 }
 
 std::span<std::byte> UcxEngine::region_data(RegionId region) {
@@ -376,7 +400,8 @@ void UcxEngine::complete_op(Op* op, ucs_status_t status) {
         decide(*t, ucx_status(StatusCode::kUnavailable, "flush of piece " + std::to_string(op->seq), status), true);
         return;
       }
-      emit_notice(*t, op->seq, op->bytes, op->checksum);
+      flushed_piece(*t, op->seq, op->bytes,
+                    op->checksum_on_device ? std::nullopt : std::optional<uint64_t>(op->checksum));
       return;
   }
 }
@@ -563,7 +588,7 @@ int UcxEngine::finalize_finished() {
   std::vector<std::pair<TransferId, Status>> statuses;
   for (auto it = transfers_.begin(); it != transfers_.end();) {
     Transfer& t = it->second;
-    if (t.finalized || !t.decided || t.in_flight > 0) {
+    if (t.finalized || !t.decided || t.in_flight > 0 || t.checks_in_flight > 0) {
       ++it;
       continue;
     }
@@ -592,6 +617,7 @@ int UcxEngine::progress_locked() {
     pieces_queued_ = false;
     issue_queued_pieces();
   }
+  events += poll_device_checks();
   while (!inbox_.empty()) {
     std::vector<std::vector<std::byte>> batch;
     batch.swap(inbox_);

@@ -71,13 +71,14 @@ struct Op {
   uint32_t seq = 0;         // kFlush: the piece whose puts it completes
   uint64_t bytes = 0;
   uint64_t checksum = 0;
-  std::vector<std::byte> buffer;  // kMessage payload; kPut fault byte
-  bool counted = false;           // counted in the in-flight figures (UCX returned a request)
-  Peer* peer = nullptr;           // the endpoint it was issued on (compared, never dereferenced)
-  std::shared_ptr<Peer> target;   // kClose: the peer being closed
-  bool orphaned = false;          // its endpoint was closed without completing it (see close_endpoint)
-  void* request = nullptr;        // the UCX request while counted
-  bool request_released = false;  // ucp_request_free already called (engine shutdown)
+  std::vector<std::byte> buffer;    // kMessage payload; kPut fault byte
+  bool checksum_on_device = false;  // kFlush: the piece's checksum comes from a DeviceCheck (Transfer::send_checks)
+  bool counted = false;             // counted in the in-flight figures (UCX returned a request)
+  Peer* peer = nullptr;             // the endpoint it was issued on (compared, never dereferenced)
+  std::shared_ptr<Peer> target;     // kClose: the peer being closed
+  bool orphaned = false;            // its endpoint was closed without completing it (see close_endpoint)
+  void* request = nullptr;          // the UCX request while counted
+  bool request_released = false;    // ucp_request_free already called (engine shutdown)
 };
 
 // An unpacked remote key, shared by the transfers to one peer that name the same packed rkey (a decode
@@ -102,6 +103,23 @@ struct DelayedNotice {
   std::vector<std::byte> message;  // encoded
 };
 
+// A kSum64 checksum running on the GPU (DeviceMemory::begin_checksum), polled by progress().
+struct DeviceCheck {
+  DeviceMemory::Ticket ticket = 0;
+  TransferId transfer = 0;
+  uint32_t seq = 0;
+  Role role = Role::kReceive;  // receive: verify against `expected`; send: the notice's checksum
+  uint64_t bytes = 0;
+  uint64_t expected = 0;
+};
+
+// Send side: a piece whose notice waits for its flush and its GPU checksum, whichever completes last.
+struct PendingNotice {
+  bool flushed = false;
+  std::optional<uint64_t> checksum;
+  uint64_t bytes = 0;
+};
+
 struct Transfer {
   TransferId id = 0;
   Role role = Role::kReceive;
@@ -112,10 +130,13 @@ struct Transfer {
   Status status;
   bool finalized = false;
   int64_t in_flight = 0;
+  int64_t checks_in_flight = 0;  // DeviceChecks not yet polled to completion (they read this transfer's memory)
+  ChecksumKind checksum = ChecksumKind::kStripe64;
   DoneCallback on_done;
   std::shared_ptr<Peer> peer;  // receive: the sender (known after kBegin/kFinish); send: the receiver
   uint32_t num_pieces = 0;
-  std::vector<uint8_t> piece_done;  // receive: verified; send: passed to send_piece
+  std::vector<uint8_t> piece_done;      // receive: verified; send: passed to send_piece
+  std::vector<uint8_t> piece_checking;  // receive: its checksum runs on the GPU
   uint32_t pieces_done = 0;
 
   // Receive side.
@@ -136,6 +157,7 @@ struct Transfer {
   Clock::time_point drain_deadline;  // decided with requests in flight: force-close the endpoint then
   std::vector<DelayedNotice> delayed;
   std::vector<QueuedPiece> queued;  // passed to send_piece before kAccept
+  std::map<uint32_t, PendingNotice> pending_notices;
   // The receiver answered kBegin. Puts are posted only after: UCX 1.13 keeps RMA requests posted
   // before the endpoint's wire-up reply in a pending queue that a force close neither cancels nor
   // drops (it replays them later), so a put posted to a peer that never answers could read user memory
@@ -151,6 +173,7 @@ struct Region {
   uint64_t bytes = 0;
   int64_t uses = 0;
   std::vector<std::byte> rkey;
+  bool device = false;  // GPU memory (register_device_region)
 };
 
 class UcxEngine final : public TransferEngine {
@@ -164,6 +187,7 @@ class UcxEngine final : public TransferEngine {
   MemoryInfo memory_info() const override { return memory_info_; }
   Result<RegionId> allocate_region(uint64_t bytes) override;
   Result<RegionId> register_region(void* address, uint64_t bytes) override;
+  Result<RegionId> register_device_region(void* address, uint64_t bytes) override;
   std::span<std::byte> region_data(RegionId region) override;
   Result<std::vector<std::byte>> packed_rkey(RegionId region) const override;
   Status release_region(RegionId region) override;
@@ -173,6 +197,7 @@ class UcxEngine final : public TransferEngine {
   Status send_piece(TransferId id, uint32_t seq, std::span<const std::span<const std::byte>> sources,
                     std::optional<uint64_t> checksum) override;
   Status finish_send(TransferId id) override;
+  std::optional<ChecksumKind> checksum_kind(TransferId id) const override;
   void abort(TransferId id, Status reason) override;
   int progress() override;
   std::optional<Status> try_take(TransferId id) override;
@@ -185,7 +210,14 @@ class UcxEngine final : public TransferEngine {
   void on_peer_error() { peers_failed_ = true; }  // the failure itself is recorded in the Peer
 
  private:
-  Result<RegionId> map_region(void* address, uint64_t bytes);
+  Result<RegionId> map_region(void* address, uint64_t bytes, bool device);
+  bool on_device(std::span<const std::span<const std::byte>> sources) const;
+  Result<uint64_t> host_checksum(ChecksumKind kind, std::span<const std::span<const std::byte>> sources);
+  Status begin_device_check(Transfer& t, uint32_t seq, Role role, std::span<const std::span<const std::byte>> spans,
+                            uint64_t bytes, uint64_t expected);
+  int poll_device_checks();
+  void complete_verification(Transfer& t, uint32_t seq, uint64_t bytes, uint64_t received, uint64_t expected);
+  void flushed_piece(Transfer& t, uint32_t seq, uint64_t bytes, std::optional<uint64_t> checksum);
   Result<std::shared_ptr<Peer>> connect(const std::string& address);
   void close_endpoint(Peer& peer, bool force);
   void orphan_requests_of(const Peer* peer);
@@ -252,6 +284,7 @@ class UcxEngine final : public TransferEngine {
   std::atomic<bool> stop_{false};
   std::thread progress_thread_;
   std::unordered_set<Op*> outstanding_;  // ops whose UCX request has not completed (orphans included)
+  std::vector<DeviceCheck> device_checks_;
   uint64_t requests_orphaned_ = 0;
 };
 

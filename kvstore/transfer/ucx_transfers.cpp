@@ -43,6 +43,28 @@ Result<ExpectedTransfer> UcxEngine::expect(ReceiveSpec spec) {
     }
     d.pieces.push_back(std::move(remote));
   }
+  // Pieces in GPU memory: wholly there, under the kSum64 word rule (device_memory.hpp); they make the
+  // transfer's checksum kSum64, computed on the GPU.
+  bool any_device = false;
+  for (size_t p = 0; p < spec.pieces.size(); ++p) {
+    const auto& segments = spec.pieces[p];
+    const bool device = regions_[segments.front().region].device;
+    any_device |= device;
+    for (size_t k = 0; k < segments.size(); ++k) {
+      const Region& region = regions_[segments[k].region];
+      const std::string where = "expect: piece " + std::to_string(p) + ": segment " + std::to_string(k);
+      if (region.device != device) return invalid_argument(where + " mixes GPU and host memory in one piece");
+      if (!device) continue;
+      if (reinterpret_cast<uintptr_t>(region.base + segments[k].offset) % 8 != 0) {
+        return invalid_argument(where + " in GPU memory is not 8-byte aligned");
+      }
+      if (k + 1 < segments.size() && segments[k].bytes % 8 != 0) {
+        return invalid_argument(where + " in GPU memory is not the last and not a multiple of 8 bytes");
+      }
+    }
+  }
+  t.checksum = any_device ? ChecksumKind::kSum64 : ChecksumKind::kStripe64;
+  d.checksum = t.checksum;
   t.id = next_transfer_++;
   t.role = Role::kReceive;
   t.token = token_rng_();
@@ -51,6 +73,7 @@ Result<ExpectedTransfer> UcxEngine::expect(ReceiveSpec spec) {
   t.on_done = std::move(spec.on_done);
   t.num_pieces = static_cast<uint32_t>(spec.pieces.size());
   t.piece_done.assign(t.num_pieces, 0);
+  t.piece_checking.assign(t.num_pieces, 0);
   t.local_pieces = std::move(spec.pieces);
   for (RegionId r : t.regions_used) ++regions_[r].uses;
   d.transfer_id = t.id;
@@ -82,34 +105,162 @@ void UcxEngine::verify_piece(Transfer& t, const Message& m) {
                             std::to_string(expected_bytes)),
                   true);
   }
-  if (t.piece_done[m.seq]) {
+  if (t.piece_done[m.seq] || t.piece_checking[m.seq]) {
     ++messages_ignored_;  // duplicate notice
     return;
   }
-  Checksum64 checksum;
-  if (m.kind == MessageKind::kPieceData) {  // place the carried bytes, checksumming them on the way
+  const std::vector<LocalSegment>& segments = t.local_pieces[m.seq];
+  if (regions_[segments.front().region].device) {
+    // Place carried bytes with a copy, then checksum what GPU memory holds, on the GPU, without blocking.
+    std::vector<std::span<const std::byte>> spans;
     uint64_t at = 0;
-    for (const LocalSegment& s : t.local_pieces[m.seq]) {
-      checksum.copy_and_update(regions_[s.region].base + s.offset, m.payload.subspan(at, s.bytes));
-      at += s.bytes;
+    for (const LocalSegment& s : segments) {
+      std::byte* destination = regions_[s.region].base + s.offset;
+      if (m.kind == MessageKind::kPieceData) {
+        if (Status c = config_.device->copy(destination, m.payload.data() + at, s.bytes); !c.is_ok()) {
+          return decide(t, c.with_context(piece + ": copy into GPU memory"), true);
+        }
+        at += s.bytes;
+      }
+      spans.emplace_back(destination, s.bytes);
     }
-  } else {
-    for (const LocalSegment& s : t.local_pieces[m.seq]) {
-      checksum.update({regions_[s.region].base + s.offset, s.bytes});
+    if (Status c = begin_device_check(t, m.seq, Role::kReceive, spans, m.bytes, m.checksum); !c.is_ok()) {
+      return decide(t, c, true);
     }
+    return;
   }
-  const uint64_t received = checksum.finish();
-  if (received != m.checksum) {
+  uint64_t received = 0;
+  if (t.checksum == ChecksumKind::kStripe64) {
+    Checksum64 checksum;
+    uint64_t at = 0;
+    for (const LocalSegment& s : segments) {
+      std::byte* destination = regions_[s.region].base + s.offset;
+      if (m.kind == MessageKind::kPieceData) {  // place the carried bytes, checksumming them on the way
+        checksum.copy_and_update(destination, m.payload.subspan(at, s.bytes));
+        at += s.bytes;
+      } else {
+        checksum.update({destination, s.bytes});
+      }
+    }
+    received = checksum.finish();
+  } else {
+    Sum64 checksum;
+    uint64_t at = 0;
+    for (const LocalSegment& s : segments) {
+      std::byte* destination = regions_[s.region].base + s.offset;
+      if (m.kind == MessageKind::kPieceData) {
+        std::memcpy(destination, m.payload.data() + at, s.bytes);
+        at += s.bytes;
+      }
+      checksum.update({destination, s.bytes});
+    }
+    received = checksum.finish();
+  }
+  complete_verification(t, m.seq, m.bytes, received, m.checksum);
+}
+
+void UcxEngine::complete_verification(Transfer& t, uint32_t seq, uint64_t bytes, uint64_t received, uint64_t expected) {
+  if (received != expected) {
     ++pieces_rejected_;
     char text[96];
     std::snprintf(text, sizeof text, ": checksum mismatch (sent %016llx, received %016llx)",
-                  static_cast<unsigned long long>(m.checksum), static_cast<unsigned long long>(received));
-    return decide(t, data_loss(piece + text), true);
+                  static_cast<unsigned long long>(expected), static_cast<unsigned long long>(received));
+    return decide(t, data_loss("piece " + std::to_string(seq) + text), true);
   }
-  t.piece_done[m.seq] = 1;
+  t.piece_done[seq] = 1;
   ++t.pieces_done;
-  bytes_received_ += m.bytes;
+  bytes_received_ += bytes;
   if (t.finish_seen && t.pieces_done == t.num_pieces) decide(t, Status::ok(), true);
+}
+
+// ---- checksums on the GPU ---------------------------------------------------------------------------
+
+Status UcxEngine::begin_device_check(Transfer& t, uint32_t seq, Role role,
+                                     std::span<const std::span<const std::byte>> spans, uint64_t bytes,
+                                     uint64_t expected) {
+  auto ticket = config_.device->begin_checksum(spans);
+  if (!ticket.is_ok()) return ticket.status().with_context("checksum of piece " + std::to_string(seq));
+  device_checks_.push_back({*ticket, t.id, seq, role, bytes, expected});
+  ++t.checks_in_flight;
+  if (role == Role::kReceive) t.piece_checking[seq] = 1;
+  return Status::ok();
+}
+
+int UcxEngine::poll_device_checks() {
+  int events = 0;
+  for (size_t i = 0; i < device_checks_.size();) {
+    const DeviceCheck check = device_checks_[i];
+    std::optional<Result<uint64_t>> value = config_.device->poll_checksum(check.ticket);
+    if (!value) {
+      ++i;
+      continue;
+    }
+    device_checks_.erase(device_checks_.begin() + static_cast<ptrdiff_t>(i));
+    ++events;
+    Transfer* t = find(check.transfer);  // still there: checks_in_flight holds back its finalization
+    if (t == nullptr) continue;
+    --t->checks_in_flight;
+    if (check.role == Role::kReceive) t->piece_checking[check.seq] = 0;
+    if (t->decided) continue;
+    if (!value->is_ok()) {
+      decide(*t, value->status().with_context("checksum of piece " + std::to_string(check.seq)), true);
+      continue;
+    }
+    if (check.role == Role::kReceive) {
+      complete_verification(*t, check.seq, check.bytes, **value, check.expected);
+      continue;
+    }
+    PendingNotice& pending = t->pending_notices[check.seq];
+    if (pending.flushed) {
+      const uint64_t bytes = pending.bytes;
+      t->pending_notices.erase(check.seq);
+      emit_notice(*t, check.seq, bytes, **value);
+    } else {
+      pending.checksum = **value;
+    }
+  }
+  return events;
+}
+
+// The flush of a piece's puts completed: announce it once its checksum is known as well.
+void UcxEngine::flushed_piece(Transfer& t, uint32_t seq, uint64_t bytes, std::optional<uint64_t> checksum) {
+  if (checksum) return emit_notice(t, seq, bytes, *checksum);
+  PendingNotice& pending = t.pending_notices[seq];
+  if (pending.checksum) {
+    const uint64_t value = *pending.checksum;
+    t.pending_notices.erase(seq);
+    return emit_notice(t, seq, bytes, value);
+  }
+  pending.flushed = true;
+  pending.bytes = bytes;
+}
+
+bool UcxEngine::on_device(std::span<const std::span<const std::byte>> sources) const {
+  return config_.device && !sources.empty() && config_.device->is_device(sources.front().data());
+}
+
+// The checksum of `sources` computed by the CPU; GPU sources are first copied to host memory (a GPU source for
+// a host destination, rare: the receiver then chose kStripe64).
+Result<uint64_t> UcxEngine::host_checksum(ChecksumKind kind, std::span<const std::span<const std::byte>> sources) {
+  std::vector<std::byte> staged;
+  auto hash = [&](auto& checksum) -> Result<uint64_t> {
+    for (const auto& source : sources) {
+      if (on_device(std::span(&source, 1))) {
+        staged.resize(source.size());
+        DS_RETURN_IF_ERROR(config_.device->copy(staged.data(), source.data(), source.size()));
+        checksum.update(staged);
+      } else {
+        checksum.update(source);
+      }
+    }
+    return checksum.finish();
+  };
+  if (kind == ChecksumKind::kStripe64) {
+    Checksum64 checksum;
+    return hash(checksum);
+  }
+  Sum64 checksum;
+  return hash(checksum);
 }
 
 void UcxEngine::handle_message(const Message& m) {
@@ -196,6 +347,7 @@ Result<TransferId> UcxEngine::start_send(std::span<const std::byte> bytes, DoneC
   t.role = Role::kSend;
   t.token = d.token;
   t.remote_id = d.transfer_id;
+  t.checksum = d.checksum;
   t.deadline_ms = d.deadline_ms;
   t.deadline = Clock::now() + std::chrono::milliseconds(d.deadline_ms);
   t.on_done = std::move(on_done);
@@ -228,6 +380,19 @@ Status UcxEngine::send_piece(TransferId id, uint32_t seq, std::span<const std::s
   if (source_bytes != bytes) {
     return invalid_argument(piece + ": sources hold " + std::to_string(source_bytes) + " bytes, the piece " +
                             std::to_string(bytes));
+  }
+  if (config_.device) {
+    const bool device = on_device(sources);
+    for (size_t k = 0; k < sources.size(); ++k) {
+      if (config_.device->is_device(sources[k].data()) != device) {
+        return invalid_argument(piece + ": sources mix GPU and host memory");
+      }
+      if (device && t->checksum == ChecksumKind::kSum64 && !checksum &&
+          (reinterpret_cast<uintptr_t>(sources[k].data()) % 8 != 0 ||
+           (k + 1 < sources.size() && sources[k].size() % 8 != 0))) {
+        return invalid_argument(piece + ": GPU source " + std::to_string(k) + " breaks the kSum64 word rule");
+      }
+    }
   }
   t->piece_done[seq] = 1;
   ++t->pieces_done;
@@ -317,6 +482,26 @@ void UcxEngine::issue_piece_message(Transfer& t, uint32_t seq, std::span<const s
   Message m = message_for(t, MessageKind::kPieceData);
   m.seq = seq;
   m.bytes = piece_bytes(t.remote_pieces[seq]);
+  // GPU sources travel through host memory here: stage them first.
+  std::vector<std::byte> staged;
+  std::vector<std::span<const std::byte>> staged_sources;
+  if (on_device(sources)) {
+    staged.resize(m.bytes);
+    uint64_t at = 0;
+    for (const auto& source : sources) {
+      if (Status c = config_.device->copy(staged.data() + at, source.data(), source.size()); !c.is_ok()) {
+        return decide(t, c.with_context("piece " + std::to_string(seq) + ": copy out of GPU memory"), true);
+      }
+      at += source.size();
+    }
+    staged_sources.emplace_back(staged);
+    sources = staged_sources;
+  }
+  if (!checksum && t.checksum == ChecksumKind::kSum64) {  // encode_piece_data computes kStripe64 only
+    Sum64 sum;
+    for (const auto& source : sources) sum.update(source);
+    checksum = sum.finish();
+  }
   std::vector<std::byte> encoded = encode_piece_data(m, sources, checksum);
   if (fault(FaultPoint::kCorruptByte, seq) != nullptr) {
     std::byte& byte = encoded[encoded.size() - m.bytes + t.remote_pieces[seq].front().bytes / 2];
@@ -332,7 +517,12 @@ void UcxEngine::issue_piece(Transfer& transfer, uint32_t seq, std::span<const st
   const TransferId id = t->id;
   const uint64_t bytes = piece_bytes(t->remote_pieces[seq]);
   const std::shared_ptr<Peer> peer = t->peer;
-  if (config_.direct_copy && issue_piece_direct(*t, seq, sources, checksum)) return;
+  const bool device_sources = on_device(sources);
+  // The direct copy is a CPU copy fused with the kStripe64 checksum: host bytes for a host destination only.
+  if (config_.direct_copy && !device_sources && t->checksum == ChecksumKind::kStripe64 &&
+      issue_piece_direct(*t, seq, sources, checksum)) {
+    return;
+  }
   if (config_.carrier == EngineConfig::PieceCarrier::kMessage) return issue_piece_message(*t, seq, sources, checksum);
   auto put = [&](const std::byte* source, uint64_t length, uint64_t remote, ucp_rkey_h rkey, Op* op) {
     ucp_request_param_t param{};
@@ -366,10 +556,15 @@ void UcxEngine::issue_piece(Transfer& transfer, uint32_t seq, std::span<const st
       left -= run;
     }
   }
-  if (!checksum) {
-    Checksum64 sum;
-    for (const auto& s : sources) sum.update(s);
-    checksum = sum.finish();
+  bool checksum_on_device = false;
+  if (!checksum && device_sources && t->checksum == ChecksumKind::kSum64) {
+    // On the GPU, beside the puts; the notice goes out when both the flush and the checksum are done.
+    if (Status c = begin_device_check(*t, seq, Role::kSend, sources, bytes, 0); !c.is_ok()) return decide(*t, c, true);
+    checksum_on_device = true;
+  } else if (!checksum) {
+    auto c = host_checksum(t->checksum, sources);
+    if (!c.is_ok()) return decide(*t, c.status().with_context("checksum of piece " + std::to_string(seq)), true);
+    checksum = *c;
   }
   bytes_sent_ += bytes;
   if (fault(FaultPoint::kCorruptByte, seq) != nullptr) {
@@ -380,7 +575,11 @@ void UcxEngine::issue_piece(Transfer& transfer, uint32_t seq, std::span<const st
     std::byte original{};
     for (const auto& s : sources) {
       if (skip < s.size()) {
-        original = s[skip];
+        if (device_sources) {
+          if (Status c = config_.device->copy(&original, s.data() + skip, 1); !c.is_ok()) return decide(*t, c, true);
+        } else {
+          original = s[skip];
+        }
         break;
       }
       skip -= s.size();
@@ -392,7 +591,8 @@ void UcxEngine::issue_piece(Transfer& transfer, uint32_t seq, std::span<const st
   }
   auto* flush = new_op(this, OpKind::kFlush, id, seq);
   flush->bytes = bytes;
-  flush->checksum = *checksum;
+  flush->checksum = checksum.value_or(0);
+  flush->checksum_on_device = checksum_on_device;
   ucp_request_param_t param{};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   param.cb.send = on_request_done;
@@ -426,6 +626,13 @@ void UcxEngine::maybe_send_finish(Transfer& t) {
   m.blob = address_;
   send_message(t.peer, m);
   t.finish_sent = true;
+}
+
+std::optional<ChecksumKind> UcxEngine::checksum_kind(TransferId id) const {
+  std::lock_guard lock(mu_);
+  const Transfer* t = find(id);
+  if (t == nullptr) return std::nullopt;
+  return t->checksum;
 }
 
 Status UcxEngine::finish_send(TransferId id) {

@@ -99,7 +99,7 @@ std::vector<std::byte> encode_descriptor(const Descriptor& d) {
   Writer w;
   w.u32(kDescriptorMagic);
   w.u16(kDescriptorVersion);
-  w.u16(0);
+  w.u16(static_cast<uint16_t>(d.checksum));
   w.u64(d.transfer_id);
   w.u64(d.token);
   w.u32(d.deadline_ms);
@@ -130,8 +130,12 @@ Result<Descriptor> decode_descriptor(std::span<const std::byte> bytes) {
   if (r.u32("magic") != kDescriptorMagic || !r.ok()) return bad(r.ok() ? "bad magic" : r.error());
   const uint16_t version = r.u16("version");
   if (r.ok() && version != kDescriptorVersion) return bad("unsupported version " + std::to_string(version));
-  r.u16("reserved");
+  const uint16_t checksum = r.u16("checksum kind");
+  if (r.ok() && checksum > static_cast<uint16_t>(ChecksumKind::kSum64)) {
+    return bad("unknown checksum kind " + std::to_string(checksum));
+  }
   Descriptor d;
+  d.checksum = static_cast<ChecksumKind>(checksum);
   d.transfer_id = r.u64("transfer_id");
   d.token = r.u64("token");
   d.deadline_ms = r.u32("deadline_ms");

@@ -3,11 +3,10 @@
 // All integers little-endian. Every decoder takes untrusted bytes: any input is safe (no crash, no read
 // out of bounds, bounded allocation) and anything malformed is kInvalidArgument naming the field.
 //
-// Descriptor, version 1:
-//   magic "DSTX" | u16 version | u16 reserved | u64 transfer_id | u64 token | u32 deadline_ms
-//   | u32 address bytes, receiver worker address
-//   | u32 regions, each: u64 remote base | u64 bytes | u32 rkey bytes, packed rkey
-//   | u32 pieces,  each: u32 segments, each: u32 region | u64 offset | u64 bytes
+// Descriptor, version 2:
+//   magic "DSTX" | u16 version | u16 checksum kind (ChecksumKind: 0 kStripe64, 1 kSum64) | u64 transfer_id | u64 token
+//   | u32 deadline_ms | u32 address bytes, receiver worker address | u32 regions, each: u64 remote base | u64 bytes |
+//   u32 rkey bytes, packed rkey | u32 pieces,  each: u32 segments, each: u32 region | u64 offset | u64 bytes
 // A segment lies inside its region (offset + bytes <= region bytes); a piece holds 1..kMaxSegments
 // segments and at least one byte.
 #pragma once
@@ -20,10 +19,11 @@
 #include <vector>
 
 #include "common/status.hpp"
+#include "kvstore/transfer/checksum.hpp"
 
 namespace deltaserve::kvstore::transfer {
 
-inline constexpr uint16_t kDescriptorVersion = 1;
+inline constexpr uint16_t kDescriptorVersion = 2;
 inline constexpr uint32_t kMaxPieces = 1u << 16;
 inline constexpr uint32_t kMaxSegmentsPerPiece = 1u << 16;
 inline constexpr uint32_t kMaxSegmentsTotal = 1u << 20;
@@ -46,10 +46,11 @@ struct RemoteRegion {
 };
 
 struct Descriptor {
-  uint64_t transfer_id = 0;                 // unique per receiving engine
-  uint64_t token = 0;                       // random per transfer: a stale or foreign message never matches
-  uint32_t deadline_ms = 0;                 // each side arms its own deadline from its start
-  std::vector<std::byte> receiver_address;  // ucp_worker_get_address output
+  uint64_t transfer_id = 0;                         // unique per receiving engine
+  uint64_t token = 0;                               // random per transfer: a stale or foreign message never matches
+  uint32_t deadline_ms = 0;                         // each side arms its own deadline from its start
+  ChecksumKind checksum = ChecksumKind::kStripe64;  // of every piece (the receiver's choice)
+  std::vector<std::byte> receiver_address;          // ucp_worker_get_address output
   std::vector<RemoteRegion> regions;
   std::vector<std::vector<Segment>> pieces;  // [piece][segment], piece i has sequence number i
   bool operator==(const Descriptor&) const = default;
@@ -79,7 +80,7 @@ struct Message {
   uint64_t token = 0;
   uint32_t seq = 0;             // kPiece: piece sequence number; kFinish: number of pieces; kResult/kAbort: StatusCode
   uint64_t bytes = 0;           // kPiece: bytes of the piece
-  uint64_t checksum = 0;        // kPiece: checksum64 of the piece's bytes in segment order
+  uint64_t checksum = 0;        // kPiece: the piece's checksum (the descriptor's kind) over its bytes in segment order
   std::vector<std::byte> blob;  // kBegin: sender address; kResult/kAbort: status message text
   // kPieceData: the piece's bytes in segment order (`bytes` of them). decode_message returns a view into its
   // input, which must outlive the Message.

@@ -32,6 +32,19 @@ TEST(TransferWire, DescriptorRoundTrip) {
   EXPECT_EQ(piece_bytes(d.pieces[0]), 8192u);
 }
 
+TEST(TransferWire, DescriptorCarriesTheChecksumKind) {
+  Descriptor d = sample();
+  d.checksum = ChecksumKind::kSum64;
+  auto bytes = encode_descriptor(d);
+  auto decoded = decode_descriptor(bytes);
+  ASSERT_TRUE(decoded.is_ok()) << decoded.status().to_string();
+  EXPECT_EQ(decoded->checksum, ChecksumKind::kSum64);
+  bytes[6] = std::byte{2};  // the u16 after magic and version: no such kind
+  decoded = decode_descriptor(bytes);
+  ASSERT_FALSE(decoded.is_ok());
+  EXPECT_NE(decoded.status().message().find("checksum kind"), std::string::npos);
+}
+
 TEST(TransferWire, DescriptorRejectsSegmentsOutsideRegions) {
   for (Segment bad :
        {Segment{2, 0, 1}, Segment{1, 0, 4097}, Segment{1, 4096, 1}, Segment{0, 0, 0}, Segment{0, ~0ull, 2}}) {
