@@ -42,4 +42,12 @@ Status Backend::forward_sample(std::span<SequenceInput> batch, std::span<const S
   return Status::ok();
 }
 
+Result<DeviceStateSpans> Backend::device_state_spans(const RequestState&) {
+  return Status(StatusCode::kUnimplemented, name() + " keeps no request state in device memory");
+}
+
+Status Backend::reserve_device_state(RequestState&, int64_t) {
+  return Status(StatusCode::kUnimplemented, name() + " keeps no request state in device memory");
+}
+
 }  // namespace deltaserve::engine

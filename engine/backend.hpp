@@ -37,6 +37,31 @@ class DeviceResidency {
   }
 };
 
+// A contiguous range of device memory.
+struct DeviceSpan {
+  std::byte* data = nullptr;
+  int64_t bytes = 0;
+};
+
+// A request's caches in a backend's device memory, as a handoff moves them, stored as the kernels use them (no
+// conversion): each KDA layer's recurrent state and (with a short conv) its conv tails, and the MLA pages holding
+// the request's tokens in token order (each page holds every MLA layer's rows of page_tokens tokens; the last one
+// may be partly used). Two backends of the same model and page size lay these out the same way, so copying every
+// span into the other's spans of a state reserved for as many tokens moves the request exactly.
+struct DeviceStateSpans {
+  std::vector<DeviceSpan> kda_states;  // [KDA layer]
+  std::vector<DeviceSpan> kda_tails;   // [KDA layer]; empty when the model has no short conv
+  std::vector<DeviceSpan> mla_pages;   // [page], covering tokens [0, num_tokens)
+  int64_t page_tokens = 0;
+  int64_t bytes() const {
+    int64_t n = 0;
+    for (const auto* spans : {&kda_states, &kda_tails, &mla_pages}) {
+      for (const DeviceSpan& s : *spans) n += s.bytes;
+    }
+    return n;
+  }
+};
+
 // What a backend holds and how many requests fit; reported at start-up and on /metrics.
 struct BackendCapacity {
   std::string device;                 // "cpu", "cuda:0 (NVIDIA H200)"
@@ -71,6 +96,19 @@ class Backend {
   // contract as forward().
   [[nodiscard]] virtual Status forward_sample(std::span<SequenceInput> batch, std::span<const SampleRequest> rows,
                                               std::vector<SampledToken>& out, const ForwardOptions& options);
+
+  // ---- handoff from and into device memory (kUnimplemented on backends without one) ----
+  // The spans of `state`'s caches, which live on this backend, once every pass that wrote them has finished (waits
+  // for the device). Valid until the next pass on `state` or its release. kFailedPrecondition for a state that is
+  // not resident here.
+  [[nodiscard]] virtual Result<DeviceStateSpans> device_state_spans(const RequestState& state);
+  // Gives a fresh `state` (no tokens, no residency) a slot and the pages of `tokens` tokens and advances it by
+  // `tokens`; the contents are undefined until written through device_state_spans (the receiving side of a
+  // handoff, which must not run a pass on it before then). kResourceExhausted when they are not free; nothing is
+  // taken then.
+  [[nodiscard]] virtual Status reserve_device_state(RequestState& state, int64_t tokens);
+  // The device allocations every DeviceStateSpans of this backend lies in (a transport registers them once).
+  virtual std::vector<DeviceSpan> device_memory_regions() const { return {}; }
 };
 
 // forward_sample's row checks, shared by Model and the backends: one row per sequence, no all_logits, each row's

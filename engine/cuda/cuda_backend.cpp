@@ -333,6 +333,45 @@ Status CudaBackend::assume_context(RequestState& state, int64_t tokens) {
   return Status::ok();
 }
 
+Result<DeviceStateSpans> CudaBackend::device_state_spans(const RequestState& state) {
+  DevicePools& pools = *impl_->pools;
+  std::lock_guard<std::recursive_mutex> lock(pools.mutex());
+  const auto* residency = dynamic_cast<const CudaResidency*>(state.residency());
+  if (residency == nullptr || residency->pools() != &pools) {
+    return failed_precondition("device_state_spans: the state is not resident on this backend");
+  }
+  DS_CUDA_RETURN(cudaSetDevice(pools.device()));
+  DS_CUDA_RETURN(cudaStreamSynchronize(pools.stream()));  // every pass that wrote it has finished
+  return pools.spans(residency->slot(), residency->pages());
+}
+
+Status CudaBackend::reserve_device_state(RequestState& state, int64_t tokens) {
+  if (tokens < 0) return invalid_argument("reserve_device_state: negative token count");
+  if (state.num_tokens() != 0 || state.residency() != nullptr) {
+    return invalid_argument("reserve_device_state: the state must be fresh (no tokens, not on a device)");
+  }
+  DevicePools& pools = *impl_->pools;
+  std::lock_guard<std::recursive_mutex> lock(pools.mutex());
+  const int64_t page_tokens = pools.page_tokens();
+  const int64_t pages = impl_->shape.mla_layers > 0 ? (tokens + page_tokens - 1) / page_tokens : 0;
+  if (pools.free_slots() < 1 || pools.free_pages() < pages) {
+    return Status(StatusCode::kResourceExhausted, "reserve_device_state: " + std::to_string(tokens) +
+                                                      " tokens need a slot and " + std::to_string(pages) + " pages; " +
+                                                      std::to_string(pools.free_slots()) + " slots and " +
+                                                      std::to_string(pools.free_pages()) + " pages are free");
+  }
+  auto residency = std::make_unique<CudaResidency>(impl_->pools, pools.take_slot());
+  for (int64_t i = 0; i < pages; ++i) residency->pages().push_back(pools.take_page());
+  state.attach_residency(std::move(residency));
+  state.advance(tokens);
+  state.set_host_stale(true);  // the device copy is the one that counts (written by the handoff)
+  return Status::ok();
+}
+
+std::vector<DeviceSpan> CudaBackend::device_memory_regions() const {
+  return impl_->pools->memory_regions();
+}
+
 int64_t CudaBackend::free_state_slots() const {
   std::lock_guard<std::recursive_mutex> lock(impl_->pools->mutex());
   return impl_->pools->free_slots();

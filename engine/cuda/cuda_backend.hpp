@@ -94,6 +94,11 @@ class CudaBackend final : public Backend {
   // kResourceExhausted when the slot or pages are not free; nothing is taken then.
   [[nodiscard]] Status assume_context(RequestState& state, int64_t tokens);
 
+  // Handoffs in device memory (Backend): the spans of a resident state and fresh states reserved to receive one.
+  [[nodiscard]] Result<DeviceStateSpans> device_state_spans(const RequestState& state) override;
+  [[nodiscard]] Status reserve_device_state(RequestState& state, int64_t tokens) override;
+  std::vector<DeviceSpan> device_memory_regions() const override;
+
   // CUDA graphs on or off from the next pass on (graphs already captured are kept).
   void set_cuda_graphs(bool on);
   // Destroys every captured decode graph (after the stream's work is done): the next graph-eligible passes capture

@@ -580,6 +580,71 @@ TEST(CudaBackendPools, StateMovesBetweenTwoBackends) {
   EXPECT_TRUE(stats.within_tolerance()) << stats.summary();
 }
 
+// A handoff in device memory: the prefill side's spans copied device to device into a state the other backend
+// reserved, with no host copy and no conversion. The continuation there must equal, bit for bit, the one of the
+// backend that prefilled (same weights, same kernels): nothing a decode needs is outside the spans. Real head
+// sizes (KDA 128, MLA 512 + 64), Kimi Linear's and K3's layouts, a prompt that ends inside a page.
+TEST(CudaBackendPools, DeviceHandoffBetweenTwoBackendsIsExact) {
+  for (const std::string name : {"real-linear", "real-k3"}) {
+    CudaBackendOptions options = test_options();
+    options.page_tokens = 16;
+    Models first = make_models(name, options);
+    Models second = make_models(name, options);
+    ASSERT_NE(first.gpu, nullptr);
+    ASSERT_NE(second.gpu, nullptr);
+    const auto prompt = random_tokens(37, first.config.vocab_size, 21);
+    RequestState state = first.gpu->new_state();
+    const std::vector<float> prefill = run(*first.gpu, state, prompt);
+    auto from = first.backend->device_state_spans(state);
+    ASSERT_TRUE(from.is_ok()) << from.status().to_string();
+    EXPECT_EQ(from->mla_pages.size(), first.config.num_layers_of(LayerKind::kMla) > 0 ? 3u : 0u);
+    const int64_t slots = second.backend->free_state_slots();
+    RequestState moved = second.gpu->new_state();
+    ASSERT_TRUE(second.backend->reserve_device_state(moved, static_cast<int64_t>(prompt.size())).is_ok());
+    EXPECT_EQ(second.backend->free_state_slots(), slots - 1);
+    auto to = second.backend->device_state_spans(moved);
+    ASSERT_TRUE(to.is_ok()) << to.status().to_string();
+    ASSERT_EQ(to->bytes(), from->bytes());
+    ASSERT_EQ(to->kda_states.size(), from->kda_states.size());
+    ASSERT_EQ(to->kda_tails.size(), from->kda_tails.size());
+    ASSERT_EQ(to->mla_pages.size(), from->mla_pages.size());
+    auto copy = [](const std::vector<DeviceSpan>& a, const std::vector<DeviceSpan>& b) {
+      for (size_t i = 0; i < a.size(); ++i) {
+        ASSERT_EQ(a[i].bytes, b[i].bytes);
+        ASSERT_EQ(cudaMemcpy(b[i].data, a[i].data, static_cast<size_t>(a[i].bytes), cudaMemcpyDeviceToDevice),
+                  cudaSuccess);
+      }
+    };
+    copy(from->kda_states, to->kda_states);
+    copy(from->kda_tails, to->kda_tails);
+    copy(from->mla_pages, to->mla_pages);
+    // Every span lies in a region the backend reports (what a transport registers).
+    const auto regions = second.backend->device_memory_regions();
+    for (const auto* spans : {&to->kda_states, &to->kda_tails, &to->mla_pages}) {
+      for (const DeviceSpan& span : *spans) {
+        const bool inside = std::any_of(regions.begin(), regions.end(), [&](const DeviceSpan& r) {
+          return span.data >= r.data && span.data + span.bytes <= r.data + r.bytes;
+        });
+        EXPECT_TRUE(inside);
+      }
+    }
+    // Greedy continuation on both from the prefill's last logits: identical logits at every step.
+    int32_t next = static_cast<int32_t>(std::max_element(prefill.begin(), prefill.end()) - prefill.begin());
+    for (int step = 0; step < 24; ++step) {
+      const std::vector<float> a = run(*first.gpu, state, {&next, 1});
+      const std::vector<float> b = run(*second.gpu, moved, {&next, 1});
+      ASSERT_EQ(a, b) << name << ": step " << step;
+      next = static_cast<int32_t>(std::max_element(a.begin(), a.end()) - a.begin());
+    }
+    // Refusals: a state of another backend, a reserved state that is not fresh.
+    EXPECT_EQ(first.backend->device_state_spans(moved).status().code(), StatusCode::kFailedPrecondition);
+    EXPECT_EQ(second.backend->reserve_device_state(moved, 4).code(), StatusCode::kInvalidArgument);
+    std::printf("[%s] device handoff: %lld bytes in %zu + %zu + %zu spans, 24 identical steps\n", name.c_str(),
+                static_cast<long long>(from->bytes()), from->kda_states.size(), from->kda_tails.size(),
+                from->mla_pages.size());
+  }
+}
+
 TEST(CudaBackendPools, ForwardOnDeviceKeepsTheLogitsThere) {
   Models m = make_models("tiny-linear");
   ASSERT_NE(m.gpu, nullptr);

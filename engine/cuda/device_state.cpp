@@ -58,6 +58,32 @@ Status DevicePools::allocate(int64_t slots, int64_t pages, int page_tokens) {
   return Status::ok();
 }
 
+DeviceStateSpans DevicePools::spans(int32_t slot, const std::vector<int32_t>& pages) const {
+  DeviceStateSpans out;
+  out.page_tokens = pool_.page_size;
+  for (int64_t layer = 0; layer < shape_.kda_layers; ++layer) {
+    out.kda_states.push_back(
+        {reinterpret_cast<std::byte*>(state_pool(layer) + slot * shape_.state_floats()), shape_.state_floats() * 4});
+    if (shape_.conv_kernel > 1) {
+      out.kda_tails.push_back(
+          {reinterpret_cast<std::byte*>(conv_pool(layer) + slot * shape_.tail_floats()), shape_.tail_floats() * 2});
+    }
+  }
+  const int64_t page_elements = static_cast<int64_t>(pool_.num_layers) * pool_.page_size * pool_.row_stride;
+  for (int32_t page : pages) {
+    out.mla_pages.push_back({reinterpret_cast<std::byte*>(pool_.pages + page * page_elements), page_elements * 2});
+  }
+  return out;
+}
+
+std::vector<DeviceSpan> DevicePools::memory_regions() const {
+  std::vector<DeviceSpan> out;
+  for (const DeviceMemory* m : {&states_, &tails_, &pages_}) {
+    if (m->bytes() > 0) out.push_back({static_cast<std::byte*>(m->data()), static_cast<int64_t>(m->bytes())});
+  }
+  return out;
+}
+
 int32_t DevicePools::take_slot() {
   if (free_slots_.empty()) return -1;
   const int32_t slot = free_slots_.back();

@@ -71,6 +71,10 @@ class DevicePools {
                                   : nullptr;
   }
 
+  // The spans of `slot` and `pages` (DeviceStateSpans' order and layout) and the allocations they lie in.
+  DeviceStateSpans spans(int32_t slot, const std::vector<int32_t>& pages) const;
+  std::vector<DeviceSpan> memory_regions() const;
+
   // Free lists (caller holds the mutex). take_* return -1 when none is free.
   int32_t take_slot();
   int32_t take_page();
