@@ -1,5 +1,7 @@
 #include "actors/cluster_service.hpp"
 
+#include <algorithm>
+
 #include "actors/cluster_service_impl.hpp"
 #include "actors/stream_gate.hpp"
 
@@ -8,6 +10,7 @@ namespace {
 
 struct SinkState {
   std::shared_ptr<router::GenerationSink> sink;
+  router_actor router;  // told of every worker chunk forwarded (delivered): the resume point of a retry
   std::string request_id;
   std::shared_ptr<bool> done;  // shared with the exit functor, which outlives the state
   StreamGate gate;
@@ -19,6 +22,7 @@ sink_actor::behavior_type sink_impl(SinkPointer self, std::shared_ptr<router::Ge
                                     std::string request_id, router_actor router) {
   auto done = std::make_shared<bool>(false);
   self->state.sink = sink;
+  self->state.router = router;
   self->state.request_id = request_id;
   self->state.done = done;
   // Exactly one final chunk, whatever happens: a shutdown or crash before the final chunk ends the stream.
@@ -55,10 +59,13 @@ sink_actor::behavior_type sink_impl(SinkPointer self, std::shared_ptr<router::Ge
         }
         const bool final = chunk.is_final();
         if (final) *s.done = true;
+        if (!final && attempt != kRouterChunk) self->send(s.router, delivered_atom::value, s.request_id, chunk.tokens);
         s.sink->on_chunk(std::move(chunk));
         if (final) self->quit();
       },
-      [self](attempt_atom, int64_t attempt) { self->state.gate.announce(attempt); },
+      [self](attempt_atom, int64_t attempt, int64_t start) {
+        self->state.gate.announce(attempt, static_cast<size_t>(std::max<int64_t>(start, 0)));
+      },
   };
 }
 

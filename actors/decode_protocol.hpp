@@ -10,8 +10,10 @@
 //                        <|im_end|> unless ignore_eos.
 //   cancel(request_id)   removes the request; the sink gets the final "abort" chunk; no further steps for it.
 //                        An id not (yet) known is remembered, so a handoff still in flight is dropped.
-//   drop(request_id, attempt)  a handoff of that request from that attempt or an earlier one, still in
-//                        flight, is dropped without a chunk (the router prefills the request again elsewhere).
+//   drop(request_id, attempt)  the router moved the request on: what this worker holds of it from that attempt
+//                        or an earlier one (waiting, decoding, or a handoff still in flight) is dropped without a
+//                        chunk and its slot freed. Sent to a decode worker declared lost (it may only have
+//                        stalled and read it when it comes back) and to one a lost prefill worker handed off to.
 //   step()               internal (self-sent while requests are active): one forward pass over the batch,
 //                        then one chunk per request (final: finish_reason + usage).
 //   drain()              leaves the registry; active requests finish.
@@ -44,11 +46,16 @@ using step_atom = caf::atom_constant<caf::atom("step")>;
 struct HandoffEnvelope {
   uint64_t handoff_id = 0;  // unique per prefill worker, for logs and transfer bookkeeping
   router::GenerationRequest request;
-  int32_t next_token = 0;     // prompt[N−1], fed by the first decode step
+  int32_t next_token = 0;     // prompt[N−1] (a resumed request: generated.back()), fed by the first decode step
   caf::actor sink;            // sink_actor
   int64_t cached_tokens = 0;  // prompt tokens the prefill worker served from its prefix cache
   caf::actor router;          // router_actor: told admitted()/handoff_failed(); may be null (tests)
   int64_t attempt = 0;        // the router's dispatch attempt (PrefillJob::attempt), echoed to the router
+  // PrefillJob::generated: tokens the client already has; the state holds prompt ++ generated but the last, and
+  // next_token is generated.back(). The request continues after them: its sampler at draw generated.size(),
+  // max_tokens and completion_tokens counting them, its text stream (stop strings, held-back bytes) fed with them
+  // first, its usage the uninterrupted request's (prompt_tokens = prompt.size()). Empty: a fresh request.
+  std::vector<int32_t> generated;
 };
 
 struct Handoff {
@@ -59,7 +66,7 @@ struct Handoff {
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, HandoffEnvelope& x) {
   return f(caf::meta::type_name("HandoffEnvelope"), x.handoff_id, x.request, x.next_token, x.sink, x.cached_tokens,
-           x.router, x.attempt);
+           x.router, x.attempt, x.generated);
 }
 
 template <class Inspector>

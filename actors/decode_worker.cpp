@@ -132,8 +132,15 @@ void admit(DecodePointer self, HandoffEnvelope envelope, engine::RequestState st
   params.sampling = request.sampling;
   params.logprobs = request.logprobs;
   params.max_tokens = request.max_tokens;
+  params.generated = static_cast<int64_t>(envelope.generated.size());
   if (!request.ignore_eos) params.stop_token_ids = s.stop_token_ids;
-  Status added = s.batcher->add(request.request_id, std::move(state), envelope.next_token, params);
+  // A resumed request's text stream picks up where the client's is: fed the tokens it already has (their text
+  // was sent, except what the stream still holds back, which it holds back here too). Had they completed a stop
+  // string, the stream would have ended there: a sequence that does is not this request's.
+  auto text = std::make_unique<tokenizer::TextStream>(*s.tokenizer, request.stop);
+  for (int32_t token : envelope.generated) (void)text->push(token);
+  Status added = text->stopped() ? invalid_argument("the tokens already sent complete a stop string")
+                                 : s.batcher->add(request.request_id, std::move(state), envelope.next_token, params);
   if (!added.is_ok()) {
     ++s.stats.rejected;
     send_chunk(self, envelope.sink, envelope.attempt,
@@ -143,9 +150,10 @@ void admit(DecodePointer self, HandoffEnvelope envelope, engine::RequestState st
   Active a;
   a.sink = envelope.sink;
   a.attempt = envelope.attempt;
-  a.text = std::make_unique<tokenizer::TextStream>(*s.tokenizer, request.stop);
+  a.text = std::move(text);
   a.prompt_tokens = static_cast<int64_t>(request.prompt.size());
-  a.cached_tokens = envelope.cached_tokens;
+  // Usage is the uninterrupted request's: the resumed prefill's hits on already sent tokens are not prompt tokens.
+  a.cached_tokens = std::min(envelope.cached_tokens, a.prompt_tokens);
   a.logprobs = request.logprobs;
   self->monitor(a.sink);
   s.by_sink[a.sink.address()] = request.request_id;
@@ -227,22 +235,34 @@ void run_step(DecodePointer self) {
   report_load(self, false);
 }
 
+// How a running request of a superseded attempt ends (drop_attempts).
+enum class RunningEnd {
+  // An error chunk of its own attempt, which the sink passes only if that attempt owns the stream and no newer
+  // one is announced (the stream then cannot continue) and drops otherwise (stream_gate.hpp).
+  kWithError,
+  // No chunk: the router, which sent drop(), owns the request's end (a newer attempt, or its own final chunk).
+  kQuietly,
+};
+
 // Removes what this worker holds of request `id` from dispatch attempts up to `attempt`: the router moved
-// the request on. Waiting handoffs go quietly (nothing of them was streamed). A running one may own the
-// client's stream (stream_gate.hpp): it ends with an error chunk of its own attempt, which the sink passes
-// only if that attempt owns the stream (which then cannot continue) and drops otherwise.
-void drop_attempts(DecodePointer self, const std::string& id, int64_t attempt, bool running_too) {
+// the request on. Waiting handoffs go quietly (nothing of them was streamed); a running one ends as `end` says.
+// Returns whether anything was removed.
+bool drop_attempts(DecodePointer self, const std::string& id, int64_t attempt, RunningEnd end) {
   auto& s = self->state;
-  s.stats.stale_dropped += static_cast<int64_t>(std::erase_if(s.pending, [&](const Pending& p) {
+  const auto waiting = static_cast<int64_t>(std::erase_if(s.pending, [&](const Pending& p) {
     return p.envelope.request.request_id == id && p.envelope.attempt <= attempt;
   }));
+  s.stats.stale_dropped += waiting;
   auto a = s.active.find(id);
-  if (!running_too || a == s.active.end() || a->second.attempt > attempt) return;
+  if (a == s.active.end() || a->second.attempt > attempt) return waiting > 0;
   s.batcher->remove(id);
-  send_chunk(self, a->second.sink, a->second.attempt,
-             error_chunk(id, Status(StatusCode::kUnavailable, "the request moved to another attempt")));
+  if (end == RunningEnd::kWithError) {
+    send_chunk(self, a->second.sink, a->second.attempt,
+               error_chunk(id, Status(StatusCode::kUnavailable, "the request moved to another attempt")));
+  }
   forget(self, id);
   ++s.stats.stale_dropped;
+  return true;
 }
 
 // The state of `envelope`'s request arrived (CAF message or verified UCX region): decodes it and admits the
@@ -270,7 +290,7 @@ void accept_handoff(DecodePointer self, HandoffEnvelope& envelope, std::span<con
     ++s.stats.stale_dropped;
     return;
   }
-  drop_attempts(self, id, envelope.attempt - 1, /*running_too=*/true);
+  drop_attempts(self, id, envelope.attempt - 1, RunningEnd::kWithError);
   auto state = engine::decode_state(s.model->config(), bytes);
   if (!state.is_ok()) {
     ++s.stats.rejected;
@@ -484,9 +504,12 @@ decode_actor::behavior_type decode_impl(DecodePointer self, std::shared_ptr<cons
       },
       [self](drop_atom, const std::string& id, int64_t attempt) {
         auto& s = self->state;
-        drop_attempts(self, id, attempt, /*running_too=*/false);
+        const bool held = drop_attempts(self, id, attempt, RunningEnd::kQuietly);
+        admit_pending(self);
         report_load(self, false);
-        // A handoff of such an attempt may still be on its way.
+        // Nothing here yet: a handoff of such an attempt may still be on its way (by CAF or a UCX transfer).
+        // What was held arrived already (one handoff per attempt), so nothing is remembered for it.
+        if (held) return;
         if (s.dropped.size() >= kMaxTombstones) s.dropped.clear();  // bounded; a stale handoff is then decoded
         s.dropped[id] = std::max(s.dropped[id], attempt);
       },

@@ -14,6 +14,8 @@
 //                         block boundaries and checkpoints are taken at the policy's boundaries on the way
 //                         (kvstore/cache/prefill_plan.hpp); at the handoff the prompt's full blocks are
 //                         registered and the events go to the registry (cache(CacheEventBatch)).
+//                         A resumed job (PrefillJob::generated) then replays the decode passes of the tokens
+//                         already delivered, one token each (at most `prefill_chunk` per work()), and hands off.
 //   cancel(request_id)    drops a queued or running job; the sink gets the final "abort" chunk. Unknown ids
 //                         (already handed off) are ignored: the router cancels at the decode worker too.
 //   drain()               leaves the registry; queued jobs still finish.
@@ -45,12 +47,18 @@ struct PrefillJob {
   // the prefixes it would have named and its cache lookups are the same (a stale or foreign index entry still
   // costs a miss, never a wrong hit).
   kvstore::PromptHashes prompt_hashes;
+  // A request resumed after losing its decode worker: the tokens the client already has (the router's record of
+  // what the sink delivered), k < request.max_tokens of them. The worker prefills prompt[0, N−1) as for a fresh
+  // request (through its prefix cache), then replays the k decode passes the lost decode worker ran, one token
+  // each, over prompt[N−1] and generated[0, k−1), and hands over that state with generated[k−1] as the next token
+  // (HandoffEnvelope::generated). Empty: a fresh request.
+  std::vector<int32_t> generated;
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, PrefillJob& x) {
-  return f(caf::meta::type_name("PrefillJob"), x.request, x.decode_worker, x.sink, x.router, x.attempt,
-           x.prompt_hashes);
+  return f(caf::meta::type_name("PrefillJob"), x.request, x.decode_worker, x.sink, x.router, x.attempt, x.prompt_hashes,
+           x.generated);
 }
 
 using prefill_actor = caf::typed_actor<caf::reacts_to<prefill_atom, PrefillJob>,

@@ -29,7 +29,14 @@ struct Job {
   std::vector<kvstore::BlockHash> hashes;  // of the full blocks of prompt[0, N−1)
   kvstore::PageTable pages;                // this request's MLA rows (shared prefix + its own)
   int64_t cached_tokens = 0;               // prompt tokens restored from the cache
+  // A resumed job (PrefillJob::generated, k tokens): after prompt[0, N−1), the k decode passes it replays, one
+  // token each, over prompt[N−1] and generated[0, k−1). Done at k.
+  int64_t replayed = 0;
 };
+
+int64_t replay_count(const Job& job) {
+  return static_cast<int64_t>(job.job.generated.size());
+}
 
 struct PrefillState {
   std::shared_ptr<const engine::Model> model;
@@ -201,6 +208,27 @@ Status prefill_chunk(PrefillPointer self, Job& job) {
   return Status::ok();
 }
 
+// A resumed job, after prompt[0, N−1): the passes the lost decode worker ran, one token per pass, over prompt[N−1]
+// and the delivered tokens but the last, at most chunk_tokens of them per call. Not a chunked prefill: that would
+// give the same state only up to the last bits (and so, rarely, another sampled token); these passes give the state
+// the decode worker held, bit for bit where the kernels are batch-invariant (engine/decode_batcher.hpp).
+Status replay_chunk(PrefillPointer self, Job& job) {
+  auto& s = self->state;
+  engine::RequestState& state = s.slots->at(*job.slot);
+  const std::vector<int32_t>& generated = job.job.generated;
+  const int64_t end = std::min(replay_count(job), job.replayed + s.config.chunk_tokens);
+  std::vector<std::vector<float>> logits;
+  for (; job.replayed < end; ++job.replayed) {
+    const int32_t token =
+        job.replayed == 0 ? job.job.request.prompt.back() : generated[static_cast<size_t>(job.replayed - 1)];
+    engine::SequenceInput input{&state, {&token, 1}, false};
+    DS_RETURN_IF_ERROR(s.model->forward({&input, 1}, logits));
+  }
+  ++s.stats.steps;
+  if (job.replayed >= replay_count(job)) DS_RETURN_IF_ERROR(state.sync_host());
+  return Status::ok();
+}
+
 // Encodes the front job's state and hands it to its decode worker.
 void hand_off(PrefillPointer self) {
   auto& s = self->state;
@@ -209,19 +237,20 @@ void hand_off(PrefillPointer self) {
   const auto& prompt = job.job.request.prompt;
   const std::vector<std::byte> encoded = engine::encode_state(s.model->config(), s.slots->at(*job.slot));
   if (job.caching) s.cache->insert(job.hashes, job.pages, job.job.request.prefix_cache_namespace());
-  s.stats.prompt_tokens += static_cast<int64_t>(prompt.size());
+  s.stats.prompt_tokens += static_cast<int64_t>(prompt.size()) + replay_count(job);
   s.stats.cached_tokens += job.cached_tokens;
   std::vector<uint8_t> bytes(encoded.size());
   if (!encoded.empty()) std::memcpy(bytes.data(), encoded.data(), encoded.size());
   const int64_t num_bytes = static_cast<int64_t>(bytes.size());
   HandoffEnvelope envelope;
   envelope.handoff_id = s.next_handoff_id++;
-  envelope.next_token = prompt.back();
+  envelope.next_token = job.job.generated.empty() ? prompt.back() : job.job.generated.back();
   envelope.sink = job.job.sink;
   envelope.router = job.job.router;
   envelope.attempt = job.job.attempt;
   const int64_t attempt = job.job.attempt;
   envelope.cached_tokens = job.cached_tokens;
+  envelope.generated = std::move(job.job.generated);
   const std::string id = job.job.request.request_id;
   const caf::actor sink = job.job.sink, router = job.job.router, decode_worker = job.job.decode_worker;
   envelope.request = std::move(job.job.request);
@@ -334,12 +363,14 @@ prefill_actor::behavior_type prefill_impl(PrefillPointer self, std::shared_ptr<c
           }
         }
         const int64_t target = job.plan->target();  // N−1
-        if (job.position < target) {
-          if (Status status = prefill_chunk(self, job); !status.is_ok()) {
-            fail_front(self, status.with_context("prefill"));
-          }
+        if (job.position < target || job.replayed < replay_count(job)) {
+          Status status = job.position < target ? prefill_chunk(self, job) : replay_chunk(self, job);
+          if (!status.is_ok()) fail_front(self, status.with_context("prefill"));
         }
-        if (!s.jobs.empty() && s.jobs.front().started && s.jobs.front().position >= target) hand_off(self);
+        if (!s.jobs.empty() && s.jobs.front().started && s.jobs.front().position >= target &&
+            s.jobs.front().replayed >= replay_count(s.jobs.front())) {
+          hand_off(self);
+        }
         publish_cache_events(self);
         schedule_work(self);
         report_load(self, false);

@@ -30,7 +30,7 @@ using Chunks = std::vector<router::GenerationChunk>;
 // so the tests can prove nothing follows it).
 caf::behavior recording_sink(caf::event_based_actor*, std::shared_ptr<Chunks> out) {
   return {[out](chunk_atom, int64_t, router::GenerationChunk& chunk) { out->push_back(std::move(chunk)); },
-          [](attempt_atom, int64_t) {}};
+          [](attempt_atom, int64_t, int64_t) {}};
 }
 
 // What a client receives through the real per-request sink actor (spawn_stream_sink).
@@ -694,11 +694,11 @@ CAF_TEST(request_on_a_lost_prefill_worker_is_prefilled_again) {
   CAF_CHECK_EQUAL(request<WorkerStats>(decode, stats_atom::value).handoffs, 1);
 }
 
-// The retry race: the router declares decode-0 lost while decode-0 holds the request (its `admitted` for
-// attempt 1 is queued behind `lost`) and streams it. decode-0 comes back, and the router's second attempt
-// reaches it. The client gets exactly the reference stream: no error, no token twice (the second attempt
-// replays the first two tokens, which the sink checks and holds back).
-CAF_TEST(decode_worker_lost_while_streaming_then_the_retry_reaches_it) {
+// The retry race: the router declares decode-0 lost while decode-0 streams the request (a stalled process).
+// decode-0 reads the router's drop when it comes back and frees the request without a chunk; once it reports
+// again, the router's second attempt, resumed after the two tokens the client has, reaches it. The client gets
+// exactly the reference stream: no error, no token twice or lost.
+CAF_TEST(decode_worker_lost_while_streaming_then_the_resumed_retry_reaches_it) {
   std::string error;
   const auto& tiny = testing::tiny_model(&error);
   CAF_REQUIRE(tiny.model != nullptr);
@@ -729,38 +729,304 @@ CAF_TEST(decode_worker_lost_while_streaming_then_the_retry_reaches_it) {
   run();
   CAF_REQUIRE_EQUAL(jobs->size(), 1u);
   CAF_REQUIRE_EQUAL(jobs->at(0).attempt, 1);
+  CAF_CHECK(jobs->at(0).generated.empty());
 
-  // decode-0 gets attempt 1's state, but the router reads `lost` first (a stalled process).
   auto handoff = make_handoff(*tiny.model, req, caf::actor_cast<caf::actor>(sink));
   handoff.envelope.attempt = 1;
   handoff.envelope.router = caf::actor_cast<caf::actor>(router);
-  self->send(router, lost_atom::value, std::string("decode-0"));
   self->send(decode, handoff_atom::value, handoff);
   run();
   step();
   step();
   CAF_REQUIRE_EQUAL(out->size(), 2u);  // the client has two tokens of attempt 1
 
-  // decode-0 reports again (registered anew) and prefill-b is there: attempt 2 goes to decode-0 too.
+  // decode-0 stalls; the router declares it lost and has no decode worker left: the request waits.
+  self->send(router, lost_atom::value, std::string("decode-0"));
+  run();
+  const auto dropped = request<WorkerStats>(decode, stats_atom::value);
+  CAF_CHECK_EQUAL(dropped.stale_dropped, 1);  // it read the router's drop: attempt 1 is gone, its slot free
+  CAF_CHECK_EQUAL(dropped.active, 0);
+  CAF_CHECK_EQUAL(dropped.free_slots, 4);
+  step();
+  CAF_CHECK_EQUAL(out->size(), 2u);  // nothing reached the client: the drop sends no chunk
+
+  // decode-0 reports again (registered anew) and prefill-b is there: attempt 2 resumes after the two tokens.
   self->send(router, workers_atom::value,
              std::vector<WorkerInfo>{{"decode-0", kDecodeRole, decode_handle, 4, {}},
                                      {"prefill-b", kPrefillRole, caf::actor_cast<caf::actor>(prefill), 4, {}}});
   run();
-  const auto replaced = request<WorkerStats>(decode, stats_atom::value);
-  CAF_CHECK_EQUAL(replaced.handoffs, 2);
-  CAF_CHECK_EQUAL(replaced.stale_dropped, 1);  // attempt 1 gave way to attempt 2
-  CAF_CHECK_EQUAL(replaced.active, 1);
-  CAF_CHECK_EQUAL(out->size(), 2u);  // nothing new reached the client (attempt 1's "moved" error was held back)
+  const auto resumed = request<WorkerStats>(decode, stats_atom::value);
+  CAF_CHECK_EQUAL(resumed.handoffs, 2);
+  CAF_CHECK_EQUAL(resumed.active, 1);
   for (int i = 0; i < 10; ++i) step();
   CAF_REQUIRE(!out->empty());
   for (const auto& chunk : *out) CAF_CHECK(chunk.error.is_ok());
+  CAF_CHECK_EQUAL(out->size(), 6u);
   CAF_CHECK_EQUAL(out->back().finish_reason.value_or(""), "length");
   CAF_CHECK_EQUAL(out->back().completion_tokens, 6);
+  CAF_CHECK_EQUAL(out->back().prompt_tokens, 5);
   CAF_CHECK(streamed_tokens(*out) == testing::reference_greedy(*tiny.model, req.prompt, 6, 4));
   const auto router_stats = request<RouterStats>(router, stats_atom::value);
   CAF_CHECK_EQUAL(router_stats.retried, 1);
+  CAF_CHECK_EQUAL(router_stats.resumed, 1);
+  CAF_CHECK_EQUAL(router_stats.resumed_tokens, 2);
   CAF_CHECK_EQUAL(router_stats.failed, 0);
   CAF_CHECK_EQUAL(request<WorkerStats>(decode, stats_atom::value).active, 0);
+}
+
+// ---- Resume after a lost decode worker: the faults are injected at a chosen chunk of the stream ----
+
+namespace {
+
+constexpr int64_t kResumeBlock = 16;  // prefix-cache block: small, so a short prompt has cached blocks
+
+// What one client stream adds up to.
+struct StreamSummary {
+  std::vector<int32_t> tokens;
+  std::string text;
+  std::vector<router::TokenLogprobs> logprobs;
+  int64_t errors = 0;
+  router::GenerationChunk last;
+};
+
+StreamSummary summarize(const Chunks& chunks) {
+  StreamSummary out;
+  for (const auto& c : chunks) {
+    out.tokens.insert(out.tokens.end(), c.tokens.begin(), c.tokens.end());
+    out.text += c.text;
+    out.logprobs.insert(out.logprobs.end(), c.logprobs.begin(), c.logprobs.end());
+    if (!c.error.is_ok()) ++out.errors;
+  }
+  if (!chunks.empty()) out.last = chunks.back();
+  return out;
+}
+
+// The client saw exactly the uninterrupted stream: every token, its text, logprobs (bit for bit), usage.
+void check_same_stream(const StreamSummary& got, const StreamSummary& want) {
+  CAF_CHECK_EQUAL(got.errors, 0);
+  CAF_CHECK(got.tokens == want.tokens);
+  CAF_CHECK_EQUAL(got.text, want.text);
+  CAF_REQUIRE_EQUAL(got.logprobs.size(), want.logprobs.size());
+  for (size_t i = 0; i < got.logprobs.size(); ++i) {
+    CAF_CHECK_EQUAL(got.logprobs[i].token, want.logprobs[i].token);
+    CAF_CHECK_EQUAL(got.logprobs[i].logprob, want.logprobs[i].logprob);
+    CAF_REQUIRE_EQUAL(got.logprobs[i].top.size(), want.logprobs[i].top.size());
+    for (size_t j = 0; j < got.logprobs[i].top.size(); ++j) {
+      CAF_CHECK_EQUAL(got.logprobs[i].top[j].token, want.logprobs[i].top[j].token);
+      CAF_CHECK_EQUAL(got.logprobs[i].top[j].logprob, want.logprobs[i].top[j].logprob);
+    }
+  }
+  CAF_CHECK(got.last.finish_reason == want.last.finish_reason);
+  CAF_CHECK_EQUAL(got.last.prompt_tokens, want.last.prompt_tokens);
+  CAF_CHECK_EQUAL(got.last.completion_tokens, want.last.completion_tokens);
+}
+
+router::GenerationRequest resume_request(const std::string& id, bool sampled) {
+  auto r = testing::greedy_request(id, {}, 12);
+  for (int32_t i = 0; i < 40; ++i) r.prompt.push_back(3 + (i * 37) % 200);  // 2 full blocks of prompt[0, N−1)
+  r.logprobs = true;
+  r.sampling.top_logprobs = 2;
+  if (sampled) {
+    r.sampling.temperature = 0.9f;
+    r.sampling.top_p = 0.95f;
+    r.sampling.seed = 2024;
+  }
+  return r;
+}
+
+// How decode-a stops serving the request after its k-th chunk.
+enum class DecodeFault {
+  kKilled,   // the process is gone
+  kStalled,  // declared lost while it still runs: one more step of it is under way, then it reads the drop
+};
+
+// A router, one prefill worker with a prefix cache (16-token blocks) and two decode workers that step only when
+// the test says (decode-a gets the first attempt: ties break by name).
+struct ResumeCluster {
+  router_actor router;
+  prefill_actor prefill;
+  decode_actor decode_a, decode_b;
+};
+
+}  // namespace
+
+CAF_TEST(resume_on_another_decode_worker_greedy_and_seeded) {
+  std::string error;
+  const auto& tiny = testing::tiny_model(&error);
+  CAF_REQUIRE(tiny.model != nullptr);
+  auto make_cluster = [&] {
+    ResumeCluster c;
+    c.router = spawn_router(sys, no_queue_deadline(), registry_actor{}, nullptr);
+    PrefillWorkerConfig prefill{"prefill-0", 8, std::chrono::milliseconds(0)};
+    prefill.prefix_cache.enabled = true;
+    prefill.prefix_cache.cache.block_tokens = kResumeBlock;
+    prefill.prefix_cache.cache.pages.page_tokens = 1024;
+    prefill.prefix_cache.cache.pages.num_pages = 4;
+    prefill.prefix_cache.model_id = "tiny";
+    prefill.prefix_cache.epoch = 1;
+    c.prefill = spawn_prefill_worker(sys, tiny.model, registry_actor{}, prefill);
+    c.decode_a = spawn_decode_worker(sys, tiny.model, tiny.tokenizer, registry_actor{},
+                                     DecodeWorkerConfig{"decode-a", 4, std::chrono::milliseconds(0), false});
+    c.decode_b = spawn_decode_worker(sys, tiny.model, tiny.tokenizer, registry_actor{},
+                                     DecodeWorkerConfig{"decode-b", 4, std::chrono::milliseconds(0), false});
+    for (const caf::actor& a : {caf::actor_cast<caf::actor>(c.router), caf::actor_cast<caf::actor>(c.prefill),
+                                caf::actor_cast<caf::actor>(c.decode_a), caf::actor_cast<caf::actor>(c.decode_b)}) {
+      kill_at_end(a);
+    }
+    self->send(c.router, workers_atom::value,
+               std::vector<WorkerInfo>{{"decode-a", kDecodeRole, caf::actor_cast<caf::actor>(c.decode_a), 4, {}},
+                                       {"decode-b", kDecodeRole, caf::actor_cast<caf::actor>(c.decode_b), 4, {}},
+                                       {"prefill-0", kPrefillRole, caf::actor_cast<caf::actor>(c.prefill), 2, {}}});
+    run();
+    return c;
+  };
+  // Submits `request` and steps both decode workers until the stream ends; after `k` chunks reached the client
+  // (k < 0: never), decode-a meets `fault`.
+  auto stream = [&](ResumeCluster& c, const router::GenerationRequest& request, int64_t k, DecodeFault fault) {
+    auto out = std::make_shared<Chunks>();
+    auto sink = spawn_stream_sink(sys, std::make_shared<ClientStream>(out), request.request_id, c.router);
+    kill_at_end(sink);
+    self->send(c.router, submit_atom::value, request, caf::actor_cast<caf::actor>(sink));
+    run();
+    bool faulted = false;
+    for (int i = 0; i < 100 && (out->empty() || !out->back().is_final()); ++i) {
+      if (!faulted && k >= 0 && static_cast<int64_t>(out->size()) == k) {
+        faulted = true;
+        if (fault == DecodeFault::kKilled) {
+          caf::anon_send_exit(c.decode_a, caf::exit_reason::kill);
+        } else {
+          self->send(c.decode_a, step_atom::value);  // enqueued before the router's drop
+        }
+        self->send(c.router, lost_atom::value, std::string("decode-a"));
+        run();
+        continue;
+      }
+      if (!faulted) self->send(c.decode_a, step_atom::value);
+      self->send(c.decode_b, step_atom::value);
+      run();
+    }
+    CAF_CHECK(k < 0 || faulted);
+    return out;
+  };
+
+  for (const bool sampled : {false, true}) {
+    CAF_MESSAGE((sampled ? "seeded sampling" : "greedy"));
+    // The uninterrupted stream, on a cluster of its own (its prefix cache stays cold).
+    ResumeCluster clean = make_cluster();
+    const auto want = summarize(*stream(clean, resume_request("clean", sampled), -1, DecodeFault::kKilled));
+    CAF_REQUIRE_EQUAL(want.tokens.size(), 12u);
+    CAF_CHECK_EQUAL(want.errors, 0);
+    if (!sampled)
+      CAF_CHECK(want.tokens == testing::reference_greedy(*tiny.model, resume_request("", false).prompt, 12, 8));
+    CAF_CHECK_EQUAL(request<WorkerStats>(clean.decode_b, stats_atom::value).handoffs, 0);  // all on decode-a
+
+    // decode-a dies after 5 chunks: the rest comes from decode-b, resumed from the prompt and those 5 tokens.
+    ResumeCluster c = make_cluster();
+    const auto prefilled_before = request<WorkerStats>(c.prefill, stats_atom::value);
+    const auto got = summarize(*stream(c, resume_request("r", sampled), 5, DecodeFault::kKilled));
+    check_same_stream(got, want);
+    const auto router_stats = request<RouterStats>(c.router, stats_atom::value);
+    CAF_CHECK_EQUAL(router_stats.retried, 1);
+    CAF_CHECK_EQUAL(router_stats.resumed, 1);
+    CAF_CHECK_EQUAL(router_stats.resumed_tokens, 5);
+    CAF_CHECK_EQUAL(router_stats.failed, 0);
+    CAF_CHECK_EQUAL(router_stats.running, 0);
+    const auto b = request<WorkerStats>(c.decode_b, stats_atom::value);
+    CAF_CHECK_EQUAL(b.handoffs, 1);
+    CAF_CHECK_EQUAL(b.steps, 12 - 5);  // it generated only what the client did not have
+    CAF_CHECK_EQUAL(b.active, 0);
+    CAF_CHECK_EQUAL(b.free_slots, 4);
+    // The resumed prefill (prompt + 5 tokens, 44 to compute) found the prompt's two blocks in the prefix cache,
+    // put there by attempt 1's prefill (which found nothing).
+    const auto p = request<WorkerStats>(c.prefill, stats_atom::value);
+    CAF_CHECK_EQUAL(prefilled_before.cached_tokens, 0);
+    CAF_CHECK_EQUAL(p.handoffs, 2);
+    CAF_CHECK_EQUAL(p.prompt_tokens, 40 + 45);
+    CAF_CHECK_EQUAL(p.cached_tokens, 2 * kResumeBlock);
+    CAF_CHECK_EQUAL(got.last.cached_tokens, 2 * kResumeBlock);  // the prompt tokens the last prefill reused
+    CAF_CHECK_EQUAL(p.slots_free, p.slots_total);
+  }
+}
+
+// A decode worker declared lost while it still runs (a stall): it sends one more chunk after the router moved
+// the request, then reads the router's drop and frees the request without a chunk. The client's stream is the
+// uninterrupted one (the resumed attempt replays the chunk it overlaps, checked and held back), and the stalled
+// worker ends with nothing held: no slot, no waiting handoff, no request.
+CAF_TEST(stalled_decode_worker_that_comes_back_drops_its_moved_request) {
+  std::string error;
+  const auto& tiny = testing::tiny_model(&error);
+  CAF_REQUIRE(tiny.model != nullptr);
+  for (const bool sampled : {false, true}) {
+    CAF_MESSAGE((sampled ? "seeded sampling" : "greedy"));
+    Chunks want, got;
+    WorkerStats stalled;
+    RouterStats router_stats;
+    for (const bool fault : {false, true}) {
+      auto router = spawn_router(sys, no_queue_deadline(), registry_actor{}, nullptr);
+      auto prefill = spawn_prefill_worker(sys, tiny.model, registry_actor{},
+                                          PrefillWorkerConfig{"prefill-0", 8, std::chrono::milliseconds(0)});
+      auto decode_a = spawn_decode_worker(sys, tiny.model, tiny.tokenizer, registry_actor{},
+                                          DecodeWorkerConfig{"decode-a", 4, std::chrono::milliseconds(0), false});
+      auto decode_b = spawn_decode_worker(sys, tiny.model, tiny.tokenizer, registry_actor{},
+                                          DecodeWorkerConfig{"decode-b", 4, std::chrono::milliseconds(0), false});
+      auto out = std::make_shared<Chunks>();
+      auto sink = spawn_stream_sink(sys, std::make_shared<ClientStream>(out), "r", router);
+      for (const caf::actor& a : {caf::actor_cast<caf::actor>(router), caf::actor_cast<caf::actor>(prefill),
+                                  caf::actor_cast<caf::actor>(decode_a), caf::actor_cast<caf::actor>(decode_b),
+                                  caf::actor_cast<caf::actor>(sink)}) {
+        kill_at_end(a);
+      }
+      self->send(router, workers_atom::value,
+                 std::vector<WorkerInfo>{{"decode-a", kDecodeRole, caf::actor_cast<caf::actor>(decode_a), 4, {}},
+                                         {"decode-b", kDecodeRole, caf::actor_cast<caf::actor>(decode_b), 4, {}},
+                                         {"prefill-0", kPrefillRole, caf::actor_cast<caf::actor>(prefill), 2, {}}});
+      self->send(router, submit_atom::value, resume_request("r", sampled), caf::actor_cast<caf::actor>(sink));
+      run();
+      auto step_a = [&] {
+        self->send(decode_a, step_atom::value);
+        run();
+      };
+      for (int i = 0; i < 4; ++i) step_a();
+      CAF_REQUIRE_EQUAL(out->size(), 4u);
+      if (fault) {
+        // The router declares decode-a lost while its next step is under way: the router resumes after the 4
+        // tokens it has heard of; decode-a still delivers a 5th, then reads the drop.
+        self->send(decode_a, step_atom::value);
+        self->send(router, lost_atom::value, std::string("decode-a"));
+        run();
+        CAF_CHECK_EQUAL(out->size(), 5u);
+        for (int i = 0; i < 3; ++i) step_a();  // decode-a is back: nothing of the request is left there
+        stalled = request<WorkerStats>(decode_a, stats_atom::value);
+        CAF_CHECK_EQUAL(out->size(), 5u);
+      }
+      for (int i = 0; i < 30 && !out->back().is_final(); ++i) {
+        self->send(fault ? caf::actor_cast<caf::actor>(decode_b) : caf::actor_cast<caf::actor>(decode_a),
+                   step_atom::value);
+        run();
+      }
+      CAF_REQUIRE(out->back().is_final());
+      (fault ? got : want) = *out;
+      if (fault) {
+        router_stats = request<RouterStats>(router, stats_atom::value);
+        const auto b = request<WorkerStats>(decode_b, stats_atom::value);
+        CAF_CHECK_EQUAL(b.steps, 12 - 4);  // resumed after the 4 tokens the router knew of; the 5th is replayed
+        CAF_CHECK_EQUAL(b.active + b.queued, 0);
+        CAF_CHECK_EQUAL(b.free_slots, 4);
+        const auto p = request<WorkerStats>(prefill, stats_atom::value);
+        CAF_CHECK_EQUAL(p.slots_free, p.slots_total);
+        CAF_CHECK_EQUAL(p.active + p.queued, 0);
+      }
+    }
+    check_same_stream(summarize(got), summarize(want));
+    CAF_CHECK_EQUAL(stalled.stale_dropped, 1);
+    CAF_CHECK_EQUAL(stalled.active, 0);
+    CAF_CHECK_EQUAL(stalled.queued, 0);
+    CAF_CHECK_EQUAL(stalled.free_slots, 4);
+    CAF_CHECK_EQUAL(router_stats.resumed, 1);
+    CAF_CHECK_EQUAL(router_stats.resumed_tokens, 4);
+    CAF_CHECK_EQUAL(router_stats.running, 0);
+    CAF_CHECK_EQUAL(router_stats.failed, 0);
+  }
 }
 
 CAF_TEST_FIXTURE_SCOPE_END()

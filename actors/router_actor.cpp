@@ -30,6 +30,10 @@ struct Entry {
   std::string prefill_worker, decode_worker;
   int64_t prefill_tokens = 0;  // prompt tokens the prefill worker is expected to compute (load accounting)
   uint64_t queued = 0;         // times it entered the queue: a queue deadline of an earlier stay is stale
+  // What the client has (the sink's delivered() reports, in stream order): one entry per worker chunk forwarded,
+  // each one token. A retry resumes after them (PrefillJob::generated); bounded by max_tokens.
+  std::vector<int32_t> delivered;
+  int64_t delivered_chunks = 0;
 };
 
 struct RouterState {
@@ -146,7 +150,9 @@ bool try_dispatch_one(RouterPointer self, Entry& entry) {
   entry.stage = Stage::kPrefill;
   entry.prefill_worker = prefill->name;
   entry.decode_worker = decode->name;
-  entry.prefill_tokens = std::max<int64_t>(static_cast<int64_t>(entry.request.prompt.size()) - 1 - hit_tokens, 0);
+  const auto resumed_tokens = static_cast<int64_t>(entry.delivered.size());
+  entry.prefill_tokens =
+      std::max<int64_t>(static_cast<int64_t>(entry.request.prompt.size()) + resumed_tokens - 1 - hit_tokens, 0);
   ++s.prefill_outstanding[prefill->name];
   s.prefill_tokens[prefill->name] += entry.prefill_tokens;
   ++s.decode_assigned[decode->name];
@@ -170,10 +176,18 @@ bool try_dispatch_one(RouterPointer self, Entry& entry) {
     std::cerr << "debug: route " << entry.request.request_id << ": " << pick.choice.describe() << "\n";
   }
   ++entry.attempt;
-  // An earlier attempt may still be alive (a stalled worker): the sink lets only one attempt through.
-  if (entry.attempt > 1) self->send(caf::actor_cast<sink_actor>(entry.sink), attempt_atom::value, entry.attempt);
+  // An earlier attempt may still be alive (a stalled worker): the sink lets only one attempt through. This one
+  // resumes after what the client has (as far as the router heard; the sink checks any overlap).
+  if (entry.attempt > 1) {
+    self->send(caf::actor_cast<sink_actor>(entry.sink), attempt_atom::value, entry.attempt, entry.delivered_chunks);
+  }
+  if (resumed_tokens > 0) {
+    ++s.totals.resumed;
+    s.totals.resumed_tokens += resumed_tokens;
+  }
   PrefillJob job{entry.request, decode->handle, entry.sink, caf::actor_cast<caf::actor>(self), entry.attempt};
   job.prompt_hashes = std::move(pick.hashes);
+  job.generated = entry.delivered;
   self->send(caf::actor_cast<prefill_actor>(prefill->handle), prefill_atom::value, std::move(job));
   return true;
 }
@@ -400,6 +414,15 @@ router_actor::behavior_type router_impl(RouterPointer self, RouterConfig config,
         retry(self, id, Status(status_code, message));
         dispatch_waiting(self);
       },
+      [self](delivered_atom, const std::string& id, const std::vector<int32_t>& tokens) {
+        auto it = self->state.requests.find(id);
+        if (it == self->state.requests.end()) return;
+        Entry& e = it->second;
+        // Bounded: the request's own stream has at most max_tokens tokens (one per chunk).
+        if (static_cast<int64_t>(e.delivered.size() + tokens.size()) > e.request.max_tokens) return;
+        e.delivered.insert(e.delivered.end(), tokens.begin(), tokens.end());
+        ++e.delivered_chunks;
+      },
       [self](workers_atom, const std::vector<WorkerInfo>& workers) {
         auto& s = self->state;
         s.prefill_workers.clear();
@@ -435,6 +458,8 @@ router_actor::behavior_type router_impl(RouterPointer self, RouterConfig config,
         // "Lost" may be a stall, not a death. A request it held that no chunk has shown admitted is prefilled
         // again; if the old attempt still streams, the sink's gate lets only one of the two through.
         const bool lost_decode = s.decode_workers.count(name) != 0;
+        caf::actor lost_handle;  // a decode worker that only stalled reads the drops below when it comes back
+        if (lost_decode) lost_handle = s.decode_workers[name].handle;
         s.prefill_workers.erase(name);
         s.decode_workers.erase(name);
         std::vector<std::string> again;
@@ -447,7 +472,10 @@ router_actor::behavior_type router_impl(RouterPointer self, RouterConfig config,
               self->send(caf::actor_cast<decode_actor>(d->second.handle), drop_atom::value, id, e.attempt);
             }
           }
-          again.push_back(id);  // also when streaming: the sink's gate continues the stream from the new attempt
+          if (on_decode && lost_handle) {  // frees its slot there if the worker comes back; no chunk
+            self->send(caf::actor_cast<decode_actor>(lost_handle), drop_atom::value, id, e.attempt);
+          }
+          again.push_back(id);  // also when streaming: the new attempt resumes after what the client has
         }
         const std::string role = lost_decode ? "decode" : "prefill";
         for (const std::string& id : again) {

@@ -1,5 +1,5 @@
 // StreamGate against the straightforward rule: the client's stream is the single attempt's stream, each
-// chunk once, whatever the interleaving of two attempts' chunks.
+// chunk once, whatever the interleaving of two attempts' chunks, and whatever chunk a new attempt resumes at.
 #include "actors/stream_gate.hpp"
 
 #include <gtest/gtest.h>
@@ -33,7 +33,7 @@ TEST(StreamGate, OneAttemptPassesEverything) {
 
 TEST(StreamGate, AnnouncedAttemptBeforeAnyChunkMakesTheOldOneStale) {
   StreamGate gate;
-  gate.announce(2);
+  gate.announce(2, 0);
   EXPECT_EQ(gate.admit(1, token(5)), Verdict::kDrop);
   EXPECT_EQ(gate.admit(2, token(5)), Verdict::kForward);
   EXPECT_EQ(gate.admit(1, token(6)), Verdict::kDrop);
@@ -45,7 +45,7 @@ TEST(StreamGate, NewAttemptReplaysThenTakesOverWithoutRepeating) {
   StreamGate gate;
   EXPECT_EQ(gate.admit(1, token(5)), Verdict::kForward);
   EXPECT_EQ(gate.admit(1, token(6)), Verdict::kForward);
-  gate.announce(2);
+  gate.announce(2, 0);
   EXPECT_EQ(gate.admit(1, failure()), Verdict::kDrop);  // the owner gave the request up to attempt 2
   EXPECT_EQ(gate.admit(2, token(5)), Verdict::kDrop);   // replayed, matches
   EXPECT_EQ(gate.admit(2, token(6)), Verdict::kDrop);
@@ -57,7 +57,7 @@ TEST(StreamGate, NewAttemptReplaysThenTakesOverWithoutRepeating) {
 TEST(StreamGate, OwnerThatKeepsGoingStaysTheOwnerUntilOvertaken) {
   StreamGate gate;
   EXPECT_EQ(gate.admit(1, token(5)), Verdict::kForward);
-  gate.announce(2);
+  gate.announce(2, 0);
   EXPECT_EQ(gate.admit(2, token(5)), Verdict::kDrop);     // replaying
   EXPECT_EQ(gate.admit(1, token(6)), Verdict::kForward);  // the stalled attempt came back first
   EXPECT_EQ(gate.admit(2, token(6)), Verdict::kDrop);
@@ -69,7 +69,7 @@ TEST(StreamGate, OwnerThatKeepsGoingStaysTheOwnerUntilOvertaken) {
 TEST(StreamGate, ReplayThatDiffersEndsTheStream) {
   StreamGate gate;
   EXPECT_EQ(gate.admit(1, token(5)), Verdict::kForward);
-  gate.announce(2);
+  gate.announce(2, 0);
   EXPECT_EQ(gate.admit(2, token(9)), Verdict::kDiverged);
 }
 
@@ -82,9 +82,63 @@ TEST(StreamGate, OwnerFailureWithoutANewerAttemptEndsTheStream) {
 TEST(StreamGate, NewAttemptFailingWhileNobodyOwnsTheStreamEndsIt) {
   StreamGate gate;
   EXPECT_EQ(gate.admit(1, token(5)), Verdict::kForward);
-  gate.announce(2);
+  gate.announce(2, 0);
   EXPECT_EQ(gate.admit(1, failure()), Verdict::kDrop);     // attempt 1 gave up
   EXPECT_EQ(gate.admit(2, failure()), Verdict::kForward);  // and attempt 2 failed: the client must hear it
+}
+
+TEST(StreamGate, AttemptResumedWhereTheClientIsTakesOverAtOnce) {
+  StreamGate gate;
+  for (int32_t t : {5, 6}) EXPECT_EQ(gate.admit(1, token(t)), Verdict::kForward);
+  gate.announce(2, 2);                                    // prefilled with the prompt and tokens 5, 6
+  EXPECT_EQ(gate.admit(2, token(7)), Verdict::kForward);  // chunk 2 of the stream
+  EXPECT_EQ(gate.admit(1, token(7)), Verdict::kDrop);     // the stalled attempt is stale now
+  EXPECT_EQ(gate.admit(2, token(8)), Verdict::kForward);
+  EXPECT_EQ(gate.owner(), 2);
+  EXPECT_EQ(gate.forwarded(), 4u);
+}
+
+TEST(StreamGate, ResumedAttemptReplaysOnlyWhatTheClientGotAfterItsStart) {
+  StreamGate gate;
+  for (int32_t t : {5, 6, 7}) EXPECT_EQ(gate.admit(1, token(t)), Verdict::kForward);
+  gate.announce(2, 1);                                    // the router had heard of one chunk; the client has three
+  EXPECT_EQ(gate.admit(1, token(8)), Verdict::kForward);  // the old owner is still going
+  EXPECT_EQ(gate.admit(2, token(6)), Verdict::kDrop);     // chunk 1, replayed
+  EXPECT_EQ(gate.admit(2, token(7)), Verdict::kDrop);
+  EXPECT_EQ(gate.admit(2, token(8)), Verdict::kDrop);
+  EXPECT_EQ(gate.admit(2, token(9)), Verdict::kForward);  // caught up: attempt 2 owns the stream
+  EXPECT_EQ(gate.admit(1, token(9)), Verdict::kDrop);
+  EXPECT_EQ(gate.owner(), 2);
+  EXPECT_EQ(gate.forwarded(), 5u);
+}
+
+TEST(StreamGate, ResumedAttemptAfterTheOwnerGaveUp) {
+  StreamGate gate;
+  for (int32_t t : {5, 6}) EXPECT_EQ(gate.admit(1, token(t)), Verdict::kForward);
+  gate.announce(2, 2);
+  EXPECT_EQ(gate.admit(1, failure()), Verdict::kDrop);
+  EXPECT_EQ(gate.owner(), 0);
+  EXPECT_EQ(gate.admit(2, token(7)), Verdict::kForward);
+  EXPECT_EQ(gate.owner(), 2);
+}
+
+TEST(StreamGate, ReplayedChunkThatEndsWhereTheClientWentOnDiverges) {
+  StreamGate gate;
+  for (int32_t t : {5, 6}) EXPECT_EQ(gate.admit(1, token(t)), Verdict::kForward);
+  gate.announce(2, 1);
+  router::GenerationChunk last = token(6);
+  last.finish_reason = "length";
+  EXPECT_EQ(gate.admit(2, last), Verdict::kDiverged);
+}
+
+TEST(StreamGate, AbortWhileReplayingEndsTheStream) {
+  StreamGate gate;
+  for (int32_t t : {5, 6}) EXPECT_EQ(gate.admit(1, token(t)), Verdict::kForward);
+  gate.announce(2, 0);
+  router::GenerationChunk abort;
+  abort.request_id = "r";
+  abort.finish_reason = "abort";
+  EXPECT_EQ(gate.admit(2, abort), Verdict::kForward);
 }
 
 }  // namespace

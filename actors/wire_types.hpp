@@ -162,8 +162,8 @@ struct WorkerStats {
   int64_t cache_entries = 0;                      // block boundaries whose pages are held
   int64_t checkpoints = 0, checkpoint_bytes = 0;  // KDA checkpoints held
   int64_t cache_evictions = 0;                    // entries + checkpoints evicted, in total
-  int64_t prompt_tokens = 0;                      // prompt tokens of finished prefills, in total
-  int64_t cached_tokens = 0;                      // of which served from the cache
+  int64_t prompt_tokens = 0;  // tokens of finished prefills, in total (a resumed request's: prompt ++ generated)
+  int64_t cached_tokens = 0;  // of which served from the cache
 };
 
 template <class Inspector>

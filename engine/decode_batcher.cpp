@@ -58,6 +58,10 @@ Status DecodeBatcher::add(const std::string& request_id, RequestState state, int
   if (params.max_tokens < 1) {
     return invalid_argument(where + ": max_tokens must be >= 1, got " + std::to_string(params.max_tokens));
   }
+  if (params.generated < 0 || params.generated >= params.max_tokens) {
+    return invalid_argument(where + ": " + std::to_string(params.generated) +
+                            " tokens generated before leave none of max_tokens " + std::to_string(params.max_tokens));
+  }
   for (int32_t id : params.stop_token_ids) {
     if (id < 0 || id >= config.vocab_size) {
       return invalid_argument(where + ": stop token id " + std::to_string(id) + " is outside the vocabulary [0, " +
@@ -74,8 +78,8 @@ Status DecodeBatcher::add(const std::string& request_id, RequestState state, int
                         " tokens; the context limit of " + std::to_string(config.max_position_embeddings) +
                         " leaves no room for the next one");
   }
-  requests_.emplace(request_id,
-                    Active{std::move(state), next_token, params, Sampler(params.sampling), 0, next_order_++});
+  requests_.emplace(request_id, Active{std::move(state), next_token, params, Sampler(params.sampling, params.generated),
+                                       params.generated, next_order_++});
   return Status::ok();
 }
 

@@ -42,12 +42,20 @@ struct DecodeParams {
   int64_t max_tokens = 16;              // >= 1: tokens to generate, the stop token included
   std::vector<int32_t> stop_token_ids;  // each in [0, vocab); stop when one is sampled (it is reported,
                                         // finish "stop")
+  // [0, max_tokens): tokens of this request generated before it joined, for a request resumed elsewhere after
+  // losing its decode worker. Its state then holds prompt ++ those tokens but the last (the N−1 rule, with the last
+  // generated token as `next_token`); its Sampler continues at draw `generated` (Sampler(params, draws_taken)), and
+  // completion_tokens and max_tokens count the earlier tokens, so the stream goes on as if uninterrupted: bit for bit
+  // when the state was built as decode builds it, prompt[0, N−1) prefilled and then one forward pass per token over
+  // prompt[N−1] and the generated tokens but the last (a chunked prefill of those tokens agrees only up to the last
+  // bits of the logits).
+  int64_t generated = 0;
 };
 
 struct DecodeStepOutput {
   std::string request_id;
   SampledToken sampled;       // the new token; logprob/top are set only when params.logprobs (else 0 / empty)
-  int64_t completion_tokens;  // generated so far, including this one
+  int64_t completion_tokens;  // generated so far, including this one (and DecodeParams::generated)
   bool finished = false;      // the request has left the batch (see finish_reason)
   std::string finish_reason;  // when finished: "stop" (a stop token was sampled) or "length" (max_tokens
                               // reached, or the context is full so the token cannot be fed back)

@@ -275,6 +275,11 @@ TEST(DecodeBatcher, CapacityDuplicatesAndBadInput) {
     EXPECT_FALSE(batcher.contains("x"));
   };
   expect_invalid(model.new_state(), 1, greedy_params(0), "max_tokens");
+  DecodeParams done = greedy_params(5);
+  done.generated = 5;  // nothing left to generate
+  expect_invalid(model.new_state(), 1, done, "max_tokens");
+  done.generated = -1;
+  expect_invalid(model.new_state(), 1, done, "max_tokens");
   DecodeParams hot = greedy_params(5);
   hot.sampling.temperature = 3.0f;
   expect_invalid(model.new_state(), 1, hot, "temperature");
@@ -388,6 +393,61 @@ TEST(DecodeBatcher, SeededSamplingIsTheSameAloneAndBatched) {
     tokens.push_back((*out)[0].sampled.token);
   }
   EXPECT_NE(tokens, alone) << "the seed must matter";
+}
+
+// A request resumed after k tokens (a new state: prompt[0, N−1) prefilled, then one pass per token over prompt[N−1]
+// and the first k−1 tokens; DecodeParams::generated = k) goes on exactly as the uninterrupted one: the same tokens
+// (seeded sampling included), logprobs bit for bit, counts and finish.
+TEST(DecodeBatcher, ResumedRequestContinuesTheUninterruptedStream) {
+  const Model& model = tiny_model();
+  const int64_t vocab = model.config().vocab_size;
+  const auto prompt = random_tokens(13, vocab, 12);
+  for (SamplingParams sampling :
+       {SamplingParams{.temperature = 0.0f, .top_logprobs = 2},
+        SamplingParams{.temperature = 1.0f, .top_p = 0.9f, .seed = 4321, .top_logprobs = 2}}) {
+    DecodeParams params;
+    params.sampling = sampling;
+    params.logprobs = true;
+    params.max_tokens = 12;
+    auto run = [&](const std::vector<int32_t>& done) {
+      RequestState state = prefill_all_but_last(model, prompt);
+      int32_t next = prompt.back();
+      for (int32_t token : done) {  // the decode passes of the tokens already generated
+        std::vector<std::vector<float>> logits;
+        SequenceInput input{&state, {&next, 1}, false};
+        EXPECT_TRUE(model.forward({&input, 1}, logits).is_ok());
+        next = token;
+      }
+      DecodeParams p = params;
+      p.generated = static_cast<int64_t>(done.size());
+      DecodeBatcher batcher(model, 2);
+      EXPECT_TRUE(batcher.add("r", std::move(state), next, p).is_ok());
+      std::vector<DecodeStepOutput> out;
+      while (batcher.active() > 0) {
+        auto step = batcher.step();
+        EXPECT_TRUE(step.is_ok()) << step.status().to_string();
+        if (!step.is_ok()) break;
+        for (DecodeStepOutput& o : *step) out.push_back(std::move(o));
+      }
+      return out;
+    };
+    const auto whole = run({});
+    ASSERT_EQ(whole.size(), 12u);
+    for (size_t k : {size_t{1}, size_t{4}, size_t{11}}) {
+      std::vector<int32_t> done;
+      for (size_t i = 0; i < k; ++i) done.push_back(whole[i].sampled.token);
+      const auto rest = run(done);
+      ASSERT_EQ(rest.size(), whole.size() - k) << k;
+      for (size_t i = 0; i < rest.size(); ++i) {
+        const DecodeStepOutput& want = whole[k + i];
+        EXPECT_EQ(rest[i].sampled.token, want.sampled.token) << "k=" << k << " token " << k + i;
+        EXPECT_EQ(rest[i].sampled.logprob, want.sampled.logprob) << "k=" << k << " token " << k + i;
+        EXPECT_EQ(rest[i].completion_tokens, want.completion_tokens);
+        EXPECT_EQ(rest[i].finished, want.finished);
+        EXPECT_EQ(rest[i].finish_reason, want.finish_reason);
+      }
+    }
+  }
 }
 
 // Requests of mixed sampling params (greedy, temperature, top-k, top-p, logprobs with and without alternatives)

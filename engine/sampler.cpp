@@ -94,6 +94,11 @@ Sampler::Sampler(const SamplingParams& params) : params_(params), rng_(params.se
   assert(validate(params).is_ok());
 }
 
+Sampler::Sampler(const SamplingParams& params, int64_t draws_taken) : Sampler(params) {
+  assert(draws_taken >= 0);
+  for (int64_t i = 0; i < draws_taken; ++i) (void)rng_.next();
+}
+
 SampledToken Sampler::sample(std::span<const float> logits) {
   return rule_.apply(SampleRequest{params_, next_draw(), /*logprobs=*/true}, logits);  // one draw: see the class
 }

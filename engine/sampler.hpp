@@ -93,9 +93,16 @@ void sample_rows(std::span<const std::vector<float>> logits, std::span<const Sam
 //
 // Sampling elsewhere (a backend on the device): give it peek_draw() with the params, and call next_draw() once
 // the result is in, so that the stream advances exactly as sample() would have advanced it.
+//
+// Position: the stream is a function of (seed, draw index) alone, so a sampler can start anywhere in it. A request
+// resumed after k tokens (its earlier tokens sampled elsewhere, e.g. by a decode worker that was lost) continues with
+// Sampler(params, k) and draws exactly what the uninterrupted sampler would have drawn from its (k+1)-th call on.
 class Sampler {
  public:
   explicit Sampler(const SamplingParams& params);  // params must pass validate()
+  // The sampler of `params` after `draws_taken` (>= 0) calls of sample() / next_draw(). Skips that many RNG steps
+  // (a few nanoseconds each).
+  Sampler(const SamplingParams& params, int64_t draws_taken);
 
   // Takes one draw and applies the rule with logprobs (logprob and params.top_logprobs alternatives).
   SampledToken sample(std::span<const float> logits);

@@ -275,6 +275,19 @@ TEST(Sampler, EveryCallTakesExactlyTheDrawPeekShows) {
   }
 }
 
+// A sampler started at draw k (a resumed request) continues the stream of one that already took k draws.
+TEST(Sampler, StartedAtADrawContinuesTheStream) {
+  const std::vector<float> logits = random_logits(300, 13);
+  const SamplingParams params{.temperature = 0.9f, .top_p = 0.8f, .seed = 77};
+  Sampler whole(params);
+  std::vector<int32_t> tokens;
+  for (int i = 0; i < 12; ++i) tokens.push_back(whole.sample(logits).token);
+  for (int64_t k : {0, 1, 5, 11}) {
+    Sampler resumed(params, k);
+    for (int64_t i = k; i < 12; ++i) EXPECT_EQ(resumed.sample(logits).token, tokens[static_cast<size_t>(i)]) << k;
+  }
+}
+
 // The rule given a Sampler's draw is what that Sampler returns, bit for bit (sample() is the rule after its draw);
 // without logprobs the token is the same and nothing else is reported.
 TEST(SamplingRule, GivenTheDrawEqualsSampler) {
