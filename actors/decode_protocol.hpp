@@ -85,9 +85,14 @@ using region_free_atom = caf::atom_constant<caf::atom("regionfree")>;
 struct ReserveRequest {
   std::string request_id;
   int64_t attempt = 0;  // the router's dispatch attempt (echoed in handoff_failed)
-  uint64_t bytes = 0;   // encoded state size; 0 is refused
+  uint64_t bytes = 0;   // encoded state size; 0 is refused (unless device_tokens is set)
   caf::actor router;    // told handoff_failed() when the transfer fails; may be null (tests)
   caf::actor sink;      // gets the error when there is no router
+  // A state in device memory (UcxLink::device_handoff): its tokens (>= 0; -1 = encoded bytes) and the sender's
+  // engine::Backend::device_state_layout, which must equal the receiver's. Pieces: one per KDA layer (its state,
+  // then its conv tails), then one per MLA page.
+  int64_t device_tokens = -1;
+  std::string device_layout;
 };
 
 struct ReserveReply {
@@ -100,7 +105,8 @@ struct ReserveReply {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, ReserveRequest& x) {
-  return f(caf::meta::type_name("ReserveRequest"), x.request_id, x.attempt, x.bytes, x.router, x.sink);
+  return f(caf::meta::type_name("ReserveRequest"), x.request_id, x.attempt, x.bytes, x.router, x.sink, x.device_tokens,
+           x.device_layout);
 }
 
 template <class Inspector>

@@ -39,8 +39,9 @@ struct Incoming {  // a reserved UCX transfer: its region, and what has arrived 
   int64_t attempt = 0;
   caf::actor router;  // from the reservation (the envelope may never come)
   caf::actor sink;
-  kvstore::transfer::RegionId region = 0;
+  kvstore::transfer::RegionId region = 0;  // encoded bytes: the receive region (0 for a device state)
   uint64_t bytes = 0;
+  std::unique_ptr<engine::RequestState> device_state;  // a device state: reserved on this worker's backend
   std::optional<HandoffEnvelope> envelope;
   std::optional<Status> status;  // the transfer's outcome (engine on_done)
 };
@@ -66,13 +67,16 @@ struct DecodeState {
   WorkerLoad last_reported{-1, -1, -1, -1};
   std::unordered_map<uint64_t, Incoming> incoming;  // by the receiver's transfer id
   std::unordered_set<uint32_t> quarantined;         // regions of failed transfers, released later
+  // Device states of failed transfers, released at their transfer's timer (reserve + deadline + reserve timeout:
+  // by then the sender's own deadline has passed, so nothing writes into their pages any more).
+  std::unordered_map<uint64_t, std::unique_ptr<engine::RequestState>> quarantined_states;
 
   ~DecodeState() {  // the worker stops: cancel its transfers; regions still in use go with the engine
     if (!config.ucx) return;
     kvstore::transfer::TransferEngine& engine = config.ucx->engine();
     for (auto& [id, in] : incoming) {
       engine.abort(id, Status(StatusCode::kCancelled, "decode worker stopped"));
-      quarantined.insert(in.region);
+      if (in.region != 0) quarantined.insert(in.region);
     }
     for (uint32_t region : quarantined) (void)engine.release_region(region);
   }
@@ -267,7 +271,9 @@ bool drop_attempts(DecodePointer self, const std::string& id, int64_t attempt, R
 
 // The state of `envelope`'s request arrived (CAF message or verified UCX region): decodes it and admits the
 // request, or reports why not. Stale (dropped) and cancelled handoffs end here too.
-void accept_handoff(DecodePointer self, HandoffEnvelope& envelope, std::span<const std::byte> bytes) {
+// `make_state` gives the request's state (decoded bytes, or a state that arrived in device memory).
+template <class MakeState>
+void accept_handoff(DecodePointer self, HandoffEnvelope& envelope, MakeState&& make_state) {
   auto& s = self->state;
   const std::string id = envelope.request.request_id;
   if (auto d = s.dropped.find(id); d != s.dropped.end() && envelope.attempt <= d->second) {
@@ -291,7 +297,7 @@ void accept_handoff(DecodePointer self, HandoffEnvelope& envelope, std::span<con
     return;
   }
   drop_attempts(self, id, envelope.attempt - 1, RunningEnd::kWithError);
-  auto state = engine::decode_state(s.model->config(), bytes);
+  Result<engine::RequestState> state = make_state();
   if (!state.is_ok()) {
     ++s.stats.rejected;
     const Status why = state.status().with_context("handoff " + id + " at " + s.config.name);
@@ -348,8 +354,12 @@ void fail_incoming(DecodePointer self, uint64_t transfer, Status why) {  // by v
   Incoming in = std::move(it->second);
   s.incoming.erase(it);
   ++s.stats.rejected;
-  s.quarantined.insert(in.region);
-  self->delayed_send(self, quarantine(*s.config.ucx), region_free_atom::value, in.region);
+  if (in.device_state) {
+    s.quarantined_states[transfer] = std::move(in.device_state);  // released at the transfer's timer
+  } else {
+    s.quarantined.insert(in.region);
+    self->delayed_send(self, quarantine(*s.config.ucx), region_free_atom::value, in.region);
+  }
   const std::string& id = in.request_id;
   if (auto d = s.dropped.find(id); d != s.dropped.end() && in.attempt <= d->second) {
     s.dropped.erase(d);
@@ -381,13 +391,17 @@ void try_finish_incoming(DecodePointer self, uint64_t transfer) {
   if (!it->second.envelope) return;  // the envelope is still on its way (transfer_timer bounds the wait)
   Incoming in = std::move(it->second);
   s.incoming.erase(it);
+  if (in.device_state) {  // verified in place: the request decodes from these pages and this slot
+    accept_handoff(self, *in.envelope, [&]() -> Result<engine::RequestState> { return std::move(*in.device_state); });
+    return;
+  }
   const std::span<std::byte> region = s.config.ucx->engine().region_data(in.region);
   if (region.size() < in.bytes) {
     s.incoming.emplace(transfer, std::move(in));
     fail_incoming(self, transfer, internal_error("receive region vanished"));
     return;
   }
-  accept_handoff(self, *in.envelope, region.first(in.bytes));
+  accept_handoff(self, *in.envelope, [&] { return engine::decode_state(s.model->config(), region.first(in.bytes)); });
   release_region(self, in.region);
 }
 
@@ -400,17 +414,55 @@ ReserveReply reserve(DecodePointer self, ReserveRequest& request) {
     return reply;
   };
   if (!s.config.ucx) return refuse(failed_precondition(s.config.name + " has no UCX transport"));
-  if (request.bytes == 0 || request.bytes > kMaxStateBytes) {
-    return refuse(invalid_argument("reserve: " + std::to_string(request.bytes) + " state bytes"));
-  }
   UcxLink& link = *s.config.ucx;
   xfer::TransferEngine& engine = link.engine();
-  auto region = engine.allocate_region(request.bytes);
-  if (!region.is_ok()) return refuse(region.status().with_context("reserve " + request.request_id));
-  const uint64_t piece = link.config().piece_bytes;
   xfer::ReceiveSpec spec;
-  for (uint64_t offset = 0; offset < request.bytes; offset += piece) {
-    spec.pieces.push_back({xfer::LocalSegment{*region, offset, std::min(piece, request.bytes - offset)}});
+  std::optional<xfer::RegionId> region;
+  std::unique_ptr<engine::RequestState> device_state;
+  const uint64_t piece = link.config().piece_bytes;
+  if (request.device_tokens >= 0) {
+    // A state in device memory: a slot and pages of this worker's backend, its spans the pieces' destinations.
+    // Refused with FailedPrecondition (the sender then encodes on the host) when the layouts differ.
+    if (!link.device_handoff() || s.model->backend() == nullptr) {
+      return refuse(failed_precondition(s.config.name + " takes no state in device memory"));
+    }
+    if (request.device_layout != link.device_layout()) {
+      return refuse(failed_precondition(s.config.name + ": device state layout '" + link.device_layout() +
+                                        "' differs from the sender's '" + request.device_layout + "'"));
+    }
+    engine::Backend& backend = *s.model->backend();
+    device_state = std::make_unique<engine::RequestState>(s.model->new_state());
+    if (Status reserved = backend.reserve_device_state(*device_state, request.device_tokens); !reserved.is_ok()) {
+      return refuse(reserved.with_context("reserve " + request.request_id));
+    }
+    auto spans = backend.device_state_spans(*device_state);
+    if (!spans.is_ok()) return refuse(spans.status().with_context("reserve " + request.request_id));
+    auto segment = [&](const engine::DeviceSpan& span) { return link.device_segment(span); };
+    for (size_t layer = 0; layer < spans->kda_states.size(); ++layer) {
+      std::vector<xfer::LocalSegment> piece_segments;
+      for (const auto* list : {&spans->kda_states, &spans->kda_tails}) {
+        if (layer >= list->size()) continue;
+        auto seg = segment((*list)[layer]);
+        if (!seg.is_ok()) return refuse(seg.status().with_context("reserve " + request.request_id));
+        piece_segments.push_back(*seg);
+      }
+      spec.pieces.push_back(std::move(piece_segments));
+    }
+    for (const engine::DeviceSpan& page : spans->mla_pages) {
+      auto seg = segment(page);
+      if (!seg.is_ok()) return refuse(seg.status().with_context("reserve " + request.request_id));
+      spec.pieces.push_back({*seg});
+    }
+  } else {
+    if (request.bytes == 0 || request.bytes > kMaxStateBytes) {
+      return refuse(invalid_argument("reserve: " + std::to_string(request.bytes) + " state bytes"));
+    }
+    auto allocated = engine.allocate_region(request.bytes);
+    if (!allocated.is_ok()) return refuse(allocated.status().with_context("reserve " + request.request_id));
+    region = *allocated;
+    for (uint64_t offset = 0; offset < request.bytes; offset += piece) {
+      spec.pieces.push_back({xfer::LocalSegment{*region, offset, std::min(piece, request.bytes - offset)}});
+    }
   }
   spec.deadline = link.config().deadline;
   // Runs on the engine's progress thread: only posts a message (to a weak handle; nothing once the Node stops).
@@ -424,7 +476,7 @@ ReserveReply reserve(DecodePointer self, ReserveRequest& request) {
   };
   auto expected = engine.expect(std::move(spec));
   if (!expected.is_ok()) {
-    release_region(self, *region);
+    if (region) release_region(self, *region);
     return refuse(expected.status().with_context("reserve " + request.request_id));
   }
   Incoming in;
@@ -432,8 +484,9 @@ ReserveReply reserve(DecodePointer self, ReserveRequest& request) {
   in.attempt = request.attempt;
   in.router = std::move(request.router);
   in.sink = std::move(request.sink);
-  in.region = *region;
+  in.region = region.value_or(0);
   in.bytes = request.bytes;
+  in.device_state = std::move(device_state);
   s.incoming.emplace(expected->id, std::move(in));
   self->delayed_send(self, quarantine(link), transfer_timer_atom::value, static_cast<uint64_t>(expected->id));
   reply.transfer = expected->id;
@@ -472,9 +525,10 @@ decode_actor::behavior_type decode_impl(DecodePointer self, std::shared_ptr<cons
   });
   return {
       [self](handoff_atom, Handoff& handoff) {
-        accept_handoff(
-            self, handoff.envelope,
-            std::span<const std::byte>(reinterpret_cast<const std::byte*>(handoff.state.data()), handoff.state.size()));
+        const std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(handoff.state.data()),
+                                               handoff.state.size());
+        accept_handoff(self, handoff.envelope,
+                       [&] { return engine::decode_state(self->state.model->config(), bytes); });
       },
       [self](cancel_atom, const std::string& id) {
         auto& s = self->state;
@@ -532,14 +586,16 @@ decode_actor::behavior_type decode_impl(DecodePointer self, std::shared_ptr<cons
       },
       [self](transfer_timer_atom, uint64_t transfer) {
         auto it = self->state.incoming.find(transfer);
-        if (it == self->state.incoming.end()) return;
-        if (!it->second.status) {
-          self->state.config.ucx->engine().abort(transfer,
-                                                 Status(StatusCode::kDeadlineExceeded, "no completion in time"));
+        if (it != self->state.incoming.end()) {
+          if (!it->second.status) {
+            self->state.config.ucx->engine().abort(transfer,
+                                                   Status(StatusCode::kDeadlineExceeded, "no completion in time"));
+          }
+          fail_incoming(self, transfer,
+                        Status(StatusCode::kDeadlineExceeded, it->second.envelope ? "transfer did not complete in time"
+                                                                                  : "handoff envelope never came"));
         }
-        fail_incoming(self, transfer,
-                      Status(StatusCode::kDeadlineExceeded, it->second.envelope ? "transfer did not complete in time"
-                                                                                : "handoff envelope never came"));
+        self->state.quarantined_states.erase(transfer);  // its sender's deadline has passed: the pages are free
       },
       [self](region_free_atom, uint32_t region) { release_region(self, region); },
       [self](drain_atom) {

@@ -15,6 +15,9 @@
 #include "actors/router_actor.hpp"
 #include "actors/tls_tunnel.hpp"
 #include "actors/ucx_transport.hpp"
+#if DS_ACTORS_CUDA
+#include "kvstore/transfer/cuda/cuda_device_memory.hpp"
+#endif
 #include "engine/prefix_state.hpp"
 
 namespace deltaserve::actors {
@@ -232,9 +235,27 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
       link.reserve_timeout = options.transfer_reserve_timeout;
       link.piece_bytes = options.transfer_piece_bytes > 0 ? static_cast<uint64_t>(options.transfer_piece_bytes) : 0;
       link.faults = options.transfer_faults;
+      engine::Backend* backend = options.model ? options.model->backend() : nullptr;
+#if DS_ACTORS_CUDA
+      if (backend != nullptr) {  // a GPU worker: the engine may move states in GPU memory
+        // The model's GPU: from --device; a preloaded model (tests, embedding) runs on GPU 0 unless it says.
+        auto ordinal = engine::parse_device(options.device.device);
+        auto device =
+            kvstore::transfer::cuda::CudaDeviceMemory::create({ordinal.is_ok() && *ordinal >= 0 ? *ordinal : 0});
+        if (!device.is_ok()) return device.status().with_context("transport ucx: GPU memory");
+        link.device = *device;
+      }
+#endif
       auto created = UcxLink::create(link);
       if (!created.is_ok()) return created.status().with_context("transport ucx");
       ucx = std::move(created).value();
+      if (link.device) {
+        const Status registered = ucx->register_device_memory(*backend);
+        std::cerr << "transport ucx: "
+                  << (registered.is_ok() ? "request states move from GPU memory to GPU memory"
+                                         : "request states move through host memory: " + registered.message())
+                  << "\n";
+      }
     }
   } else if (options.transport != "caf") {
     return invalid_argument("transport: '" + options.transport + "' is not caf or ucx");

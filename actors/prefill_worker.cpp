@@ -106,6 +106,11 @@ void publish_cache_events(PrefillPointer self) {
   self->send(s.registry, cache_atom::value, std::move(batch));
 }
 
+// States move from GPU memory to GPU memory (Transport::send_device_state) rather than through the host encoding.
+bool device_handoff(const PrefillState& s) {
+  return s.transport && s.model->backend() != nullptr && s.transport->moves_device_state();
+}
+
 // Gives back everything a job holds (its pages and its state slot).
 void release_job(PrefillState& s, Job& job) {
   if (s.cache) job.pages.release(s.cache->pool());
@@ -184,7 +189,7 @@ Status prefill_chunk(PrefillPointer self, Job& job) {
   // A device backend keeps the caches on the GPU: the handoff encoding reads the whole host copy; the prefix cache
   // only this chunk's MLA rows, and the KDA part at block boundaries (where a checkpoint may be taken).
   const int64_t boundary = plan.boundary_at(job.position);  // k >= 1: the chunk ended after block k
-  if (job.position >= plan.target()) {
+  if (job.position >= plan.target() && !device_handoff(s)) {
     DS_RETURN_IF_ERROR(state.sync_host());
   } else if (job.caching) {
     DS_RETURN_IF_ERROR(state.sync_host_part(boundary > 0, job.position));
@@ -225,7 +230,7 @@ Status replay_chunk(PrefillPointer self, Job& job) {
     DS_RETURN_IF_ERROR(s.model->forward({&input, 1}, logits));
   }
   ++s.stats.steps;
-  if (job.replayed >= replay_count(job)) DS_RETURN_IF_ERROR(state.sync_host());
+  if (job.replayed >= replay_count(job) && !device_handoff(s)) DS_RETURN_IF_ERROR(state.sync_host());
   return Status::ok();
 }
 
@@ -235,13 +240,26 @@ void hand_off(PrefillPointer self) {
   Job& job = s.jobs.front();
   const auto start = Clock::now();
   const auto& prompt = job.job.request.prompt;
-  const std::vector<std::byte> encoded = engine::encode_state(s.model->config(), s.slots->at(*job.slot));
+  // Device path: the state leaves its slot as it is (the slot gets a fresh state) and moves in GPU memory; the
+  // transport holds it, with its device slot and pages, until its side of the transfer ended.
+  std::shared_ptr<engine::RequestState> device_state;
+  std::vector<uint8_t> bytes;
+  if (device_handoff(s)) {
+    device_state = std::make_shared<engine::RequestState>(std::move(s.slots->at(*job.slot)));
+    s.slots->at(*job.slot) = s.model->new_state();
+  } else {
+    const std::vector<std::byte> encoded = engine::encode_state(s.model->config(), s.slots->at(*job.slot));
+    bytes.resize(encoded.size());
+    if (!encoded.empty()) std::memcpy(bytes.data(), encoded.data(), encoded.size());
+  }
   if (job.caching) s.cache->insert(job.hashes, job.pages, job.job.request.prefix_cache_namespace());
   s.stats.prompt_tokens += static_cast<int64_t>(prompt.size()) + replay_count(job);
   s.stats.cached_tokens += job.cached_tokens;
-  std::vector<uint8_t> bytes(encoded.size());
-  if (!encoded.empty()) std::memcpy(bytes.data(), encoded.data(), encoded.size());
-  const int64_t num_bytes = static_cast<int64_t>(bytes.size());
+  int64_t num_bytes = static_cast<int64_t>(bytes.size());
+  if (device_state) {  // as stored on the device (waits for its last pass, as the transfer would)
+    auto spans = s.model->backend()->device_state_spans(*device_state);
+    num_bytes = spans.is_ok() ? spans->bytes() : 0;
+  }
   HandoffEnvelope envelope;
   envelope.handoff_id = s.next_handoff_id++;
   envelope.next_token = job.job.generated.empty() ? prompt.back() : job.job.generated.back();
@@ -257,7 +275,9 @@ void hand_off(PrefillPointer self) {
   release_job(s, job);
   s.jobs.pop_front();
   publish_cache_events(self);
-  Status sent = s.transport->send_state(decode_worker, std::move(envelope), std::move(bytes));
+  Status sent = device_state ? s.transport->send_device_state(decode_worker, std::move(envelope),
+                                                              std::move(device_state), s.model)
+                             : s.transport->send_state(decode_worker, std::move(envelope), std::move(bytes));
   const int64_t micros = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start).count();
   if (!sent.is_ok()) {
     self->send(caf::actor_cast<sink_actor>(sink), chunk_atom::value, attempt,

@@ -9,6 +9,8 @@
 
 #include "actors/decode_protocol.hpp"
 #include "common/status.hpp"
+#include "engine/model.hpp"
+#include "engine/request_state.hpp"
 
 namespace deltaserve::actors {
 
@@ -22,6 +24,20 @@ class Transport {
   // deadline), as the worker going down, or (UCX, when no transfer could start) as handoff_failed sent to
   // the envelope's router by the transport itself.
   virtual Status send_state(const caf::actor& decode_worker, HandoffEnvelope envelope, std::vector<uint8_t> state) = 0;
+
+  // True when states of a device backend move in device memory (send_device_state); otherwise they are encoded on
+  // the host.
+  virtual bool moves_device_state() const { return false; }
+  // Hands `state`, resident on `model`'s backend, to `decode_worker` from device memory to device memory, as it is
+  // stored (no host copy, no encoding). The transport owns `state` from here on (its device slot and pages are released
+  // when the transfer ended on this side). When the decode worker cannot take device state (another layout, no
+  // device path), the transport encodes the state on the host and sends the bytes instead. Errors as send_state.
+  virtual Status send_device_state(const caf::actor& decode_worker, HandoffEnvelope envelope,
+                                   std::shared_ptr<engine::RequestState> state,
+                                   std::shared_ptr<const engine::Model> model) {
+    (void)decode_worker, (void)envelope, (void)state, (void)model;
+    return Status(StatusCode::kUnimplemented, "this transport moves no device state");
+  }
 };
 
 std::shared_ptr<Transport> make_caf_transport();

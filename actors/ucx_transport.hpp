@@ -38,6 +38,7 @@
 
 #include "actors/transport.hpp"
 #include "common/status.hpp"
+#include "engine/backend.hpp"
 #include "kvstore/transfer/transfer_engine.hpp"
 
 namespace deltaserve::actors {
@@ -49,6 +50,8 @@ struct UcxLinkConfig {
   std::chrono::milliseconds reserve_timeout{5'000};  // sender: wait this long for the receiver's descriptor
   uint64_t piece_bytes = 4ull << 20;                 // the encoded state is cut into pieces of at most this
   std::string faults;  // kvstore/transfer/fault_injection.hpp spec; only the test library accepts one
+  // GPU workers: the engine's access to GPU memory (kvstore/transfer/cuda); null on the CPU.
+  std::shared_ptr<kvstore::transfer::DeviceMemory> device;
 };
 
 // Checks the settings (names the offending field).
@@ -64,6 +67,19 @@ class UcxLink {
   kvstore::transfer::TransferEngine& engine() { return *engine_; }
   const UcxLinkConfig& config() const { return config_; }
 
+  // ---- handoffs in device memory ----
+  // Registers `backend`'s device memory (engine::Backend::device_memory_regions) with the engine, once per
+  // process, so that states move from GPU memory to GPU memory (device_handoff()). kFailedPrecondition, with the
+  // reason, when the link has no DeviceMemory or the UCX build cannot register CUDA memory: the workers then hand
+  // states off through host memory.
+  Status register_device_memory(engine::Backend& backend);
+  bool device_handoff() const { return !device_regions_.empty(); }
+  // The spans' layout (sizes and order; engine::DeviceStateSpans): two workers move device state only when theirs
+  // are equal, otherwise through host memory.
+  const std::string& device_layout() const { return device_layout_; }
+  // The registered region and offset of a span of registered device memory; kNotFound for others.
+  Result<kvstore::transfer::LocalSegment> device_segment(const engine::DeviceSpan& span) const;
+
   // Runs `post` (which sends a CAF message) unless close() was called; callable from any thread.
   void deliver(const std::function<void()>& post);
   // Called before the actor system goes away: later callbacks message nobody.
@@ -72,6 +88,13 @@ class UcxLink {
  private:
   UcxLink(UcxLinkConfig config, std::unique_ptr<kvstore::transfer::TransferEngine> engine);
   UcxLinkConfig config_;
+  struct DeviceRegion {
+    const std::byte* base = nullptr;
+    int64_t bytes = 0;
+    kvstore::transfer::RegionId region = 0;
+  };
+  std::vector<DeviceRegion> device_regions_;
+  std::string device_layout_;
   std::mutex mutex_;
   bool closed_ = false;
   std::unique_ptr<kvstore::transfer::TransferEngine> engine_;

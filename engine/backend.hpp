@@ -109,6 +109,9 @@ class Backend {
   [[nodiscard]] virtual Status reserve_device_state(RequestState& state, int64_t tokens);
   // The device allocations every DeviceStateSpans of this backend lies in (a transport registers them once).
   virtual std::vector<DeviceSpan> device_memory_regions() const { return {}; }
+  // Equal for two backends exactly when their DeviceStateSpans of equal token counts line up span for span (same
+  // sizes, same meaning); "" without device state.
+  virtual std::string device_state_layout() const { return ""; }
 };
 
 // forward_sample's row checks, shared by Model and the backends: one row per sequence, no all_logits, each row's

@@ -16,6 +16,26 @@
 
 namespace deltaserve::engine::testing {
 
+// A tiny preset with the real models' head sizes (KDA head 128, MLA 512 latent + 64 rope), small elsewhere: what
+// the GPU kernels specialise for, at a size a test runs in seconds.
+inline ModelConfig real_head_sizes(ModelConfig c) {
+  c.hidden_size = 256;
+  c.intermediate_size = 256;
+  c.kda.num_heads = 2;
+  c.kda.head_dim = 128;
+  c.kda.gate_low_rank = 128;
+  c.mla.num_heads = 2;
+  c.mla.kv_lora_rank = 512;
+  c.mla.qk_rope_head_dim = 64;
+  c.mla.qk_nope_head_dim = 128;
+  c.mla.v_head_dim = 128;
+  if (c.mla.q_lora_rank) c.mla.q_lora_rank = 64;
+  c.moe.num_experts = 8;
+  c.moe.moe_intermediate_size = 64;
+  if (c.moe.routed_expert_hidden_size) c.moe.routed_expert_hidden_size = 128;
+  return c;
+}
+
 inline std::unique_ptr<Model> make_model(const std::string& preset, DType dtype = DType::kF32, uint64_t shard_bytes = 0,
                                          uint64_t seed = 7) {
   TempDir dir;

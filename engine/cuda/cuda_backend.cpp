@@ -368,6 +368,15 @@ Status CudaBackend::reserve_device_state(RequestState& state, int64_t tokens) {
   return Status::ok();
 }
 
+std::string CudaBackend::device_state_layout() const {
+  const StateShape& shape = impl_->shape;
+  // The spans' sizes follow from these; the dtypes (fp32 states, bf16 tails and rows) are the engine's.
+  return "cuda kda " + std::to_string(shape.kda_layers) + "x" + std::to_string(shape.state_floats()) + "f32+" +
+         std::to_string(shape.conv_kernel > 1 ? shape.tail_floats() : 0) + "bf16 mla " +
+         std::to_string(shape.mla_layers) + "x" + std::to_string(impl_->pools->page_tokens()) + "x" +
+         std::to_string(shape.mla_row_stride) + "bf16";
+}
+
 std::vector<DeviceSpan> CudaBackend::device_memory_regions() const {
   return impl_->pools->memory_regions();
 }

@@ -98,6 +98,7 @@ class CudaBackend final : public Backend {
   [[nodiscard]] Result<DeviceStateSpans> device_state_spans(const RequestState& state) override;
   [[nodiscard]] Status reserve_device_state(RequestState& state, int64_t tokens) override;
   std::vector<DeviceSpan> device_memory_regions() const override;
+  std::string device_state_layout() const override;
 
   // CUDA graphs on or off from the next pass on (graphs already captured are kept).
   void set_cuda_graphs(bool on);

@@ -41,26 +41,9 @@ using compare::max_abs;
 using compare::max_diff;
 
 using testing::random_tokens;
+using testing::real_head_sizes;
 
 // ---- configurations ------------------------------------------------------------------------------------------
-
-ModelConfig real_head_sizes(ModelConfig c) {
-  c.hidden_size = 256;
-  c.intermediate_size = 256;
-  c.kda.num_heads = 2;
-  c.kda.head_dim = 128;
-  c.kda.gate_low_rank = 128;
-  c.mla.num_heads = 2;
-  c.mla.kv_lora_rank = 512;
-  c.mla.qk_rope_head_dim = 64;
-  c.mla.qk_nope_head_dim = 128;
-  c.mla.v_head_dim = 128;
-  if (c.mla.q_lora_rank) c.mla.q_lora_rank = 64;
-  c.moe.num_experts = 8;
-  c.moe.moe_intermediate_size = 64;
-  if (c.moe.routed_expert_hidden_size) c.moe.routed_expert_hidden_size = 128;
-  return c;
-}
 
 constexpr std::string_view kAllExperts = "-all-experts";
 
