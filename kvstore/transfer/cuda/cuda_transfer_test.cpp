@@ -130,8 +130,17 @@ struct GpuPair {
     EXPECT_TRUE(receiver->memory_info().cuda) << "this UCX cannot register CUDA memory (ucx_info -d)";
     source.upload(payload);
     EXPECT_EQ(cudaMemset(destination.data, 0, destination.bytes), cudaSuccess);
-    destination_region = receiver->register_device_region(destination.data, destination.bytes).value();
-    source_region = sender->register_device_region(source.data, source.bytes).value();
+    auto registered_destination = receiver->register_device_region(destination.data, destination.bytes);
+    auto registered_source = sender->register_device_region(source.data, source.bytes);
+    EXPECT_TRUE(registered_destination.is_ok()) << registered_destination.status().to_string();
+    EXPECT_TRUE(registered_source.is_ok()) << registered_source.status().to_string();
+    if (!registered_destination.is_ok() || !registered_source.is_ok()) {
+      receiver.reset();
+      sender.reset();
+      return;
+    }
+    destination_region = *registered_destination;
+    source_region = *registered_source;
     ReceiveSpec spec;
     spec.deadline = deadline;
     for (uint32_t p = 0; p < kPieces; ++p) {
