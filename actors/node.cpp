@@ -1,14 +1,19 @@
 #include "actors/node.hpp"
 
+#include <algorithm>
 #include <iostream>
 #include <random>
 #include <thread>
 
+#include <arpa/inet.h>
 #include <caf/io/all.hpp>
+#include <netdb.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "actors/cluster_service_impl.hpp"
 #include "actors/cluster_tls.hpp"
+#include "actors/decode_peers.hpp"
 #include "actors/decode_worker.hpp"
 #include "actors/prefill_worker.hpp"
 #include "actors/registry_actor.hpp"
@@ -97,6 +102,33 @@ caf::expected<registry_actor> connect_registry(caf::actor_system& sys, const std
   return result;
 }
 
+// This host's address on the route to host:port (a UDP socket "connected" there: nothing is sent), or "" when
+// there is none.
+std::string local_address_towards(const std::string& host, uint16_t port) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(host.c_str(), std::to_string(port == 0 ? 9 : port).c_str(), &hints, &found) != 0) return "";
+  std::string out;
+  for (addrinfo* a = found; a != nullptr && out.empty(); a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, SOCK_DGRAM, 0);
+    if (fd < 0) continue;
+    sockaddr_storage local{};
+    socklen_t length = sizeof(local);
+    if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0) {
+      char text[INET6_ADDRSTRLEN] = {0};
+      const void* address = local.ss_family == AF_INET6
+                                ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr)
+                                : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr);
+      if (::inet_ntop(local.ss_family, address, text, sizeof(text)) != nullptr) out = text;
+    }
+    ::close(fd);
+  }
+  ::freeaddrinfo(found);
+  return out;
+}
+
 }  // namespace
 
 struct Node::Impl {
@@ -120,6 +152,8 @@ struct Node::Impl {
   std::vector<std::unique_ptr<TlsTunnel>> tunnels;
   // Worker roles: the links to the routers; `registry` is their fan-out. Stopped before the actor system.
   std::unique_ptr<RouterLinks> links;
+  // kPrefill: the direct connections to decode nodes (their TLS tunnels). Stopped after the actor system.
+  std::shared_ptr<DecodePeers> peers;
 
   // Joins one worker through a request (so the caller knows the registry has it).
   Status join(const WorkerInfo& info) {
@@ -167,6 +201,7 @@ struct Node::Impl {
     ucx.reset();     // the engine last: cancels what is still in flight
     // Closes the listener and every connection, joins its thread.
     for (auto& tunnel : tunnels) tunnel->stop();
+    if (peers) peers->stop();
   }
 };
 
@@ -375,6 +410,11 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
     PrefillWorkerConfig cfg{name, options.prefill_chunk, options.heartbeat_interval, options.state_slots,
                             prefill_cache};
     cfg.prefix_cache.epoch = prefill_cache.enabled ? (random_u64() | 1) : 0;
+    if (worker_node) {
+      if (!n.peers) n.peers = std::make_shared<DecodePeers>(*tls);
+      cfg.peers = n.peers;
+      cfg.peer_connect_timeout = options.peer_connect_timeout;
+    }
     prefill_actor worker =
         spawn_prefill_worker(sys, options.model, n.registry, cfg, n.ucx ? make_ucx_transport(n.ucx) : nullptr);
     n.prefill.push_back(worker);
@@ -388,6 +428,41 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
     }
     return n.join(info);
   };
+  // A decode worker of a worker node takes direct connections from prefill workers on its peer address
+  // (actors/decode_peers.hpp), behind a TLS tunnel when the cluster uses TLS.
+  auto publish_peer = [&](const decode_actor& worker) -> Result<ClusterAddress> {
+    ClusterAddress peer = options.peer_listen;
+    if (peer.host.empty()) {
+      const bool loopback = std::all_of(options.join.begin(), options.join.end(),
+                                        [](const ClusterAddress& a) { return is_loopback_host(a.host); });
+      peer.host = loopback ? "127.0.0.1" : local_address_towards(options.join.front().host, options.join.front().port);
+      if (peer.host.empty()) {
+        return failed_precondition("peer address (--peer-listen): no route from this host to the router at " +
+                                   options.join.front().host + ", give HOST:PORT");
+      }
+    }
+    if (!tls->has_value() && !options.cluster_insecure && !is_loopback_host(peer.host)) {
+      return failed_precondition("peer host " + peer.host +
+                                 " (--peer-listen) is not loopback and no --cluster-tls-dir is given: anyone who "
+                                 "reaches the port could send the decode worker requests; give --cluster-tls-dir, "
+                                 "or --cluster-insecure to accept plain TCP");
+    }
+    const bool tunnelled = tls->has_value();
+    auto port =
+        sys.middleman().publish(worker, tunnelled ? 0 : peer.port, tunnelled ? "127.0.0.1" : peer.host.c_str(), true);
+    if (!port) {
+      return Status(StatusCode::kUnavailable, "cannot listen for prefill workers on " + peer.host + ":" +
+                                                  std::to_string(peer.port) + ": " + sys.render(port.error()));
+    }
+    peer.port = *port;
+    if (tunnelled) {
+      auto tunnel = TlsTunnel::serve(**tls, peer.host, options.peer_listen.port, *port);
+      if (!tunnel.is_ok()) return tunnel.status().with_context("cannot listen for prefill workers over TLS");
+      peer.port = (*tunnel)->port();
+      n.tunnels.push_back(std::move(tunnel).value());
+    }
+    return peer;
+  };
   auto add_decode = [&](const std::string& name) -> Status {
     DecodeWorkerConfig cfg{name, options.max_batch, options.heartbeat_interval};
     cfg.ucx = n.ucx;
@@ -398,6 +473,10 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
     load.free_slots = options.max_batch;
     WorkerInfo info{name, kDecodeRole, caf::actor_cast<caf::actor>(worker), options.max_batch, load, 0, {}};
     if (worker_node) {
+      auto peer = publish_peer(worker);
+      if (!peer.is_ok()) return peer.status();
+      info.peer_host = peer->host;
+      info.peer_port = peer->port;
       link_workers.push_back(info);
       return Status::ok();
     }

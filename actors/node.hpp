@@ -74,6 +74,15 @@ struct NodeOptions {
   std::filesystem::path cluster_tls_dir;
   // Accept plain TCP on a cluster_host (kRouter) or join host (workers) that is not loopback.
   bool cluster_insecure = false;
+  // kDecode: where the decode worker takes direct connections from prefill workers (actors/decode_peers.hpp), so
+  // that handoffs never pass through a router; announced to the routers in its WorkerInfo. Port 0 = ephemeral.
+  // Empty host: 127.0.0.1 when every join host is loopback, else this host's address on the route to the first
+  // router. With cluster_tls_dir the address is served over the same mutual TLS as a router's cluster port; a
+  // non-loopback host without TLS needs cluster_insecure.
+  ClusterAddress peer_listen;
+  // kPrefill: a direct connection to a decode worker not made within this fails the handoff (the router prefills
+  // the request again).
+  std::chrono::milliseconds peer_connect_timeout{10000};
   std::chrono::milliseconds heartbeat_interval{500};
   std::string worker_name;  // kPrefill/kDecode; default "<role>@<hostname>:<pid>"
 

@@ -45,12 +45,16 @@ struct PrefillJob {
   // the prefixes it would have named and its cache lookups are the same (a stale or foreign index entry still
   // costs a miss, never a wrong hit).
   kvstore::PromptHashes prompt_hashes;
+  // Where the decode worker takes direct connections (its WorkerInfo::peer_host/peer_port); port 0: none (the
+  // handle is reached as is, e.g. an actor of the same process).
+  std::string decode_host;
+  uint16_t decode_port = 0;
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, PrefillJob& x) {
-  return f(caf::meta::type_name("PrefillJob"), x.request, x.decode_worker, x.sink, x.router, x.attempt,
-           x.prompt_hashes);
+  return f(caf::meta::type_name("PrefillJob"), x.request, x.decode_worker, x.sink, x.router, x.attempt, x.prompt_hashes,
+           x.decode_host, x.decode_port);
 }
 
 using prefill_actor = caf::typed_actor<caf::reacts_to<prefill_atom, PrefillJob>,

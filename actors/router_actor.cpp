@@ -174,6 +174,8 @@ bool try_dispatch_one(RouterPointer self, Entry& entry) {
   if (entry.attempt > 1) self->send(caf::actor_cast<sink_actor>(entry.sink), attempt_atom::value, entry.attempt);
   PrefillJob job{entry.request, decode->handle, entry.sink, caf::actor_cast<caf::actor>(self), entry.attempt};
   job.prompt_hashes = std::move(pick.hashes);
+  job.decode_host = decode->peer_host;
+  job.decode_port = decode->peer_port;
   self->send(caf::actor_cast<prefill_actor>(prefill->handle), prefill_atom::value, std::move(job));
   return true;
 }

@@ -146,6 +146,8 @@ struct WorkerOptions {  // deltaserve prefill | decode
   int64_t max_batch = 32;
   int64_t join_timeout_ms = 30000;
   int64_t orphan_timeout_ms = 60000;  // NodeOptions::orphan_timeout (0 = never)
+  // decode: HOST:PORT where prefill workers connect directly (NodeOptions::peer_listen; PORT 0 = ephemeral)
+  std::optional<std::string> peer_listen;
   int64_t drain_timeout_ms = 30000;
   // HOST:PORT of a separate /metrics listener; for serve/router it also takes /metrics off the API port.
   std::optional<std::string> metrics_listen;

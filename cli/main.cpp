@@ -290,6 +290,10 @@ int main(int argc, char** argv) {
   role_option(decode, "join-timeout-ms", decode_opts.join_timeout_ms, "Keep trying to join this long")
       ->check(CLI::NonNegativeNumber);
   role_option(decode, "orphan-timeout-ms", decode_opts.orphan_timeout_ms, orphan_help)->check(CLI::NonNegativeNumber);
+  role_option(decode, "peer-listen", decode_opts.peer_listen,
+              "HOST:PORT where prefill workers connect to this worker directly for handoffs, announced to the "
+              "routers (PORT 0 = ephemeral; default: 127.0.0.1 with loopback routers, else this host's address "
+              "towards the first router; over the cluster TLS with --cluster-tls-dir)");
   role_option(decode, "drain-timeout-ms", decode_opts.drain_timeout_ms, drain_help)->check(CLI::NonNegativeNumber);
   role_option(decode, "metrics-listen", decode_opts.metrics_listen, worker_metrics_help);
   add_transport_options(decode, decode_opts.transport);

@@ -401,6 +401,19 @@ int run_worker(const WorkerOptions& o, std::ostream& out, std::ostream& err) {
   node_options.join = *join;
   node_options.join_timeout = std::chrono::milliseconds(o.join_timeout_ms);
   node_options.orphan_timeout = std::chrono::milliseconds(o.orphan_timeout_ms);
+  if (o.peer_listen && !o.peer_listen->empty()) {
+    const std::string& text = *o.peer_listen;
+    const auto colon = text.rfind(':');
+    int port = -1;
+    try {
+      if (colon != std::string::npos && colon > 0 && colon + 1 < text.size()) port = std::stoi(text.substr(colon + 1));
+    } catch (const std::exception&) {
+    }
+    if (port < 0 || port > 65535) {
+      return fail(err, invalid_argument("--peer-listen must be HOST:PORT, got '" + text + "'"));
+    }
+    node_options.peer_listen = {text.substr(0, colon), static_cast<uint16_t>(port)};
+  }
   apply_cache_options(o.cache, node_options);
   const bool loopback = std::all_of(join->begin(), join->end(),
                                     [](const actors::ClusterAddress& a) { return actors::is_loopback_host(a.host); });
