@@ -136,13 +136,9 @@ void expect_completes(router::InferenceService& service, const std::string& id) 
 // A router that crashes and is started again on the same cluster port gets its workers back: they notice the
 // lost connection, join the new registry (backoff), and serve its requests. Before, they stayed joined to the
 // dead registry and the new router never became ready.
-// Disabled: the workers rejoin and the router becomes ready again, but the request after the loss never
-// completes. CAF 0.17 routes prefill -> decode (two worker nodes never connected directly) through the router
-// node that first handed the prefill node a handle of the decode node; that route is gone with the router, and
-// a handle of an actor already proxied does not teach BASP the new router as a hop (only a new proxy or a
-// routed message from the decode node does), so the handoff is dropped. Enable once worker-to-worker routes
-// are re-learned after a router loss.
-TEST(ClusterNodeTest, DISABLED_WorkersJoinARestartedRouterAgain) {
+// The handoff goes over the prefill node's direct connection to the decode node (actors/decode_peers.hpp), so
+// the restarted router's requests are served although the router that introduced the two nodes is gone.
+TEST(ClusterNodeTest, WorkersJoinARestartedRouterAgain) {
   ASSERT_TRUE(testing::tiny_model().model);
   auto router_node = Node::start(testing::remote_router_options());
   ASSERT_TRUE(router_node.is_ok()) << router_node.status().to_string();
@@ -177,9 +173,8 @@ TEST(ClusterNodeTest, DISABLED_WorkersJoinARestartedRouterAgain) {
 // One prefill and one decode worker joined to two routers, each with its own registry: both routers serve; one
 // router crashing with a stream in flight ends only that stream (the decode worker frees its slot), and the
 // other router keeps serving.
-// Disabled for the reason given above WorkersJoinARestartedRouterAgain (the prefill node's route to the decode
-// node went through the router that was lost).
-TEST(ClusterNodeTest, DISABLED_WorkersServeTwoRoutersAndOutliveOne) {
+// The handoffs after the loss go over the workers' direct connection, as in WorkersJoinARestartedRouterAgain.
+TEST(ClusterNodeTest, WorkersServeTwoRoutersAndOutliveOne) {
   ASSERT_TRUE(testing::tiny_model().model);
   auto first = Node::start(testing::remote_router_options());
   ASSERT_TRUE(first.is_ok()) << first.status().to_string();
