@@ -140,8 +140,7 @@ NodeOptions tls_router(const std::filesystem::path& dir) {
 NodeOptions worker(NodeRole role, uint16_t port, const std::string& name, const std::filesystem::path& tls_dir) {
   NodeOptions o = testing::tiny_serve_options();
   o.role = role;
-  o.join_host = "127.0.0.1";
-  o.join_port = port;
+  o.join = {{"127.0.0.1", port}};
   o.join_timeout = 10s;
   o.worker_name = name;
   o.cluster_tls_dir = tls_dir;
@@ -241,7 +240,7 @@ TEST(ClusterTlsOptionsTest, PlainTcpOffLoopbackNeedsClusterInsecure) {
   EXPECT_TRUE(contains(refused.status().to_string(), "--cluster-tls-dir")) << refused.status().to_string();
 
   NodeOptions decode = worker(NodeRole::kDecode, 7000, "decode-x", {});
-  decode.join_host = "10.11.12.13";  // refused before any connection attempt
+  decode.join = {{"10.11.12.13", 7000}};  // refused before any connection attempt
   auto refused_worker = Node::start(decode);
   ASSERT_FALSE(refused_worker.is_ok());
   EXPECT_EQ(refused_worker.status().code(), StatusCode::kFailedPrecondition);

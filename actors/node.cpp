@@ -1,18 +1,24 @@
 #include "actors/node.hpp"
 
+#include <algorithm>
 #include <iostream>
 #include <random>
 #include <thread>
 
+#include <arpa/inet.h>
 #include <caf/io/all.hpp>
+#include <netdb.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "actors/cluster_service_impl.hpp"
 #include "actors/cluster_tls.hpp"
+#include "actors/decode_peers.hpp"
 #include "actors/decode_worker.hpp"
 #include "actors/prefill_worker.hpp"
 #include "actors/registry_actor.hpp"
 #include "actors/router_actor.hpp"
+#include "actors/router_links.hpp"
 #include "actors/tls_tunnel.hpp"
 #include "actors/ucx_transport.hpp"
 #if DS_ACTORS_CUDA
@@ -62,8 +68,12 @@ Result<std::optional<ClusterTlsFiles>> cluster_tls(const NodeOptions& options) {
     if (!files.is_ok()) return files.status();
     return std::optional<ClusterTlsFiles>(std::move(files).value());
   }
-  const std::string& host = publishes ? options.cluster_host : options.join_host;
-  if ((publishes || joins) && !options.cluster_insecure && !is_loopback_host(host)) {
+  if (joins && options.join.empty()) return invalid_argument("join (--join): no router address to join");
+  std::string host = publishes ? options.cluster_host : "";
+  for (const ClusterAddress& address : joins ? options.join : std::vector<ClusterAddress>{}) {
+    if (!is_loopback_host(address.host)) host = address.host;
+  }
+  if ((publishes || joins) && !options.cluster_insecure && !host.empty() && !is_loopback_host(host)) {
     return failed_precondition(
         std::string(publishes ? "cluster host " : "join host ") + host +
         " is not loopback and no --cluster-tls-dir is given: anyone who reaches the port could " +
@@ -95,6 +105,33 @@ caf::expected<registry_actor> connect_registry(caf::actor_system& sys, const std
   return result;
 }
 
+// This host's address on the route to host:port (a UDP socket "connected" there: nothing is sent), or "" when
+// there is none.
+std::string local_address_towards(const std::string& host, uint16_t port) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(host.c_str(), std::to_string(port == 0 ? 9 : port).c_str(), &hints, &found) != 0) return "";
+  std::string out;
+  for (addrinfo* a = found; a != nullptr && out.empty(); a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, SOCK_DGRAM, 0);
+    if (fd < 0) continue;
+    sockaddr_storage local{};
+    socklen_t length = sizeof(local);
+    if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0) {
+      char text[INET6_ADDRSTRLEN] = {0};
+      const void* address = local.ss_family == AF_INET6
+                                ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr)
+                                : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr);
+      if (::inet_ntop(local.ss_family, address, text, sizeof(text)) != nullptr) out = text;
+    }
+    ::close(fd);
+  }
+  ::freeaddrinfo(found);
+  return out;
+}
+
 }  // namespace
 
 struct Node::Impl {
@@ -113,8 +150,13 @@ struct Node::Impl {
   std::vector<std::string> worker_names;  // joined workers of this node
   std::shared_ptr<UcxLink> ucx;           // transport "ucx": this process's transfer engine
   // cluster_tls_dir set: the cluster port's TLS (router: the TLS listener in front of CAF's loopback port;
-  // workers: the loopback end CAF connects to). Stopped after the actor system: CAF's connections run through it.
-  std::unique_ptr<TlsTunnel> tunnel;
+  // workers: the loopback end CAF connects to, one per router). Stopped after the actor system: CAF's
+  // connections run through them.
+  std::vector<std::unique_ptr<TlsTunnel>> tunnels;
+  // Worker roles: the links to the routers; `registry` is their fan-out. Stopped before the actor system.
+  std::unique_ptr<RouterLinks> links;
+  // kPrefill: the direct connections to decode nodes (their TLS tunnels). Stopped after the actor system.
+  std::shared_ptr<DecodePeers> peers;
 
   // Joins one worker through a request (so the caller knows the registry has it).
   Status join(const WorkerInfo& info) {
@@ -137,7 +179,10 @@ struct Node::Impl {
     // again right here, where each attempt fails the same way (seen in CI: three attempts, then an error). The
     // list request after the leaves returns once the registry has processed them and told its routers (one sender,
     // so in order); an unreachable registry just means there is no one left to tell.
-    if (registry && !worker_names.empty()) {
+    if (links) {
+      links->leave(worker_names);
+      links->stop();
+    } else if (registry && !worker_names.empty()) {
       caf::scoped_actor self{*system};
       for (const std::string& name : worker_names) self->send(registry, leave_atom::value, name);
       self->request(registry, std::chrono::seconds(2), list_atom::value)
@@ -155,9 +200,11 @@ struct Node::Impl {
     decode.clear();
     router = nullptr;
     registry = nullptr;
-    system.reset();              // blocks until every actor (sinks included) has quit
-    ucx.reset();                 // the engine last: cancels what is still in flight
-    if (tunnel) tunnel->stop();  // closes the listener and every connection, joins its thread
+    system.reset();  // blocks until every actor (sinks included) has quit
+    ucx.reset();     // the engine last: cancels what is still in flight
+    // Closes the listener and every connection, joins its thread.
+    for (auto& tunnel : tunnels) tunnel->stop();
+    if (peers) peers->stop();
   }
 };
 
@@ -272,52 +319,73 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
   n.options = options;
   n.ucx = ucx;
 
-  const bool joins_registry = role == NodeRole::kPrefill || role == NodeRole::kDecode ||
-                              (role == NodeRole::kRouter && options.router_joins_registry);
+  const bool worker_node = role == NodeRole::kPrefill || role == NodeRole::kDecode;
+  const bool router_joins = role == NodeRole::kRouter && options.router_joins_registry;
   if (role == NodeRole::kServe || (role == NodeRole::kRouter && !options.router_joins_registry)) {
     // Workers report every heartbeat_interval; ten missed reports and a worker counts as lost.
     n.registry = spawn_registry(sys, options.heartbeat_interval * 10);
     n.own_registry = true;
   }
-  if (joins_registry) {
-    // With TLS, CAF connects to this process's end of the tunnel (actors/tls_tunnel.hpp), which opens a
-    // mutual-TLS connection to the router for each connection CAF makes.
-    std::string caf_host = options.join_host;
-    uint16_t caf_port = options.join_port;
-    if (tls->has_value()) {
-      auto tunnel = TlsTunnel::connect(**tls, options.join_host, options.join_port);
-      if (!tunnel.is_ok()) {
-        n.stop();
-        return tunnel.status().with_context("cluster TLS tunnel to " + options.join_host);
+  // With TLS, CAF connects to this process's end of a tunnel (actors/tls_tunnel.hpp) per router, which opens a
+  // mutual-TLS connection to that router for each connection CAF makes (a rejoin's included).
+  std::vector<RouterEndpoint> endpoints;
+  if (worker_node || router_joins) {
+    for (const ClusterAddress& address : options.join) {
+      RouterEndpoint endpoint{address.host + ":" + std::to_string(address.port), address.host, address.port, {}};
+      if (tls->has_value()) {
+        auto tunnel = TlsTunnel::connect(**tls, address.host, address.port);
+        if (!tunnel.is_ok()) {
+          n.stop();
+          return tunnel.status().with_context("cluster TLS tunnel to " + address.host);
+        }
+        endpoint.caf_host = "127.0.0.1";
+        endpoint.caf_port = (*tunnel)->port();
+        endpoint.transport_error = [raw = tunnel->get()] { return raw->last_error(); };
+        n.tunnels.push_back(std::move(tunnel).value());
       }
-      n.tunnel = std::move(tunnel).value();
-      caf_host = "127.0.0.1";
-      caf_port = n.tunnel->port();
+      endpoints.push_back(std::move(endpoint));
+      if (!worker_node) break;  // a router joins one registry
     }
+  }
+  const std::string join_what =
+      std::string(tls->has_value() ? " over TLS" : " over plain TCP (a TLS listener never answers it)");
+  if (router_joins) {
     // Connect with backoff until the deadline: the router may still be starting.
+    const RouterEndpoint& endpoint = endpoints.front();
     const auto deadline = std::chrono::steady_clock::now() + options.join_timeout;
     auto backoff = std::chrono::milliseconds(50);
     std::string last_error;
     while (true) {
       const auto left =
           std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-      auto remote = connect_registry(sys, caf_host, caf_port, std::max(left, std::chrono::milliseconds(1)));
+      auto remote =
+          connect_registry(sys, endpoint.caf_host, endpoint.caf_port, std::max(left, std::chrono::milliseconds(1)));
       if (remote) {
         n.registry = *remote;
         break;
       }
       last_error = sys.render(remote.error());
-      if (n.tunnel && !n.tunnel->last_error().empty()) last_error += " (" + n.tunnel->last_error() + ")";
+      if (endpoint.transport_error && !endpoint.transport_error().empty()) {
+        last_error += " (" + endpoint.transport_error() + ")";
+      }
       if (std::chrono::steady_clock::now() + backoff > deadline) {
         n.stop();
         return Status(StatusCode::kDeadlineExceeded,
-                      "cannot join the registry at " + options.join_host + ":" + std::to_string(options.join_port) +
-                          (tls->has_value() ? " over TLS" : " over plain TCP (a TLS listener never answers it)") +
-                          ": " + last_error);
+                      "cannot join the registry at " + endpoint.label + join_what + ": " + last_error);
       }
       std::this_thread::sleep_for(backoff);
       backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
     }
+  }
+  if (worker_node) {
+    RouterLinkOptions links;
+    links.backoff_initial = options.rejoin_backoff_initial;
+    links.backoff_max = options.rejoin_backoff_max;
+    links.probe_interval = options.router_probe_interval;
+    links.probe_timeout = options.router_probe_timeout;
+    links.join_timeout = std::min<std::chrono::milliseconds>(options.router_probe_timeout, std::chrono::seconds(10));
+    n.links = std::make_unique<RouterLinks>(sys, links);
+    n.registry = n.links->registry();
   }
   if (role == NodeRole::kServe || role == NodeRole::kRouter) {
     n.gauges = std::make_shared<RouterGauges>();
@@ -352,15 +420,22 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
         n.stop();
         return tunnel.status().with_context("cannot listen for workers over TLS");
       }
-      n.tunnel = std::move(tunnel).value();
-      n.cluster_port = n.tunnel->port();
+      n.cluster_port = (*tunnel)->port();
+      n.tunnels.push_back(std::move(tunnel).value());
     }
   }
-  // Workers: spawned with the registry handle (local or remote), then joined.
+  // Workers: spawned with the registry handle (local, remote, or the links' fan-out), then joined (worker nodes:
+  // by the links, to every router).
+  std::vector<WorkerInfo> link_workers;
   auto add_prefill = [&](const std::string& name) -> Status {
     PrefillWorkerConfig cfg{name, options.prefill_chunk, options.heartbeat_interval, options.state_slots,
                             prefill_cache};
     cfg.prefix_cache.epoch = prefill_cache.enabled ? (random_u64() | 1) : 0;
+    if (worker_node) {
+      if (!n.peers) n.peers = std::make_shared<DecodePeers>(*tls);
+      cfg.peers = n.peers;
+      cfg.peer_connect_timeout = options.peer_connect_timeout;
+    }
     prefill_actor worker =
         spawn_prefill_worker(sys, options.model, n.registry, cfg, n.ucx ? make_ucx_transport(n.ucx) : nullptr);
     n.prefill.push_back(worker);
@@ -368,7 +443,46 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
     WorkerInfo info{name, kPrefillRole, caf::actor_cast<caf::actor>(worker), options.prefill_chunk, {}, 0, {}};
     info.cache_epoch = cfg.prefix_cache.epoch;
     info.model_id = options.model_id;
+    if (worker_node) {
+      link_workers.push_back(info);
+      return Status::ok();
+    }
     return n.join(info);
+  };
+  // A decode worker of a worker node takes direct connections from prefill workers on its peer address
+  // (actors/decode_peers.hpp), behind a TLS tunnel when the cluster uses TLS.
+  auto publish_peer = [&](const decode_actor& worker) -> Result<ClusterAddress> {
+    ClusterAddress peer = options.peer_listen;
+    if (peer.host.empty()) {
+      const bool loopback = std::all_of(options.join.begin(), options.join.end(),
+                                        [](const ClusterAddress& a) { return is_loopback_host(a.host); });
+      peer.host = loopback ? "127.0.0.1" : local_address_towards(options.join.front().host, options.join.front().port);
+      if (peer.host.empty()) {
+        return failed_precondition("peer address (--peer-listen): no route from this host to the router at " +
+                                   options.join.front().host + ", give HOST:PORT");
+      }
+    }
+    if (!tls->has_value() && !options.cluster_insecure && !is_loopback_host(peer.host)) {
+      return failed_precondition("peer host " + peer.host +
+                                 " (--peer-listen) is not loopback and no --cluster-tls-dir is given: anyone who "
+                                 "reaches the port could send the decode worker requests; give --cluster-tls-dir, "
+                                 "or --cluster-insecure to accept plain TCP");
+    }
+    const bool tunnelled = tls->has_value();
+    auto port =
+        sys.middleman().publish(worker, tunnelled ? 0 : peer.port, tunnelled ? "127.0.0.1" : peer.host.c_str(), true);
+    if (!port) {
+      return Status(StatusCode::kUnavailable, "cannot listen for prefill workers on " + peer.host + ":" +
+                                                  std::to_string(peer.port) + ": " + sys.render(port.error()));
+    }
+    peer.port = *port;
+    if (tunnelled) {
+      auto tunnel = TlsTunnel::serve(**tls, peer.host, options.peer_listen.port, *port);
+      if (!tunnel.is_ok()) return tunnel.status().with_context("cannot listen for prefill workers over TLS");
+      peer.port = (*tunnel)->port();
+      n.tunnels.push_back(std::move(tunnel).value());
+    }
+    return peer;
   };
   auto add_decode = [&](const std::string& name) -> Status {
     DecodeWorkerConfig cfg{name, options.max_batch, options.heartbeat_interval};
@@ -378,7 +492,16 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
     n.worker_names.push_back(name);
     WorkerLoad load;
     load.free_slots = options.max_batch;
-    return n.join(WorkerInfo{name, kDecodeRole, caf::actor_cast<caf::actor>(worker), options.max_batch, load, 0, {}});
+    WorkerInfo info{name, kDecodeRole, caf::actor_cast<caf::actor>(worker), options.max_batch, load, 0, {}};
+    if (worker_node) {
+      auto peer = publish_peer(worker);
+      if (!peer.is_ok()) return peer.status();
+      info.peer_host = peer->host;
+      info.peer_port = peer->port;
+      link_workers.push_back(info);
+      return Status::ok();
+    }
+    return n.join(info);
   };
   Status joined = Status::ok();
   if (role == NodeRole::kServe) {
@@ -390,6 +513,17 @@ Result<std::unique_ptr<Node>> Node::start(NodeOptions options) {
     joined = add_prefill(options.worker_name.empty() ? default_worker_name("prefill") : options.worker_name);
   } else if (role == NodeRole::kDecode) {
     joined = add_decode(options.worker_name.empty() ? default_worker_name("decode") : options.worker_name);
+  }
+  if (joined.is_ok() && worker_node) {
+    n.links->start(std::move(endpoints), std::move(link_workers));
+    joined = n.links->wait_first_join(std::chrono::steady_clock::now() + options.join_timeout);
+    if (joined.code() == StatusCode::kDeadlineExceeded) {
+      std::string routers;
+      for (const ClusterAddress& address : options.join)
+        routers += (routers.empty() ? "" : ", ") + address.host + ":" + std::to_string(address.port);
+      joined = Status(StatusCode::kDeadlineExceeded,
+                      "cannot join the registry at " + routers + join_what + ": " + joined.message());
+    }
   }
   if (!joined.is_ok()) {
     n.stop();
@@ -408,6 +542,7 @@ uint16_t Node::cluster_port() const {
 bool Node::drain_workers(std::chrono::milliseconds timeout) {
   Impl& n = *impl_;
   if (!n.system) return true;
+  if (n.links) n.links->leave(n.worker_names);  // and no router is joined again: draining is not orphaned
   for (auto& p : n.prefill) caf::anon_send(p, drain_atom::value);
   for (auto& d : n.decode) caf::anon_send(d, drain_atom::value);
   const auto deadline = std::chrono::steady_clock::now() + timeout;
@@ -424,6 +559,43 @@ bool Node::drain_workers(std::chrono::milliseconds timeout) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   return false;
+}
+
+int64_t Node::routers_joined() const {
+  return impl_->links ? impl_->links->joined() : 0;
+}
+
+Status Node::liveness(std::chrono::milliseconds timeout) {
+  Impl& n = *impl_;
+  if (!n.system) return Status(StatusCode::kUnavailable, "stopped");
+  if (n.links && n.options.orphan_timeout.count() > 0) {
+    if (auto since = n.links->orphaned_since()) {
+      const auto orphaned = std::chrono::steady_clock::now() - *since;
+      if (orphaned > n.options.orphan_timeout) {
+        return Status(
+            StatusCode::kUnavailable,
+            "joined to no router for " +
+                std::to_string(std::chrono::duration_cast<std::chrono::seconds>(orphaned).count()) +
+                " s (orphan timeout " +
+                std::to_string(std::chrono::duration_cast<std::chrono::seconds>(n.options.orphan_timeout).count()) +
+                " s)");
+      }
+    }
+  }
+  caf::scoped_actor self{*n.system};
+  Status result = Status::ok();
+  auto ask = [&](const auto& worker, const std::string& name) {
+    self->request(worker, timeout, stats_atom::value)
+        .receive([](const WorkerStats&) {},
+                 [&](caf::error& error) {
+                   if (result.is_ok()) {
+                     result = Status(StatusCode::kUnavailable, name + " does not answer: " + n.system->render(error));
+                   }
+                 });
+  };
+  for (auto& p : n.prefill) ask(p, "prefill worker");
+  for (auto& d : n.decode) ask(d, "decode worker");
+  return result;
 }
 
 NodeWorkerStats Node::worker_stats() {

@@ -1,9 +1,10 @@
 // One process's share of the cluster: an actor_system (with CAF's middleman) running a set of roles.
 //   kServe    registry + router + P prefill + D decode workers, all in this process (the embedded default)
 //   kRouter   registry + router; the registry is published on cluster_host:cluster_port for workers
-//   kPrefill  one prefill worker that joins the registry at join_host:join_port
-//   kDecode   one decode worker that joins the registry at join_host:join_port
-// The actors are the same on every path; only where the registry handle comes from differs.
+//   kPrefill  one prefill worker that joins the registry of every router in `join`
+//   kDecode   one decode worker that joins the registry of every router in `join`
+// The actors are the same on every path; only where the registry handle comes from differs. A worker node
+// joins each router independently and joins it again whenever it is lost (actors/router_links.hpp).
 // Free of CAF types: the CLI includes this header.
 #pragma once
 
@@ -12,6 +13,7 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "actors/router_observer.hpp"
 #include "common/status.hpp"
@@ -23,6 +25,11 @@
 namespace deltaserve::actors {
 
 enum class NodeRole { kServe, kRouter, kPrefill, kDecode };
+
+struct ClusterAddress {
+  std::string host;
+  uint16_t port = 0;
+};
 
 struct NodeOptions {
   NodeRole role = NodeRole::kServe;
@@ -41,9 +48,23 @@ struct NodeOptions {
 
   std::string cluster_host = "127.0.0.1";  // kRouter: where the registry is published
   uint16_t cluster_port = 7000;            // kRouter: 0 = ephemeral (see Node::cluster_port())
-  std::string join_host = "127.0.0.1";     // kPrefill/kDecode: the registry to join
-  uint16_t join_port = 0;
-  std::chrono::milliseconds join_timeout{30000};  // keep retrying the connection until then
+  // kPrefill/kDecode: the cluster ports of the routers to join, each independently (each router keeps its own
+  // registry; a request from any of them is served and answered to it). kRouter with router_joins_registry: the
+  // first one is the registry used.
+  std::vector<ClusterAddress> join;
+  // Start-up: keep retrying until one router (of `join`) has every worker of this node, else fail the start.
+  std::chrono::milliseconds join_timeout{30000};
+  // Workers after start-up: a lost router (its connection closed, or a probe unanswered) is joined again after
+  // rejoin_backoff_initial, doubling to rejoin_backoff_max, each wait drawn from [half, all] of the step. Every
+  // router_probe_interval the registry is asked for its list (a worker missing from it is joined again); no
+  // answer within router_probe_timeout and the router counts as lost.
+  std::chrono::milliseconds rejoin_backoff_initial{100};
+  std::chrono::milliseconds rejoin_backoff_max{5000};
+  std::chrono::milliseconds router_probe_interval{2000};
+  std::chrono::milliseconds router_probe_timeout{10000};
+  // Workers: liveness() fails once the node has been joined to no router for longer than this (after
+  // start-up), so an orchestrator restarts a worker that cannot get back to any router; 0 = never.
+  std::chrono::milliseconds orphan_timeout{60000};
   // Mutual TLS of the cluster port (actors/cluster_tls.hpp): a directory with ca.crt, tls.crt and tls.key.
   // kRouter serves the cluster port over TLS and workers (and a router that joins) connect over TLS, through
   // the tunnel of actors/tls_tunnel.hpp (CAF itself speaks plain BASP on loopback only); a peer needs a
@@ -51,13 +72,23 @@ struct NodeOptions {
   // cluster port and refuses it. Empty: plain TCP, which anyone who reaches the port can join; allowed on loopback
   // hosts only, unless cluster_insecure.
   std::filesystem::path cluster_tls_dir;
-  // Accept plain TCP on a cluster_host (kRouter) or join_host (workers) that is not loopback.
+  // Accept plain TCP on a cluster_host (kRouter) or join host (workers) that is not loopback.
   bool cluster_insecure = false;
+  // kDecode: where the decode worker takes direct connections from prefill workers (actors/decode_peers.hpp), so
+  // that handoffs never pass through a router; announced to the routers in its WorkerInfo. Port 0 = ephemeral.
+  // Empty host: 127.0.0.1 when every join host is loopback, else this host's address on the route to the first
+  // router. With cluster_tls_dir the address is served over the same mutual TLS as a router's cluster port; a
+  // non-loopback host without TLS needs cluster_insecure.
+  ClusterAddress peer_listen;
+  // kPrefill: a direct connection to a decode worker not made within this fails the handoff (the router prefills
+  // the request again).
+  std::chrono::milliseconds peer_connect_timeout{10000};
   std::chrono::milliseconds heartbeat_interval{500};
   std::string worker_name;  // kPrefill/kDecode; default "<role>@<hostname>:<pid>"
 
-  // kRouter with join_port != 0: a further router that uses the registry (and so the workers) of the
-  // router at join_host:join_port instead of running its own. Its prefix index is its own.
+  // kRouter: a further router that uses the registry (and so the workers) of the router at join[0] instead of
+  // running its own. Its prefix index is its own. It connects once, at start: it does not survive that router
+  // (workers that join several routers do; see `join`).
   bool router_joins_registry = false;
 
   // Prefix cache of the prefill workers (kServe, kPrefill); product.md "Caching rules".
@@ -129,9 +160,18 @@ class Node {
   // kRouter: the registry's bound port.
   uint16_t cluster_port() const;
 
-  // Workers: leave the registry, then wait (bounded) until active and queued requests are done.
+  // Workers: leave every router's registry (and join none again), then wait (bounded) until active and queued
+  // requests are done.
   // Returns true when idle in time.
   bool drain_workers(std::chrono::milliseconds timeout);
+
+  // Workers: the routers this node is joined to now (0 for other roles).
+  int64_t routers_joined() const;
+
+  // Whether the process should be restarted by its orchestrator. Unavailable when a worker node has been
+  // joined to no router for longer than orphan_timeout, or one of its worker actors does not answer within
+  // `timeout`; OK otherwise (and for the router roles, which have no such state).
+  Status liveness(std::chrono::milliseconds timeout);
 
   // Asks every worker of this node for its counters (bounded wait).
   NodeWorkerStats worker_stats();

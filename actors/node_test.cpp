@@ -88,8 +88,7 @@ TEST(ClusterNodeTest, RemoteWorkersJoinOverLoopback) {
   EXPECT_FALSE(service.status().ready);
 
   NodeOptions worker = serve_options();
-  worker.join_host = "127.0.0.1";
-  worker.join_port = port;
+  worker.join = {{"127.0.0.1", port}};
   worker.join_timeout = 5s;
   worker.role = NodeRole::kPrefill;
   auto prefill = Node::start(worker);
@@ -113,10 +112,137 @@ TEST(ClusterNodeTest, RemoteWorkersJoinOverLoopback) {
   (*router_node)->shutdown();
 }
 
+// A worker node of the tiny model that joins the routers at `ports` and joins a lost one again quickly.
+NodeOptions joining_worker(NodeRole role, const std::vector<uint16_t>& ports) {
+  NodeOptions o = serve_options();
+  o.role = role;
+  for (uint16_t port : ports) o.join.push_back({"127.0.0.1", port});
+  o.join_timeout = 30s;
+  o.rejoin_backoff_initial = 20ms;
+  o.rejoin_backoff_max = 200ms;
+  return o;
+}
+
+// One greedy request through `service`: it completes with the reference tokens.
+void expect_completes(router::InferenceService& service, const std::string& id) {
+  const std::vector<int32_t> prompt{9, 8, 7, 6, 5, 4, 3};
+  auto sink = std::make_shared<CollectingSink>();
+  service.submit(testing::greedy_request(id, prompt, 6), sink);
+  ASSERT_TRUE(sink->wait_final(30s)) << id;
+  EXPECT_TRUE(sink->last().error.is_ok()) << id << ": " << sink->last().error.to_string();
+  EXPECT_EQ(sink->tokens(), testing::reference_greedy(*testing::tiny_model().model, prompt, 6, 4)) << id;
+}
+
+// A router that crashes and is started again on the same cluster port gets its workers back: they notice the
+// lost connection, join the new registry (backoff), and serve its requests. Before, they stayed joined to the
+// dead registry and the new router never became ready.
+// The handoff goes over the prefill node's direct connection to the decode node (actors/decode_peers.hpp), so
+// the restarted router's requests are served although the router that introduced the two nodes is gone.
+TEST(ClusterNodeTest, WorkersJoinARestartedRouterAgain) {
+  ASSERT_TRUE(testing::tiny_model().model);
+  auto router_node = Node::start(testing::remote_router_options());
+  ASSERT_TRUE(router_node.is_ok()) << router_node.status().to_string();
+  const uint16_t port = (*router_node)->cluster_port();
+  auto prefill = Node::start(joining_worker(NodeRole::kPrefill, {port}));
+  ASSERT_TRUE(prefill.is_ok()) << prefill.status().to_string();
+  auto decode = Node::start(joining_worker(NodeRole::kDecode, {port}));
+  ASSERT_TRUE(decode.is_ok()) << decode.status().to_string();
+  ASSERT_TRUE(wait_until([&] { return (*router_node)->service()->status().ready; }, 30s));
+  EXPECT_EQ((*decode)->routers_joined(), 1);
+  expect_completes(*(*router_node)->service(), "before");
+
+  (*router_node)->shutdown();  // the router process is gone: its connections close
+  ASSERT_TRUE(wait_until([&] { return (*prefill)->routers_joined() == 0 && (*decode)->routers_joined() == 0; }, 30s));
+  // Orphaned for less than orphan_timeout (60 s): still live.
+  EXPECT_TRUE((*decode)->liveness(10s).is_ok());
+
+  NodeOptions again = testing::remote_router_options();
+  again.cluster_port = port;
+  auto restarted = Node::start(again);
+  ASSERT_TRUE(restarted.is_ok()) << restarted.status().to_string();
+  ASSERT_TRUE(wait_until([&] { return (*restarted)->service()->status().ready; }, 30s))
+      << (*restarted)->service()->status().reason;
+  ASSERT_TRUE(wait_until([&] { return (*prefill)->routers_joined() == 1 && (*decode)->routers_joined() == 1; }, 30s));
+  expect_completes(*(*restarted)->service(), "after");
+
+  (*decode)->shutdown();
+  (*prefill)->shutdown();
+  (*restarted)->shutdown();
+}
+
+// One prefill and one decode worker joined to two routers, each with its own registry: both routers serve; one
+// router crashing with a stream in flight ends only that stream (the decode worker frees its slot), and the
+// other router keeps serving.
+// The handoffs after the loss go over the workers' direct connection, as in WorkersJoinARestartedRouterAgain.
+TEST(ClusterNodeTest, WorkersServeTwoRoutersAndOutliveOne) {
+  ASSERT_TRUE(testing::tiny_model().model);
+  auto first = Node::start(testing::remote_router_options());
+  ASSERT_TRUE(first.is_ok()) << first.status().to_string();
+  auto second = Node::start(testing::remote_router_options());
+  ASSERT_TRUE(second.is_ok()) << second.status().to_string();
+  const std::vector<uint16_t> ports{(*first)->cluster_port(), (*second)->cluster_port()};
+  auto prefill = Node::start(joining_worker(NodeRole::kPrefill, ports));
+  ASSERT_TRUE(prefill.is_ok()) << prefill.status().to_string();
+  auto decode = Node::start(joining_worker(NodeRole::kDecode, ports));
+  ASSERT_TRUE(decode.is_ok()) << decode.status().to_string();
+  ASSERT_TRUE(wait_until([&] { return (*prefill)->routers_joined() == 2 && (*decode)->routers_joined() == 2; }, 30s));
+  ASSERT_TRUE(wait_until([&] { return (*first)->service()->status().ready; }, 30s));
+  ASSERT_TRUE(wait_until([&] { return (*second)->service()->status().ready; }, 30s));
+  expect_completes(*(*first)->service(), "via-first");
+  expect_completes(*(*second)->service(), "via-second");
+
+  // A long stream through the first router, then that router goes away.
+  auto held = std::make_shared<CollectingSink>();
+  (*first)->service()->submit(testing::greedy_request("held", {7, 8, 9}, 100000), held);
+  ASSERT_TRUE(held->wait_chunks(2, 30s));
+  (*first)->shutdown();
+  ASSERT_TRUE(wait_until([&] { return (*decode)->routers_joined() == 1; }, 30s));
+  EXPECT_TRUE(wait_until([&] { return (*decode)->worker_stats().free_slots == 4; }, 30s))
+      << "the dropped stream's decode slot is freed";
+  expect_completes(*(*second)->service(), "via-second-after");
+
+  (*decode)->shutdown();
+  (*prefill)->shutdown();
+  (*second)->shutdown();
+}
+
+// Liveness of a worker node: OK while joined; Unavailable once joined to no router for longer than
+// orphan_timeout; OK again once it has joined a router again.
+TEST(ClusterNodeTest, OrphanedWorkerFailsLivenessUntilItJoinsAgain) {
+  auto router_node = Node::start(testing::remote_router_options());
+  ASSERT_TRUE(router_node.is_ok()) << router_node.status().to_string();
+  const uint16_t port = (*router_node)->cluster_port();
+  NodeOptions o = joining_worker(NodeRole::kDecode, {port});
+  o.orphan_timeout = 200ms;
+  auto decode = Node::start(o);
+  ASSERT_TRUE(decode.is_ok()) << decode.status().to_string();
+  EXPECT_TRUE((*decode)->liveness(10s).is_ok());
+
+  (*router_node)->shutdown();
+  Status live = Status::ok();
+  ASSERT_TRUE(wait_until(
+      [&] {
+        live = (*decode)->liveness(10s);
+        return !live.is_ok();
+      },
+      30s));
+  EXPECT_EQ(live.code(), StatusCode::kUnavailable);
+  EXPECT_NE(live.message().find("joined to no router"), std::string::npos) << live.to_string();
+
+  NodeOptions again = testing::remote_router_options();
+  again.cluster_port = port;
+  auto restarted = Node::start(again);
+  ASSERT_TRUE(restarted.is_ok()) << restarted.status().to_string();
+  EXPECT_TRUE(wait_until([&] { return (*decode)->liveness(10s).is_ok(); }, 30s));
+  EXPECT_EQ((*decode)->routers_joined(), 1);
+  (*decode)->shutdown();
+  (*restarted)->shutdown();
+}
+
 TEST(ClusterNodeTest, JoinFailsAtDeadlineWithoutRegistry) {
   NodeOptions o = serve_options();
   o.role = NodeRole::kDecode;
-  o.join_port = 1;  // nothing listens there
+  o.join = {{"127.0.0.1", 1}};  // nothing listens there
   o.join_timeout = 300ms;
   auto node = Node::start(o);
   ASSERT_FALSE(node.is_ok());

@@ -53,12 +53,16 @@ struct PrefillJob {
   // each, over prompt[N−1] and generated[0, k−1), and hands over that state with generated[k−1] as the next token
   // (HandoffEnvelope::generated). Empty: a fresh request.
   std::vector<int32_t> generated;
+  // Where the decode worker takes direct connections (its WorkerInfo::peer_host/peer_port); port 0: none (the
+  // handle is reached as is, e.g. an actor of the same process).
+  std::string decode_host;
+  uint16_t decode_port = 0;
 };
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, PrefillJob& x) {
   return f(caf::meta::type_name("PrefillJob"), x.request, x.decode_worker, x.sink, x.router, x.attempt, x.prompt_hashes,
-           x.generated);
+           x.generated, x.decode_host, x.decode_port);
 }
 
 using prefill_actor = caf::typed_actor<caf::reacts_to<prefill_atom, PrefillJob>,

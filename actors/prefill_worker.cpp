@@ -6,6 +6,9 @@
 #include <deque>
 #include <iostream>
 #include <optional>
+#include <set>
+
+#include <caf/io/all.hpp>
 
 #include "actors/heartbeat.hpp"
 #include "engine/prefix_state.hpp"
@@ -271,29 +274,86 @@ void hand_off(PrefillPointer self) {
   envelope.generated = std::move(job.job.generated);
   const std::string id = job.job.request.request_id;
   const caf::actor sink = job.job.sink, router = job.job.router, decode_worker = job.job.decode_worker;
+  const std::string decode_host = job.job.decode_host;
+  const uint16_t decode_port = job.job.decode_port;
   envelope.request = std::move(job.job.request);
   release_job(s, job);
   s.jobs.pop_front();
   publish_cache_events(self);
-  Status sent = device_state ? s.transport->send_device_state(decode_worker, std::move(envelope),
-                                                              std::move(device_state), s.model)
-                             : s.transport->send_state(decode_worker, std::move(envelope), std::move(bytes));
-  const int64_t micros = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start).count();
-  if (!sent.is_ok()) {
-    self->send(caf::actor_cast<sink_actor>(sink), chunk_atom::value, attempt,
-               error_chunk(id, sent.with_context("handoff")));
+  // What is handed over, shared by the continuation below (the state may be large): the envelope and either the
+  // encoded bytes or the state in device memory.
+  struct Payload {
+    HandoffEnvelope envelope;
+    std::vector<uint8_t> bytes;
+    std::shared_ptr<engine::RequestState> device_state;
+  };
+  auto payload = std::make_shared<Payload>(Payload{std::move(envelope), std::move(bytes), std::move(device_state)});
+  auto deliver = [self, payload, id, attempt, sink, router, num_bytes, start](const caf::actor& target) {
+    auto& s = self->state;
+    Status sent = payload->device_state
+                      ? s.transport->send_device_state(target, std::move(payload->envelope),
+                                                       std::move(payload->device_state), s.model)
+                      : s.transport->send_state(target, std::move(payload->envelope), std::move(payload->bytes));
+    const int64_t micros = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start).count();
+    if (!sent.is_ok()) {
+      self->send(caf::actor_cast<sink_actor>(sink), chunk_atom::value, attempt,
+                 error_chunk(id, sent.with_context("handoff")));
+      return;
+    }
+    ++s.stats.handoffs;
+    s.stats.handoff_bytes += num_bytes;
+    s.stats.handoff_us += micros;
+    if (debug_enabled()) {
+      std::cerr << "debug: " << s.config.name << " handoff " << id << " " << num_bytes << " bytes in " << micros
+                << " us\n";
+    }
+    if (router) {
+      self->send(caf::actor_cast<router_actor>(router), prefilled_atom::value, id, attempt, num_bytes, micros);
+    }
+  };
+  if (decode_port == 0 || !s.config.peers || !decode_worker) {
+    deliver(decode_worker);
     return;
   }
-  ++s.stats.handoffs;
-  s.stats.handoff_bytes += num_bytes;
-  s.stats.handoff_us += micros;
-  if (debug_enabled()) {
-    std::cerr << "debug: " << s.config.name << " handoff " << id << " " << num_bytes << " bytes in " << micros
-              << " us\n";
+  // A decode worker of another node: over a direct connection to it (actors/decode_peers.hpp), never through a
+  // router. The router prefills the request again when that connection cannot be made.
+  const std::string where = decode_host + ":" + std::to_string(decode_port);
+  auto fail = [self, id, attempt, sink, router, where](const Status& why) {
+    const Status status(StatusCode::kUnavailable,
+                        "handoff: no connection to the decode worker at " + where + ": " + why.message());
+    if (router) {
+      self->send(caf::actor_cast<router_actor>(router), failed_atom::value, id, attempt,
+                 static_cast<int32_t>(status.code()), status.message());
+    } else {
+      self->send(caf::actor_cast<sink_actor>(sink), chunk_atom::value, attempt, error_chunk(id, status));
+    }
+  };
+  auto endpoint = s.config.peers->caf_endpoint(decode_host, decode_port);
+  if (!endpoint.is_ok()) {
+    fail(endpoint.status());
+    return;
   }
-  if (router) {
-    self->send(caf::actor_cast<router_actor>(router), prefilled_atom::value, id, attempt, num_bytes, micros);
-  }
+  auto peers = s.config.peers;
+  self->request(self->system().middleman().actor_handle(), s.config.peer_connect_timeout, caf::connect_atom::value,
+                endpoint->first, endpoint->second)
+      .then(
+          [deliver, fail, decode_worker](const caf::node_id&, const caf::strong_actor_ptr& published,
+                                         const std::set<std::string>&) {
+            // The address may have been taken over by another decode worker (a restarted one): not the one the
+            // router chose, whose state and slot are gone with its process.
+            if (!published || published->node() != decode_worker.node() || published->id() != decode_worker.id()) {
+              fail(Status(StatusCode::kUnavailable, "another decode worker listens there now"));
+              return;
+            }
+            deliver(caf::actor_cast<caf::actor>(published));
+          },
+          [self, fail, peers, decode_host, decode_port](const caf::error& error) {
+            std::string why = self->system().render(error);
+            if (std::string tunnel = peers->transport_error(decode_host, decode_port); !tunnel.empty()) {
+              why += " (" + tunnel + ")";
+            }
+            fail(Status(StatusCode::kUnavailable, why));
+          });
 }
 
 WorkerStats current_stats(const PrefillState& s) {

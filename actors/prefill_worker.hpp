@@ -5,6 +5,7 @@
 #include <memory>
 #include <string>
 
+#include "actors/decode_peers.hpp"
 #include "actors/prefill_protocol.hpp"
 #include "actors/transport.hpp"
 #include "engine/model.hpp"
@@ -27,6 +28,12 @@ struct PrefillWorkerConfig {
   std::chrono::milliseconds heartbeat_interval{500};  // load reports to the registry; 0 = only on change
   int64_t state_slots = 2;                            // fixed pool of request states (one per job being prefilled)
   PrefillCacheConfig prefix_cache;
+  // Worker nodes: a job whose decode worker announces a peer address (PrefillJob::decode_port) is handed off over
+  // a direct connection to that node (actors/decode_peers.hpp), made or found within peer_connect_timeout; when
+  // it cannot be made the router is told handoff_failed and prefills the request again. Null: the decode
+  // worker's handle is used as it came (kServe: the same process).
+  std::shared_ptr<DecodePeers> peers;
+  std::chrono::milliseconds peer_connect_timeout{10000};
 };
 
 // Checks the cache settings against the model (names the offending field).

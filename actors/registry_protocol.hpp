@@ -59,6 +59,10 @@ struct WorkerInfo {
   WorkerLoad load;
   uint64_t cache_epoch = 0;  // prefill: changes whenever the worker's prefix cache starts empty; 0 = no cache
   std::string model_id;      // prefill: the model id the block hashes are rooted in
+  // decode workers of a worker node: where prefill workers connect to it directly (actors/decode_peers.hpp), so
+  // handoffs never pass through a router; empty / 0 for workers spawned with their router (kServe).
+  std::string peer_host;
+  uint16_t peer_port = 0;
 };
 
 template <class Inspector>
@@ -68,7 +72,8 @@ typename Inspector::result_type inspect(Inspector& f, WorkerLoad& x) {
 
 template <class Inspector>
 typename Inspector::result_type inspect(Inspector& f, WorkerInfo& x) {
-  return f(caf::meta::type_name("WorkerInfo"), x.name, x.role, x.handle, x.capacity, x.load, x.cache_epoch, x.model_id);
+  return f(caf::meta::type_name("WorkerInfo"), x.name, x.role, x.handle, x.capacity, x.load, x.cache_epoch, x.model_id,
+           x.peer_host, x.peer_port);
 }
 
 // What a subscriber must accept (the router actor does).

@@ -188,6 +188,8 @@ bool try_dispatch_one(RouterPointer self, Entry& entry) {
   PrefillJob job{entry.request, decode->handle, entry.sink, caf::actor_cast<caf::actor>(self), entry.attempt};
   job.prompt_hashes = std::move(pick.hashes);
   job.generated = entry.delivered;
+  job.decode_host = decode->peer_host;
+  job.decode_port = decode->peer_port;
   self->send(caf::actor_cast<prefill_actor>(prefill->handle), prefill_atom::value, std::move(job));
   return true;
 }

@@ -79,7 +79,7 @@ TEST_P(UcxGpuHandoffTest, RouterPrefillDecodeInGpuMemoryEqualsColocated) {
   worker.heartbeat_interval = 200ms;
   worker.transport = "ucx";
   worker.ucx_tls = "sm,self,cuda_copy,cuda_ipc";
-  worker.join_port = (*router_node)->cluster_port();
+  worker.join = {{"127.0.0.1", (*router_node)->cluster_port()}};
   worker.join_timeout = 30s;
   worker.cache_page_tokens = 1024;
   worker.role = NodeRole::kPrefill;

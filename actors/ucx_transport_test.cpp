@@ -73,7 +73,7 @@ TEST(UcxTransportNodeTest, RouterPrefillDecodeOverUcxMatchesReference) {
   router::InferenceService& service = *(*router_node)->service();
 
   NodeOptions worker = ucx_options();
-  worker.join_port = (*router_node)->cluster_port();
+  worker.join = {{"127.0.0.1", (*router_node)->cluster_port()}};
   worker.join_timeout = 5s;
   worker.transfer_piece_bytes = 1024;
   worker.role = NodeRole::kPrefill;
@@ -129,7 +129,7 @@ TEST(UcxTransportNodeTest, PrefillNodeGoneMidTransferIsPrefilledAgain) {
   router::InferenceService& service = *(*router_node)->service();
 
   NodeOptions worker = ucx_options();
-  worker.join_port = (*router_node)->cluster_port();
+  worker.join = {{"127.0.0.1", (*router_node)->cluster_port()}};
   worker.join_timeout = 5s;
   worker.transfer_deadline = 1500ms;
   worker.transfer_reserve_timeout = 1000ms;

@@ -140,10 +140,14 @@ struct WorkerOptions {  // deltaserve prefill | decode
   bool decode = false;
   std::optional<std::string> model;
   engine::DeviceOptions device;
-  std::string join;  // HOST:PORT of the router's cluster listener
+  // HOST:PORT of each router's cluster listener (the flag repeated, or a comma list): joined independently
+  std::vector<std::string> join;
   int64_t prefill_chunk = 512;
   int64_t max_batch = 32;
   int64_t join_timeout_ms = 30000;
+  int64_t orphan_timeout_ms = 60000;  // NodeOptions::orphan_timeout (0 = never)
+  // decode: HOST:PORT where prefill workers connect directly (NodeOptions::peer_listen; PORT 0 = ephemeral)
+  std::optional<std::string> peer_listen;
   int64_t drain_timeout_ms = 30000;
   // HOST:PORT of a separate /metrics listener; for serve/router it also takes /metrics off the API port.
   std::optional<std::string> metrics_listen;

@@ -258,15 +258,21 @@ int main(int argc, char** argv) {
   add_cache_options(router, router_opts.cache, false, true);
   add_security_options(router, router_opts.security);
 
+  const std::string join_help =
+      "HOST:PORT of a router's cluster listener; several routers: repeat the flag or give a comma list (each is "
+      "joined on its own, and joined again whenever it is lost)";
+  const std::string orphan_help =
+      "Once joined to no router for this long, /health on the metrics listener answers 503 (0 = never)";
   WorkerOptions prefill_opts;
   auto* prefill = app.add_subcommand("prefill", "Run a prefill worker that joins a router");
   add_config(prefill);
   role_option(prefill, "model", prefill_opts.model, model_help);
-  role_option(prefill, "join", prefill_opts.join, "HOST:PORT of the router's cluster listener");
+  role_option(prefill, "join", prefill_opts.join, join_help)->allow_extra_args(false);
   role_option(prefill, "prefill-chunk", prefill_opts.prefill_chunk, "Prefill chunk in tokens")
       ->check(CLI::PositiveNumber);
   role_option(prefill, "join-timeout-ms", prefill_opts.join_timeout_ms, "Keep trying to join this long")
       ->check(CLI::NonNegativeNumber);
+  role_option(prefill, "orphan-timeout-ms", prefill_opts.orphan_timeout_ms, orphan_help)->check(CLI::NonNegativeNumber);
   role_option(prefill, "drain-timeout-ms", prefill_opts.drain_timeout_ms, drain_help)->check(CLI::NonNegativeNumber);
   role_option(prefill, "metrics-listen", prefill_opts.metrics_listen, worker_metrics_help);
   add_cache_options(prefill, prefill_opts.cache, true, false);
@@ -279,10 +285,15 @@ int main(int argc, char** argv) {
   auto* decode = app.add_subcommand("decode", "Run a decode worker that joins a router");
   add_config(decode);
   role_option(decode, "model", decode_opts.model, model_help);
-  role_option(decode, "join", decode_opts.join, "HOST:PORT of the router's cluster listener");
+  role_option(decode, "join", decode_opts.join, join_help)->allow_extra_args(false);
   role_option(decode, "max-batch", decode_opts.max_batch, "Requests decoding at once")->check(CLI::PositiveNumber);
   role_option(decode, "join-timeout-ms", decode_opts.join_timeout_ms, "Keep trying to join this long")
       ->check(CLI::NonNegativeNumber);
+  role_option(decode, "orphan-timeout-ms", decode_opts.orphan_timeout_ms, orphan_help)->check(CLI::NonNegativeNumber);
+  role_option(decode, "peer-listen", decode_opts.peer_listen,
+              "HOST:PORT where prefill workers connect to this worker directly for handoffs, announced to the "
+              "routers (PORT 0 = ephemeral; default: 127.0.0.1 with loopback routers, else this host's address "
+              "towards the first router; over the cluster TLS with --cluster-tls-dir)");
   role_option(decode, "drain-timeout-ms", decode_opts.drain_timeout_ms, drain_help)->check(CLI::NonNegativeNumber);
   role_option(decode, "metrics-listen", decode_opts.metrics_listen, worker_metrics_help);
   add_transport_options(decode, decode_opts.transport);
@@ -301,7 +312,7 @@ int main(int argc, char** argv) {
   }
   for (auto [role, opts] : {std::pair{prefill, &prefill_opts}, std::pair{decode, &decode_opts}}) {
     if (role->parsed() && opts->join.empty()) {
-      std::cerr << "error: --join HOST:PORT is required (flag, DELTASERVE_JOIN or the config file)\n";
+      std::cerr << "error: --join HOST:PORT[,HOST:PORT...] is required (flag, DELTASERVE_JOIN or the config file)\n";
       return 2;
     }
   }

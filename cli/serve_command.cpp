@@ -1,5 +1,6 @@
 // The cluster roles: serve (everything in one process), router, prefill, decode. Thin wiring of
 // actors::Node (CAF), router::HttpServer (Beast) and the model files; no CAF or Beast headers here.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -78,6 +79,28 @@ Result<std::pair<std::string, uint16_t>> parse_host_port(const std::string& text
   }
 }
 
+// Every HOST:PORT of `flags`, each of which may be a comma list; duplicates are an error.
+Result<std::vector<actors::ClusterAddress>> parse_join_list(const std::vector<std::string>& flags) {
+  std::vector<actors::ClusterAddress> out;
+  for (const std::string& flag : flags) {
+    size_t begin = 0;
+    while (begin <= flag.size()) {
+      const size_t end = std::min(flag.find(',', begin), flag.size());
+      auto address = parse_host_port(flag.substr(begin, end - begin));
+      if (!address.is_ok()) return address.status();
+      for (const auto& seen : out) {
+        if (seen.host == address->first && seen.port == address->second) {
+          return invalid_argument("--join names " + address->first + ":" + std::to_string(address->second) + " twice");
+        }
+      }
+      out.push_back({address->first, address->second});
+      begin = end + 1;
+    }
+  }
+  if (out.empty()) return invalid_argument("--join: no router address");
+  return out;
+}
+
 // The Metrics of one process, and its separate listener when `listen` is set ("deltaserve: metrics
 // listening on http://HOST:PORT/metrics" on stdout). The collect hook that reads this node's workers
 // is removed by the destructor, before the node goes away.
@@ -143,9 +166,11 @@ class ProcessMetrics {
     });
   }
 
-  Status listen(const std::optional<std::string>& address, std::ostream& out) {
+  // `health`: what /health on the listener answers (none: /health is not served there).
+  Status listen(const std::optional<std::string>& address, std::ostream& out,
+                telemetry::MetricsListener::HealthCheck health = {}) {
     if (!address || address->empty()) return Status::ok();
-    auto listener = telemetry::MetricsListener::start(*address, metrics_);
+    auto listener = telemetry::MetricsListener::start(*address, metrics_, std::move(health));
     if (!listener.is_ok()) return listener.status();
     listener_ = std::move(listener).value();
     const std::string host = address->substr(0, address->rfind(':'));
@@ -341,17 +366,14 @@ int run_router(const RouterOptions& o, std::ostream& out, std::ostream& err) {
     auto join = parse_host_port(*o.join);
     if (!join.is_ok()) return fail(err, join.status());
     node_options.router_joins_registry = true;
-    node_options.join_host = join->first;
-    node_options.join_port = join->second;
+    node_options.join = {{join->first, join->second}};
   }
   auto observer = std::make_shared<MetricsRouterObserver>("caf");
   node_options.router_observer = observer;
   auto node = actors::Node::start(node_options);
   if (!node.is_ok()) return fail(err, node.status());
   if (node_options.router_joins_registry) {
-    out << "deltaserve: router joined the registry at " << node_options.join_host << ":" << node_options.join_port
-        << "\n"
-        << std::flush;
+    out << "deltaserve: router joined the registry at " << *o.join << "\n" << std::flush;
   } else {
     out << "deltaserve: cluster listening on " << o.cluster_host << ":" << (*node)->cluster_port() << "\n"
         << std::flush;
@@ -366,7 +388,7 @@ int run_router(const RouterOptions& o, std::ostream& out, std::ostream& err) {
 
 int run_worker(const WorkerOptions& o, std::ostream& out, std::ostream& err) {
   SignalWaiter signals;
-  auto join = parse_host_port(o.join);
+  auto join = parse_join_list(o.join);
   if (!join.is_ok()) return fail(err, join.status());
   auto dir = resolve_model_dir(o.model);
   if (!dir.is_ok()) return fail(err, dir.status());
@@ -376,17 +398,36 @@ int run_worker(const WorkerOptions& o, std::ostream& out, std::ostream& err) {
   node_options.device = o.device;
   node_options.max_batch = o.max_batch;
   node_options.prefill_chunk = o.prefill_chunk;
-  node_options.join_host = join->first;
-  node_options.join_port = join->second;
+  node_options.join = *join;
   node_options.join_timeout = std::chrono::milliseconds(o.join_timeout_ms);
+  node_options.orphan_timeout = std::chrono::milliseconds(o.orphan_timeout_ms);
+  if (o.peer_listen && !o.peer_listen->empty()) {
+    const std::string& text = *o.peer_listen;
+    const auto colon = text.rfind(':');
+    int port = -1;
+    try {
+      if (colon != std::string::npos && colon > 0 && colon + 1 < text.size()) port = std::stoi(text.substr(colon + 1));
+    } catch (const std::exception&) {
+    }
+    if (port < 0 || port > 65535) {
+      return fail(err, invalid_argument("--peer-listen must be HOST:PORT, got '" + text + "'"));
+    }
+    node_options.peer_listen = {text.substr(0, colon), static_cast<uint16_t>(port)};
+  }
   apply_cache_options(o.cache, node_options);
-  apply_transport_options(o.transport, actors::is_loopback_host(join->first), node_options);
+  const bool loopback = std::all_of(join->begin(), join->end(),
+                                    [](const actors::ClusterAddress& a) { return actors::is_loopback_host(a.host); });
+  apply_transport_options(o.transport, loopback, node_options);
   apply_security_options(o.security, node_options);
   auto node = actors::Node::start(node_options);
   if (!node.is_ok()) return fail(err, node.status());
-  out << "deltaserve: " << (o.decode ? "decode" : "prefill") << " worker joined " << join->first << ":" << join->second
-      << "\n"
-      << std::flush;
+  // Start-up waits for one router; the others are joined in the background as they answer (Node: rejoin).
+  std::string routers;
+  for (const actors::ClusterAddress& address : *join)
+    routers += (routers.empty() ? "" : ",") + address.host + ":" + std::to_string(address.port);
+  out << "deltaserve: " << (o.decode ? "decode" : "prefill") << " worker joined " << routers;
+  if (join->size() > 1) out << " (" << (*node)->routers_joined() << " of " << join->size() << " routers so far)";
+  out << "\n" << std::flush;
   std::optional<ProcessMetrics> metrics;
   if (o.metrics_listen && !o.metrics_listen->empty()) {
     metrics.emplace(served_name(std::nullopt, o.model, *dir), o.decode ? "decode" : "prefill");
@@ -395,7 +436,10 @@ int run_worker(const WorkerOptions& o, std::ostream& out, std::ostream& err) {
     layout.prefill_workers = o.decode ? 0 : 1;
     layout.checkpoint_budget_bytes = o.cache.prefix_cache ? o.cache.checkpoint_memory_mb << 20 : 0;
     metrics->read_node(**node, layout, /*router=*/false);
-    if (Status listening = metrics->listen(o.metrics_listen, out); !listening.is_ok()) {
+    // Liveness: joined to a router within the orphan timeout, and the worker actors answer.
+    actors::Node& live = **node;
+    auto health = [&live] { return live.liveness(std::chrono::seconds(5)); };
+    if (Status listening = metrics->listen(o.metrics_listen, out, health); !listening.is_ok()) {
       metrics.reset();
       (*node)->shutdown();
       return fail(err, listening);

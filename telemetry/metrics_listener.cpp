@@ -27,7 +27,7 @@ struct MetricsListener::Server {
   tcp::acceptor acceptor{io};
   std::thread thread;
 
-  void serve(const std::shared_ptr<Metrics>& metrics) {
+  void serve(const std::shared_ptr<Metrics>& metrics, const HealthCheck& health) {
     while (acceptor.is_open()) {
       beast::error_code error;
       tcp::socket socket(io);
@@ -38,11 +38,11 @@ struct MetricsListener::Server {
         }
         continue;
       }
-      answer(socket, *metrics);
+      answer(socket, *metrics, health);
     }
   }
 
-  static void answer(tcp::socket& socket, const Metrics& metrics) {
+  static void answer(tcp::socket& socket, const Metrics& metrics, const HealthCheck& health) {
     beast::error_code error;
     // A scraper that connects and says nothing must not hold the listener: 5 s to send the request.
     socket.set_option(asio::socket_base::keep_alive(false), error);
@@ -60,7 +60,16 @@ struct MetricsListener::Server {
     response.keep_alive(false);
     const std::string_view target = request.target();
     const bool metrics_path = target == "/metrics" || target.starts_with("/metrics?");
-    if (!metrics_path) {
+    const bool health_path = health && (target == "/health" || target.starts_with("/health?"));
+    if (health_path && request.method() != http::verb::get && request.method() != http::verb::head) {
+      response.result(http::status::method_not_allowed);
+      response.set(http::field::allow, "GET, HEAD");
+    } else if (health_path) {
+      const Status status = health();
+      response.result(status.is_ok() ? http::status::ok : http::status::service_unavailable);
+      response.set(http::field::content_type, "text/plain; charset=utf-8");
+      if (request.method() == http::verb::get) response.body() = status.is_ok() ? "ok\n" : status.message() + "\n";
+    } else if (!metrics_path) {
       response.result(http::status::not_found);
       response.set(http::field::content_type, "text/plain; charset=utf-8");
       response.body() = "not found: only /metrics is served here\n";
@@ -79,7 +88,7 @@ struct MetricsListener::Server {
 };
 
 Result<std::unique_ptr<MetricsListener>> MetricsListener::start(const std::string& address,
-                                                                std::shared_ptr<Metrics> metrics) {
+                                                                std::shared_ptr<Metrics> metrics, HealthCheck health) {
   const auto colon = address.rfind(':');
   if (colon == std::string::npos || colon == 0 || colon + 1 == address.size() ||
       address.find_first_not_of("0123456789", colon + 1) != std::string::npos || address.size() - colon > 6) {
@@ -108,7 +117,8 @@ Result<std::unique_ptr<MetricsListener>> MetricsListener::start(const std::strin
   if (!error) server.acceptor.listen(asio::socket_base::max_listen_connections, error);
   if (error) return Status(StatusCode::kUnavailable, "metrics listener on " + address + ": " + error.message());
   listener->port_ = server.acceptor.local_endpoint().port();
-  server.thread = std::thread([&server, metrics = listener->metrics_] { server.serve(metrics); });
+  server.thread = std::thread(
+      [&server, metrics = listener->metrics_, health = std::move(health)] { server.serve(metrics, health); });
   return listener;
 }
 

@@ -242,6 +242,29 @@ TEST(MetricsListener, ServesTheMetricsAndRunsHooks) {
   EXPECT_EQ(clash.status().code(), StatusCode::kUnavailable);
 }
 
+// /health answers what the health check says, at each request; without a check it is not served.
+TEST(MetricsListener, HealthFollowsTheCheck) {
+  auto metrics = std::make_shared<Metrics>(options());
+  std::atomic<bool> healthy{true};
+  auto listener = MetricsListener::start("127.0.0.1:0", metrics, [&]() -> Status {
+    return healthy ? Status::ok() : Status(StatusCode::kUnavailable, "joined to no router for 61 s");
+  });
+  ASSERT_TRUE(listener.is_ok()) << listener.status().message();
+  std::string response = http_get((*listener)->port(), "/health");
+  EXPECT_NE(response.find("200 OK"), std::string::npos) << response;
+  healthy = false;
+  response = http_get((*listener)->port(), "/health");
+  EXPECT_NE(response.find("503 Service Unavailable"), std::string::npos) << response;
+  EXPECT_NE(response.find("joined to no router for 61 s"), std::string::npos) << response;
+  EXPECT_NE(http_get((*listener)->port(), "/metrics").find("200 OK"), std::string::npos);  // scrapes go on
+  healthy = true;
+  EXPECT_NE(http_get((*listener)->port(), "/health").find("200 OK"), std::string::npos);
+
+  auto plain = MetricsListener::start("127.0.0.1:0", metrics);
+  ASSERT_TRUE(plain.is_ok()) << plain.status().message();
+  EXPECT_NE(http_get((*plain)->port(), "/health").find("404 Not Found"), std::string::npos);
+}
+
 TEST(MetricsListener, RejectsMalformedAddresses) {
   auto metrics = std::make_shared<Metrics>(options());
   for (const char* address : {"", "9464", ":9464", "127.0.0.1:", "127.0.0.1:x", "127.0.0.1:1234567"}) {

@@ -200,6 +200,7 @@ def test_probes_and_termination_grace_match_the_drain(overlay):
             assert pre_stop > 0
         else:  # workers: no HTTP front; their metrics listener is what a probe can reach
             assert c["livenessProbe"]["httpGet"]["port"] == "metrics"
+            assert c["livenessProbe"]["httpGet"]["path"] == "/health"  # fails once orphaned (no router)
             assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
             assert pod["nodeSelector"] and pod["tolerations"], "GPU placement patch not applied"
             # A worker that holds a GPU runs the model on it (not on the CPU beside it).
