@@ -30,7 +30,9 @@ Status check_state_shapes(const ModelConfig& config, const RequestState& state) 
                               std::to_string(state.mla[i].width()) + ", the model " +
                               std::to_string(fresh.mla[i].width()));
     }
-    if (state.mla[i].num_tokens() != state.num_tokens()) {
+    // The host rows are checked only where they are the current copy (a device-resident state keeps its rows on
+    // the device, e.g. one that arrived in GPU memory).
+    if (!state.host_stale() && state.mla[i].num_tokens() != state.num_tokens()) {
       return invalid_argument("request state MLA layer " + std::to_string(i) + " holds " +
                               std::to_string(state.mla[i].num_tokens()) + " tokens, the state " +
                               std::to_string(state.num_tokens()));

@@ -289,7 +289,31 @@ TEST(DecodeBatcher, CapacityDuplicatesAndBadInput) {
   auto other = make_model("tiny-k3");
   ASSERT_NE(other, nullptr);
   expect_invalid(other->new_state(), 1, greedy_params(5), "layers");
+  // A state whose host copy is current must hold an MLA row per token.
+  RequestState short_rows = model.new_state();
+  short_rows.advance(3);
+  expect_invalid(std::move(short_rows), 1, greedy_params(5), "MLA layer");
   EXPECT_EQ(batcher.active(), 1);
+}
+
+// A device-resident state (one that arrived in GPU memory) keeps its rows on the device: its host containers are
+// stale and hold none, and the batcher must not hold that against it.
+class RowsOnTheDevice final : public DeviceResidency {
+ public:
+  Status download(RequestState&) const override { return Status(StatusCode::kUnimplemented, "not in this test"); }
+};
+
+TEST(DecodeBatcher, AdmitsADeviceResidentStateWhoseHostRowsLag) {
+  const Model& model = tiny_model();
+  DecodeBatcher batcher(model, 2);
+  RequestState state = model.new_state();
+  state.attach_residency(std::make_unique<RowsOnTheDevice>());
+  state.advance(9);
+  state.set_host_stale(true);
+  const Status added = batcher.add("device", std::move(state), 1, greedy_params(5));
+  EXPECT_TRUE(added.is_ok()) << added.to_string();
+  EXPECT_TRUE(batcher.contains("device"));
+  EXPECT_TRUE(batcher.remove("device"));
 }
 
 TEST(DecodeBatcher, StateBytesReturnToZeroWhenAllLeave) {

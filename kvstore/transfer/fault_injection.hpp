@@ -5,7 +5,8 @@
 // Points (all on the sending engine, matched by piece sequence number):
 //   send.drop_piece      the piece's puts and its kPiece notice are skipped (a lost piece)
 //   send.corrupt_byte    after the piece's puts, one byte in the middle of its first segment is
-//                        overwritten with its complement before the notice (corruption in flight)
+//                        overwritten with its complement before the notice (corruption in flight); with GPU
+//                        sources, one bit of the announced checksum is flipped instead
 //   send.delay_piece     the piece's notice goes out `delay_ms` later (a slow or stuck link)
 //   send.kill_endpoint   the endpoint to the receiver is force-closed instead of sending the piece
 // Spec text (EngineConfig::faults): comma-separated `point:piece[:delay_ms]`, e.g.

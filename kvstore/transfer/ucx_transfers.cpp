@@ -211,12 +211,13 @@ int UcxEngine::poll_device_checks() {
       continue;
     }
     PendingNotice& pending = t->pending_notices[check.seq];
+    const uint64_t checksum = **value ^ (fault(FaultPoint::kCorruptByte, check.seq) != nullptr ? 1 : 0);
     if (pending.flushed) {
       const uint64_t bytes = pending.bytes;
       t->pending_notices.erase(check.seq);
-      emit_notice(*t, check.seq, bytes, **value);
+      emit_notice(*t, check.seq, bytes, checksum);
     } else {
-      pending.checksum = **value;
+      pending.checksum = checksum;
     }
   }
   return events;
@@ -567,7 +568,11 @@ void UcxEngine::issue_piece(Transfer& transfer, uint32_t seq, std::span<const st
     checksum = *c;
   }
   bytes_sent_ += bytes;
-  if (fault(FaultPoint::kCorruptByte, seq) != nullptr) {
+  const bool corrupt = fault(FaultPoint::kCorruptByte, seq) != nullptr;
+  if (corrupt && device_sources) {
+    // GPU memory: the corruption is one flipped bit of the announced checksum (a one-byte put from host memory
+    // into GPU memory is no transfer the protocol makes); the receiver must reject the piece the same way.
+  } else if (corrupt) {
     // Overwrite one byte in the middle of the first segment with its complement, after the real puts.
     const Segment& first = t->remote_pieces[seq].front();
     const uint64_t at = first.bytes / 2;
@@ -591,7 +596,7 @@ void UcxEngine::issue_piece(Transfer& transfer, uint32_t seq, std::span<const st
   }
   auto* flush = new_op(this, OpKind::kFlush, id, seq);
   flush->bytes = bytes;
-  flush->checksum = checksum.value_or(0);
+  flush->checksum = checksum.value_or(0) ^ (corrupt && device_sources && checksum ? 1 : 0);
   flush->checksum_on_device = checksum_on_device;
   ucp_request_param_t param{};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
