@@ -31,4 +31,4 @@ timeout 300 "$bundle/bin/ucx_transfer_bench" --memory cuda --tls "$tls" --iters 
 echo "ours rc=$?"
 cat "$out/ours.jsonl" "$out/ours.err"
 python3 "$(dirname "$0")/handoff_report.py" "$out/ours.jsonl" "$out/perftest.txt" "$machine" "$commit" "$date" \
-  "bench/gpu/handoff.sh ($tls)" "$(head -1 "$out/ucx.txt")" >"$out/handoff_gpu.jsonl" && cat "$out/handoff_gpu.jsonl"
+  "bench/gpu/handoff.sh ($tls)" "$("$ucx/bin/ucx_info" -v | sed -n "s/.*Library version: //p" | head -1)" >"$out/handoff_gpu.jsonl" && cat "$out/handoff_gpu.jsonl"
