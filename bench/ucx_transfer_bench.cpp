@@ -207,8 +207,13 @@ int receiver_main(Options o, const std::vector<Case>& cases, FILE* in, FILE* out
     if (!expected.is_ok()) die(expected.status().to_string());
     std::fprintf(out, "descriptor %s\n", to_hex(expected->descriptor).c_str());
     std::fflush(out);
+    const EngineStats before = e.stats();
     const Status s = e.wait(expected->id);
-    std::fprintf(out, "result %s\n", s.is_ok() ? "OK" : s.to_string().c_str());
+    const EngineStats after = e.stats();
+    // "OK <pieces verified> <their verify microseconds>": where the receiver's time went (EngineStats).
+    std::fprintf(out, "result %s %llu %llu\n", s.is_ok() ? "OK" : s.to_string().c_str(),
+                 static_cast<unsigned long long>(after.pieces_verified - before.pieces_verified),
+                 static_cast<unsigned long long>(after.piece_verify_us - before.piece_verify_us));
     std::fflush(out);
   }
 }
@@ -368,6 +373,8 @@ int main(int argc, char** argv) {
       }
     }
     std::vector<double> seconds;
+    uint64_t verified = 0, verify_us = 0;
+    const EngineStats sender_before = e.stats();
     for (int it = 0; it < o.warmup + o.iters; ++it) {
       std::fprintf(to, "expect %zu\n", c);
       std::fflush(to);
@@ -390,19 +397,33 @@ int main(int argc, char** argv) {
       const auto t1 = Clock::now();
       if (!s.is_ok()) die("send: " + s.to_string());
       const std::string result = read_line(from);
-      if (result != "result OK") die("receiver: " + result);
+      unsigned long long pieces = 0, micros = 0;
+      if (std::sscanf(result.c_str(), "result OK %llu %llu", &pieces, &micros) != 2) die("receiver: " + result);
+      verified += pieces;
+      verify_us += micros;
       if (it >= o.warmup) seconds.push_back(std::chrono::duration<double>(t1 - t0).count());
     }
     std::sort(seconds.begin(), seconds.end());
     const double median = seconds[seconds.size() / 2];
+    // Mean microseconds per piece, warm-up included: puts posted -> flushed, flushed -> GPU checksum known (sender),
+    // notice -> verified (receiver).
+    const EngineStats sender_after = e.stats();
+    const double flushed =
+        static_cast<double>(std::max<uint64_t>(1, sender_after.pieces_flushed - sender_before.pieces_flushed));
+    const double flush_us = static_cast<double>(sender_after.piece_flush_us - sender_before.piece_flush_us) / flushed;
+    const double wait_us =
+        static_cast<double>(sender_after.piece_checksum_wait_us - sender_before.piece_checksum_wait_us) / flushed;
+    const double verify_mean = static_cast<double>(verify_us) / static_cast<double>(std::max<uint64_t>(1, verified));
     uint64_t segments = 0;
     for (auto [bytes, s] : k.pieces) segments += s;
     std::printf(
         "{\"kind\": \"transfer\", \"case\": \"%s\", \"bytes\": %llu, \"pieces\": %zu, \"segments\": %llu, "
-        "\"median_s\": %.6f, \"min_s\": %.6f, \"max_s\": %.6f, \"gbps\": %.3f, \"iters\": %zu, \"memory\": \"%s\"}\n",
+        "\"median_s\": %.6f, \"min_s\": %.6f, \"max_s\": %.6f, \"gbps\": %.3f, \"iters\": %zu, \"memory\": \"%s\", "
+        "\"piece_flush_us\": %.1f, "
+        "\"piece_checksum_wait_us\": %.1f, \"piece_verify_us\": %.1f}\n",
         k.name.c_str(), static_cast<unsigned long long>(k.bytes()), k.pieces.size(),
         static_cast<unsigned long long>(segments), median, seconds.front(), seconds.back(), gbps(k.bytes(), median),
-        seconds.size(), o.cuda ? "cuda" : "host");
+        seconds.size(), o.cuda ? "cuda" : "host", flush_us, wait_us, verify_mean);
     std::fflush(stdout);
     release(e, source);
   }

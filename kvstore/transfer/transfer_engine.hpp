@@ -124,6 +124,12 @@ struct EngineStats {
   uint64_t pieces_rejected = 0;    // checksum or size mismatches
   uint64_t messages_ignored = 0;   // malformed, stale or foreign control messages
   uint64_t requests_orphaned = 0;  // requests dropped with a force-closed endpoint (never completed by UCX)
+  // Where pieces spend their time (sums over pieces, microseconds; divide by the pieces to get a mean):
+  uint64_t pieces_flushed = 0;          // sender: pieces whose puts were flushed
+  uint64_t piece_flush_us = 0;          // sender: puts posted -> their flush completed
+  uint64_t piece_checksum_wait_us = 0;  // sender: flush completed -> the GPU checksum was known (0 on the host)
+  uint64_t pieces_verified = 0;         // receiver: pieces verified (or rejected) after their notice
+  uint64_t piece_verify_us = 0;         // receiver: notice handled -> checksum compared (GPU: launch, run, poll)
 };
 
 using RegionId = uint32_t;

@@ -687,6 +687,11 @@ EngineStats UcxEngine::stats() const {
   s.pieces_rejected = pieces_rejected_;
   s.messages_ignored = messages_ignored_;
   s.requests_orphaned = requests_orphaned_;
+  s.pieces_flushed = pieces_flushed_;
+  s.piece_flush_us = piece_flush_us_;
+  s.piece_checksum_wait_us = piece_checksum_wait_us_;
+  s.pieces_verified = pieces_verified_;
+  s.piece_verify_us = piece_verify_us_;
   return s;
 }
 

@@ -116,6 +116,7 @@ struct DeviceCheck {
 // Send side: a piece whose notice waits for its flush and its GPU checksum, whichever completes last.
 struct PendingNotice {
   bool flushed = false;
+  Clock::time_point flushed_at;
   std::optional<uint64_t> checksum;
   uint64_t bytes = 0;
 };
@@ -135,8 +136,9 @@ struct Transfer {
   DoneCallback on_done;
   std::shared_ptr<Peer> peer;  // receive: the sender (known after kBegin/kFinish); send: the receiver
   uint32_t num_pieces = 0;
-  std::vector<uint8_t> piece_done;      // receive: verified; send: passed to send_piece
-  std::vector<uint8_t> piece_checking;  // receive: its checksum runs on the GPU
+  std::vector<uint8_t> piece_done;               // receive: verified; send: passed to send_piece
+  std::vector<uint8_t> piece_checking;           // receive: its checksum runs on the GPU
+  std::vector<Clock::time_point> piece_started;  // receive: notice handled; send: puts posted (EngineStats timings)
   uint32_t pieces_done = 0;
 
   // Receive side.
@@ -285,6 +287,8 @@ class UcxEngine final : public TransferEngine {
   std::thread progress_thread_;
   std::unordered_set<Op*> outstanding_;  // ops whose UCX request has not completed (orphans included)
   std::vector<DeviceCheck> device_checks_;
+  uint64_t pieces_flushed_ = 0, piece_flush_us_ = 0, piece_checksum_wait_us_ = 0;
+  uint64_t pieces_verified_ = 0, piece_verify_us_ = 0;
   uint64_t requests_orphaned_ = 0;
 };
 

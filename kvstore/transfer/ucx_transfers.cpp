@@ -9,6 +9,14 @@
 #include "kvstore/transfer/ucx_engine.hpp"
 
 namespace deltaserve::kvstore::transfer::ucx_impl {
+namespace {
+
+uint64_t micros_since(Clock::time_point start) {
+  return static_cast<uint64_t>(
+      std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start).count()));
+}
+
+}  // namespace
 
 // ---- receiver --------------------------------------------------------------------------------------
 
@@ -74,6 +82,7 @@ Result<ExpectedTransfer> UcxEngine::expect(ReceiveSpec spec) {
   t.num_pieces = static_cast<uint32_t>(spec.pieces.size());
   t.piece_done.assign(t.num_pieces, 0);
   t.piece_checking.assign(t.num_pieces, 0);
+  t.piece_started.assign(t.num_pieces, Clock::time_point{});
   t.local_pieces = std::move(spec.pieces);
   for (RegionId r : t.regions_used) ++regions_[r].uses;
   d.transfer_id = t.id;
@@ -109,6 +118,7 @@ void UcxEngine::verify_piece(Transfer& t, const Message& m) {
     ++messages_ignored_;  // duplicate notice
     return;
   }
+  t.piece_started[m.seq] = Clock::now();
   const std::vector<LocalSegment>& segments = t.local_pieces[m.seq];
   if (regions_[segments.front().region].device) {
     // Place carried bytes with a copy, then checksum what GPU memory holds, on the GPU, without blocking.
@@ -160,6 +170,8 @@ void UcxEngine::verify_piece(Transfer& t, const Message& m) {
 }
 
 void UcxEngine::complete_verification(Transfer& t, uint32_t seq, uint64_t bytes, uint64_t received, uint64_t expected) {
+  ++pieces_verified_;
+  piece_verify_us_ += micros_since(t.piece_started[seq]);
   if (received != expected) {
     ++pieces_rejected_;
     char text[96];
@@ -214,6 +226,7 @@ int UcxEngine::poll_device_checks() {
     const uint64_t checksum = **value ^ (fault(FaultPoint::kCorruptByte, check.seq) != nullptr ? 1 : 0);
     if (pending.flushed) {
       const uint64_t bytes = pending.bytes;
+      piece_checksum_wait_us_ += micros_since(pending.flushed_at);
       t->pending_notices.erase(check.seq);
       emit_notice(*t, check.seq, bytes, checksum);
     } else {
@@ -225,6 +238,8 @@ int UcxEngine::poll_device_checks() {
 
 // The flush of a piece's puts completed: announce it once its checksum is known as well.
 void UcxEngine::flushed_piece(Transfer& t, uint32_t seq, uint64_t bytes, std::optional<uint64_t> checksum) {
+  ++pieces_flushed_;
+  piece_flush_us_ += micros_since(t.piece_started[seq]);
   if (checksum) return emit_notice(t, seq, bytes, *checksum);
   PendingNotice& pending = t.pending_notices[seq];
   if (pending.checksum) {
@@ -233,6 +248,7 @@ void UcxEngine::flushed_piece(Transfer& t, uint32_t seq, uint64_t bytes, std::op
     return emit_notice(t, seq, bytes, value);
   }
   pending.flushed = true;
+  pending.flushed_at = Clock::now();
   pending.bytes = bytes;
 }
 
@@ -355,6 +371,7 @@ Result<TransferId> UcxEngine::start_send(std::span<const std::byte> bytes, DoneC
   t.peer = peer;
   t.num_pieces = static_cast<uint32_t>(d.pieces.size());
   t.piece_done.assign(t.num_pieces, 0);
+  t.piece_started.assign(t.num_pieces, Clock::time_point{});
   t.remote_pieces = std::move(d.pieces);
   const TransferId id = t.id;
   send_by_token_[t.token] = id;
@@ -537,6 +554,7 @@ void UcxEngine::issue_piece(Transfer& transfer, uint32_t seq, std::span<const st
     op->peer = peer.get();
     submit(ucp_put_nbx(peer->ep, source, length, remote, rkey, &param), op);
   };
+  t->piece_started[seq] = Clock::now();
   // Walk the destination segments and the sources together; one put per overlapping run.
   size_t si = 0;
   uint64_t source_offset = 0;
