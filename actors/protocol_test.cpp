@@ -694,6 +694,54 @@ CAF_TEST(request_on_a_lost_prefill_worker_is_prefilled_again) {
   CAF_CHECK_EQUAL(request<WorkerStats>(decode, stats_atom::value).handoffs, 1);
 }
 
+// Prefilled but never admitted: prefill-a reports the handoff as left (a UCX sender does so before its reserve
+// reaches the decode worker) and dies before the decode worker heard of the request. Nobody else can fail it, so
+// the lost prefill worker's request must be prefilled again (issue 33's chaos test found it stuck forever); a stale
+// handoff of attempt 1 arriving late is not decoded.
+CAF_TEST(request_in_transfer_when_its_prefill_worker_is_lost_is_prefilled_again) {
+  std::string error;
+  const auto& tiny = testing::tiny_model(&error);
+  CAF_REQUIRE(tiny.model != nullptr);
+  auto router = spawn_router(sys, no_queue_deadline(), registry_actor{}, nullptr);
+  auto decode = spawn_decode_worker(sys, tiny.model, tiny.tokenizer, registry_actor{},
+                                    DecodeWorkerConfig{"decode-0", 2, std::chrono::milliseconds(0)});
+  auto jobs = std::make_shared<std::vector<PrefillJob>>();
+  auto cancels = std::make_shared<std::vector<std::string>>();
+  auto silent = sys.spawn(fake_prefill, jobs, cancels);  // takes the job; the test reports it prefilled
+  auto prefill = spawn_prefill_worker(sys, tiny.model, registry_actor{},
+                                      PrefillWorkerConfig{"prefill-b", 4, std::chrono::milliseconds(0)});
+  auto out = std::make_shared<Chunks>();
+  auto sink = sys.spawn(recording_sink, out);
+  for (const caf::actor& a : {caf::actor_cast<caf::actor>(router), caf::actor_cast<caf::actor>(decode), silent,
+                              caf::actor_cast<caf::actor>(prefill), sink}) {
+    kill_at_end(a);
+  }
+  self->send(router, workers_atom::value,
+             std::vector<WorkerInfo>{{"decode-0", kDecodeRole, caf::actor_cast<caf::actor>(decode), 2, {}},
+                                     {"prefill-a", kPrefillRole, silent, 4, {}},
+                                     {"prefill-b", kPrefillRole, caf::actor_cast<caf::actor>(prefill), 4, {}}});
+  const auto req = testing::greedy_request("r", {9, 8, 7, 6, 5}, 4);
+  self->send(router, submit_atom::value, req, sink);
+  run();
+  CAF_REQUIRE_EQUAL(jobs->size(), 1u);  // placed on prefill-a (ties break by name)
+  self->send(router, prefilled_atom::value, std::string("r"), int64_t{1}, int64_t{0}, int64_t{0});
+  run();
+  CAF_CHECK(out->empty());
+  self->send(router, lost_atom::value, std::string("prefill-a"));
+  run();
+  auto stale = make_handoff(*tiny.model, req, sink);
+  stale.envelope.attempt = 1;
+  self->send(decode, handoff_atom::value, stale);
+  run();
+  const auto router_stats = request<RouterStats>(router, stats_atom::value);
+  CAF_CHECK_EQUAL(router_stats.retried, 1);
+  CAF_CHECK_EQUAL(router_stats.failed, 0);
+  CAF_REQUIRE(!out->empty());
+  CAF_CHECK(out->back().error.is_ok());
+  CAF_CHECK(streamed_tokens(*out) == testing::reference_greedy(*tiny.model, req.prompt, 4, 4));
+  CAF_CHECK_EQUAL(request<WorkerStats>(decode, stats_atom::value).handoffs, 1);
+}
+
 // The retry race: the router declares decode-0 lost while decode-0 streams the request (a stalled process).
 // decode-0 reads the router's drop when it comes back and frees the request without a chunk; once it reports
 // again, the router's second attempt, resumed after the two tokens the client has, reaches it. The client gets

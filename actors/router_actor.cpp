@@ -466,7 +466,11 @@ router_actor::behavior_type router_impl(RouterPointer self, RouterConfig config,
         s.decode_workers.erase(name);
         std::vector<std::string> again;
         for (auto& [id, e] : s.requests) {
-          const bool on_prefill = e.stage == Stage::kPrefill && e.prefill_worker == name;
+          // Prefilled but not yet admitted (kTransfer) counts as on the prefill worker: the handoff may not have
+          // left it (a UCX sender reports `prefilled` before its reserve reaches the decode worker, which then
+          // never hears of the request), and nobody else would ever fail it.
+          const bool on_prefill =
+              (e.stage == Stage::kPrefill || e.stage == Stage::kTransfer) && e.prefill_worker == name;
           const bool on_decode = e.stage != Stage::kWaiting && e.decode_worker == name;
           if (!on_prefill && !on_decode) continue;
           if (on_prefill) {  // it may have handed off just before: that decode worker drops the stale handoff

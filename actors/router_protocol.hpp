@@ -19,7 +19,9 @@
 //                                    (one per non-final chunk, in stream order). The router records them as
 //                                    the request's resume point.
 //   workers(list) / lost(name)       from the registry subscription. Requests on a lost worker are prefilled
-//                                    again (another attempt, up to max_attempts), also those already
+//                                    again (another attempt, up to max_attempts): a lost prefill worker's
+//                                    requests in prefill or in transfer (prefilled, not yet admitted: the
+//                                    handoff may never have left it), a lost decode worker's, also those already
 //                                    streaming: the new attempt resumes after the tokens recorded as delivered
 //                                    (PrefillJob::generated: the prompt plus those tokens is prefilled, through
 //                                    the prefix cache where it hits, and the decode worker continues the
