@@ -123,6 +123,7 @@ class ProcessMetrics {
     int64_t prefill_workers = 0;          // prefill workers in this node (their pools are summed)
     int64_t checkpoint_budget_bytes = 0;  // per prefill worker, when its prefix cache is on
     bool count_handoffs = true;           // false when prefill and decode share the node (both count one)
+    bool ucx = false;                     // transport ucx: the transfer engine's gauges too
   };
 
   // At each scrape: this node's worker counters (Node::worker_stats) and, with `router`, the router's
@@ -162,6 +163,12 @@ class ProcessMetrics {
       w.handoffs_failed_total = stats.rejected;
       w.handoff_bytes_total = stats.handoff_bytes;
       w.handoff_seconds_total = static_cast<double>(stats.handoff_us) * 1e-6;
+      if (layout.ucx) {
+        const actors::NodeTransferStats t = node.transfer_stats();
+        w.transfers_pending = t.transfers_pending;
+        w.transfer_requests_in_flight = t.requests_in_flight;
+        w.transfer_region_uses = t.region_uses;
+      }
       metrics_->set_worker_gauges(w);
     });
   }
@@ -343,6 +350,7 @@ int run_serve(const ServeOptions& o, std::ostream& out, std::ostream& err) {
   front.workers.prefill_workers = o.prefill_workers;
   front.workers.checkpoint_budget_bytes = o.cache.prefix_cache ? o.cache.checkpoint_memory_mb << 20 : 0;
   front.workers.count_handoffs = false;  // prefill and decode workers both count each handoff
+  front.workers.ucx = node_options.transport == "ucx";
   front.observer = observer;
   front.max_prompt_bytes = o.max_prompt_bytes;
   front.max_connections = o.max_connections;
@@ -435,6 +443,7 @@ int run_worker(const WorkerOptions& o, std::ostream& out, std::ostream& err) {
     layout.decode_slots_total = o.decode ? o.max_batch : 0;
     layout.prefill_workers = o.decode ? 0 : 1;
     layout.checkpoint_budget_bytes = o.cache.prefix_cache ? o.cache.checkpoint_memory_mb << 20 : 0;
+    layout.ucx = node_options.transport == "ucx";
     metrics->read_node(**node, layout, /*router=*/false);
     // Liveness: joined to a router within the orphan timeout, and the worker actors answer.
     actors::Node& live = **node;

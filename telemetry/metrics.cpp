@@ -183,6 +183,12 @@ struct Metrics::State : prometheus::Collectable {
                   .Name("deltaserve_mla_pages")
                   .Help("MLA page groups of this process's prefix-cache pools: state=used or free.")
                   .Register(*registry)),
+        ucx_transfers(prometheus::BuildGauge()
+                          .Name("deltaserve_ucx_transfers")
+                          .Help("This process's UCX transfer engine: what=pending (transfers not yet decided, "
+                                "reservations included), requests_in_flight (UCX requests not completed) or "
+                                "region_uses (transfers' uses of registered memory). Each is 0 when idle.")
+                          .Register(*registry)),
         cache_entries(prometheus::BuildGauge()
                           .Name("deltaserve_prefix_cache_entries")
                           .Help("Block boundaries whose MLA pages this process's prefix caches hold.")
@@ -352,6 +358,7 @@ struct Metrics::State : prometheus::Collectable {
   Family<Gauge>& worker_requests;
   Family<Gauge>& state_slots;
   Family<Gauge>& pages;
+  Family<Gauge>& ucx_transfers;
   Family<Gauge>& cache_entries;
   Family<Gauge>& checkpoints;
   Family<Gauge>& checkpoint_bytes;
@@ -489,6 +496,9 @@ void Metrics::set_worker_gauges(const WorkerGaugeSnapshot& w) {
     s.kv_cache_usage.Add(s.model).Set(*w.pages_total > 0 ? static_cast<double>(used) / *w.pages_total : 0.0);
   }
   set(s.cache_entries, {}, w.cache_entries);
+  set(s.ucx_transfers, {{"what", "pending"}}, w.transfers_pending);
+  set(s.ucx_transfers, {{"what", "requests_in_flight"}}, w.transfer_requests_in_flight);
+  set(s.ucx_transfers, {{"what", "region_uses"}}, w.transfer_region_uses);
   set(s.checkpoints, {}, w.checkpoints_stored);
   set(s.checkpoint_bytes, {}, w.checkpoint_bytes);
   set(s.checkpoint_budget_bytes, {}, w.checkpoint_budget_bytes);

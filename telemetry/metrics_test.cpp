@@ -137,6 +137,24 @@ TEST(Metrics, CumulativeWorkerTotalsBecomeMonotonicCounters) {
   EXPECT_EQ(text.find(R"(role="prefill")"), std::string::npos);  // not known
   EXPECT_EQ(sample(text, R"(deltaserve_mla_pages{state="free"})"), 6.0);
   EXPECT_NEAR(*sample(text, R"(vllm:kv_cache_usage_perc{model_name="m"})"), 0.4, 1e-12);
+  EXPECT_EQ(text.find("deltaserve_ucx_transfers{"), std::string::npos);  // transport caf: not known
+}
+
+TEST(Metrics, UcxTransferEngineGauges) {
+  Metrics metrics = make();
+  WorkerGaugeSnapshot w;
+  w.transfers_pending = 2;
+  w.transfer_requests_in_flight = 5;
+  w.transfer_region_uses = 3;
+  metrics.set_worker_gauges(w);
+  w.transfers_pending = 0;  // gauges follow the engine down to idle
+  w.transfer_requests_in_flight = 0;
+  w.transfer_region_uses = 0;
+  metrics.set_worker_gauges(w);
+  const std::string text = metrics.serialize();
+  EXPECT_EQ(sample(text, R"(deltaserve_ucx_transfers{what="pending"})"), 0.0);
+  EXPECT_EQ(sample(text, R"(deltaserve_ucx_transfers{what="requests_in_flight"})"), 0.0);
+  EXPECT_EQ(sample(text, R"(deltaserve_ucx_transfers{what="region_uses"})"), 0.0);
 }
 
 TEST(Metrics, HandoffsIndexAndRouterWorkers) {

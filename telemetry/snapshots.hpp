@@ -28,6 +28,10 @@ struct WorkerGaugeSnapshot {
   std::optional<int64_t> checkpoints_stored;       // KDA checkpoints held by the checkpoint stores
   std::optional<int64_t> checkpoint_bytes;         // bytes they take
   std::optional<int64_t> checkpoint_budget_bytes;  // the stores' byte budget
+  // The UCX transfer engine (transport ucx); each is 0 when the process moves nothing:
+  std::optional<int64_t> transfers_pending;            // transfers not yet decided (reservations included)
+  std::optional<int64_t> transfer_requests_in_flight;  // UCX requests not completed
+  std::optional<int64_t> transfer_region_uses;         // transfers' uses of registered memory regions
   // Cumulative:
   std::optional<int64_t> steps_total;            // decode steps / prefill chunks run
   std::optional<int64_t> cache_evictions_total;  // prefix-cache entries + KDA checkpoints evicted

@@ -333,6 +333,14 @@ class Chaos:
             used = sample(s, "deltaserve_kda_state_slots", state="used")
             if used != 0:
                 busy.append(f"{name} kda_state_slots used = {used}")
+            if "ucx" in self.transport:  # no transfer, reservation or UCX request left behind
+                kinds = label_values(s, "deltaserve_ucx_transfers", "what")
+                if kinds != {"pending", "requests_in_flight", "region_uses"}:
+                    busy.append(f"{name} deltaserve_ucx_transfers reports {sorted(kinds)}")
+                for what in sorted(kinds):
+                    v = sample(s, "deltaserve_ucx_transfers", what=what)
+                    if v != 0:
+                        busy.append(f"{name} ucx transfers {what} = {v}")
             pages_used = sample(s, "deltaserve_mla_pages", state="used")
             if pages_used > 0 and sample(s, "deltaserve_prefix_cache_entries") == 0:
                 busy.append(f"{name} {pages_used} MLA page groups used with no prefix-cache entry")
