@@ -58,24 +58,11 @@ constexpr Tolerance kSplitTolerance{5e-3, 2e-3};
 ModelConfig graph_test_config(bool all_experts) {
   auto preset = preset_config("tiny-linear");
   EXPECT_TRUE(preset.is_ok()) << preset.status().to_string();
-  ModelConfig c = *preset;
-  c.hidden_size = 256;
-  c.intermediate_size = 256;
-  c.kda.num_heads = 2;
-  c.kda.head_dim = 128;
-  c.kda.gate_low_rank = 128;
-  c.mla.num_heads = 2;
-  c.mla.kv_lora_rank = 512;
-  c.mla.qk_rope_head_dim = 64;
-  c.mla.qk_nope_head_dim = 128;
-  c.mla.v_head_dim = 128;
-  if (c.mla.q_lora_rank) c.mla.q_lora_rank = 64;
+  ModelConfig c = testing::real_head_sizes(*preset);
   c.moe.num_experts = 16;
   c.moe.num_experts_per_token = all_experts ? 16 : 2;
   c.moe.num_expert_groups = 1;
   c.moe.top_k_groups = 1;
-  c.moe.moe_intermediate_size = 64;
-  if (c.moe.routed_expert_hidden_size) c.moe.routed_expert_hidden_size = 128;
   return c;
 }
 

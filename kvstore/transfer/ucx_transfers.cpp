@@ -402,7 +402,7 @@ Status UcxEngine::send_piece(TransferId id, uint32_t seq, std::span<const std::s
   if (config_.device) {
     const bool device = on_device(sources);
     for (size_t k = 0; k < sources.size(); ++k) {
-      if (config_.device->is_device(sources[k].data()) != device) {
+      if (k > 0 && config_.device->is_device(sources[k].data()) != device) {  // sources[0] decided `device`
         return invalid_argument(piece + ": sources mix GPU and host memory");
       }
       if (device && t->checksum == ChecksumKind::kSum64 && !checksum &&

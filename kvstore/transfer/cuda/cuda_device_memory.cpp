@@ -42,6 +42,10 @@ Status CudaDeviceMemory::init() {
                                                 std::to_string(count) + " devices: " + cudaGetErrorString(e) + ")");
   }
   if (cudaError_t e = cudaSetDevice(options_.device); e != cudaSuccess) return cuda_status(e, "cudaSetDevice");
+  if (cudaError_t e = cudaDeviceGetAttribute(&multiprocessors_, cudaDevAttrMultiProcessorCount, options_.device);
+      e != cudaSuccess) {
+    return cuda_status(e, "cudaDeviceGetAttribute");
+  }
   cudaStream_t stream = nullptr;
   if (cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking); e != cudaSuccess) {
     return cuda_status(e, "cudaStreamCreateWithFlags");
@@ -124,7 +128,8 @@ Result<DeviceMemory::Ticket> CudaDeviceMemory::begin_checksum(std::span<const st
   if (cudaError_t e = cudaMemsetAsync(sum, 0, sizeof *sum, stream); e != cudaSuccess) {
     return cuda_status(e, "cudaMemsetAsync");
   }
-  if (cudaError_t e = launch_sum64(launch.data(), static_cast<int>(launch.size()), sum, stream); e != cudaSuccess) {
+  if (cudaError_t e = launch_sum64(launch.data(), static_cast<int>(launch.size()), multiprocessors_, sum, stream);
+      e != cudaSuccess) {
     return cuda_status(e, "sum64 kernel launch");
   }
   if (cudaError_t e = cudaMemcpyAsync(host_sums_ + index, sum, sizeof *sum, cudaMemcpyDeviceToHost, stream);

@@ -41,6 +41,7 @@ class CudaDeviceMemory final : public DeviceMemory {
   Slot* slot_of(Ticket ticket);
 
   CudaDeviceMemoryOptions options_;
+  int multiprocessors_ = 0;  // of options_.device, for the checksum kernel's grid
   mutable std::mutex mu_;
   void* stream_ = nullptr;                     // cudaStream_t, non-blocking
   unsigned long long* device_sums_ = nullptr;  // one per slot

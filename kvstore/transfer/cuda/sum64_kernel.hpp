@@ -18,8 +18,9 @@ struct Sum64Span {
 
 // Adds the terms of every word of `spans[0..count)` to *sum (device memory) on `stream`; sum64_terms::finish
 // of the total and the piece's length is the checksum. Any count: spans go to the GPU in launches of up to
-// kSum64SpansPerLaunch.
+// kSum64SpansPerLaunch. `multiprocessors`: the current device's SM count (sizes the grid).
 inline constexpr int kSum64SpansPerLaunch = 32;
-cudaError_t launch_sum64(const Sum64Span* spans, int count, unsigned long long* sum, cudaStream_t stream);
+cudaError_t launch_sum64(const Sum64Span* spans, int count, int multiprocessors, unsigned long long* sum,
+                         cudaStream_t stream);
 
 }  // namespace deltaserve::kvstore::transfer::cuda
